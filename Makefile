@@ -1,0 +1,33 @@
+# rlmill — the two commands are `make run` and `make test`; everything else is reference.
+SHELL := /bin/bash
+PY := .venv/bin/python
+export PYTHONUNBUFFERED := 1
+export GX_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+
+.PHONY: venv run test test-fast bench-storage bench-rollout bench-update server worker deploy clean
+
+venv:
+	@bash scripts/ensure_venv.sh
+
+run: venv
+	$(PY) -m flows.cli run
+
+test: venv
+	$(PY) -m pytest -q tests
+
+test-fast: venv
+	$(PY) -m pytest -q tests -m "not slow"
+
+bench-storage: venv
+	$(PY) -m benchmarks.bench_storage
+
+bench-rollout: venv
+	$(PY) -m benchmarks.bench_rollout
+
+bench-update: venv
+	$(PY) -m benchmarks.bench_update
+
+clean:
+	rm -rf .rlmill .pytest_cache

@@ -1,0 +1,98 @@
+"""Pure RL math for rlmill: advantage estimators, policy/value losses, KL, DAPO helpers.
+
+Tensors and plain numbers in, tensors out; variants are chosen by name through registries
+(``ADVANTAGE_ESTIMATORS``, ``POLICY_LOSSES``, ``KL_ESTIMATORS``, ``LOSS_AGG_MODES``).
+Names, defaults and metric keys follow verl. Run the tests with
+``.venv/bin/python -m pytest -q tests/algos``.
+"""
+
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    compute_advantage,
+    get_adv_estimator_fn,
+    group_ids,
+    known_advantage_params,
+    register_adv_est,
+)
+from .config import (
+    AlgorithmConfig,
+    FilterGroupsConfig,
+    KLConfig,
+    KLControlConfig,
+    OverlongBufferConfig,
+    PolicyLossConfig,
+)
+from .dapo import filter_groups, overlong_penalty
+from .functional import (
+    LOSS_AGG_MODES,
+    LossAggMode,
+    agg_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+from .kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLPenalty,
+    apply_kl_penalty,
+    kl_penalty,
+)
+from .policy_losses import (
+    POLICY_LOSSES,
+    PolicyLossMode,
+    compute_policy_loss,
+    compute_value_loss,
+    get_policy_loss_fn,
+    known_policy_loss_params,
+    register_policy_loss,
+)
+from .registry import DuplicateNameError, Registry, UnknownNameError
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "compute_advantage",
+    "get_adv_estimator_fn",
+    "group_ids",
+    "known_advantage_params",
+    "register_adv_est",
+    "AlgorithmConfig",
+    "FilterGroupsConfig",
+    "KLConfig",
+    "KLControlConfig",
+    "OverlongBufferConfig",
+    "PolicyLossConfig",
+    "filter_groups",
+    "overlong_penalty",
+    "LOSS_AGG_MODES",
+    "LossAggMode",
+    "agg_loss",
+    "entropy_from_logits",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLPenalty",
+    "apply_kl_penalty",
+    "kl_penalty",
+    "POLICY_LOSSES",
+    "PolicyLossMode",
+    "compute_policy_loss",
+    "compute_value_loss",
+    "get_policy_loss_fn",
+    "known_policy_loss_params",
+    "register_policy_loss",
+    "DuplicateNameError",
+    "Registry",
+    "UnknownNameError",
+]

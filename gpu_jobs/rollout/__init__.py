@@ -1,0 +1,26 @@
+"""Rollout engines: one interface (`RolloutEngine`), backends "hf" and "vllm".
+
+Importing this package is light; torch/transformers/vllm load when an engine is built.
+"""
+
+from gpu_jobs.rollout.base import (
+    ROLLOUT_ENGINES,
+    RolloutConfig,
+    RolloutEngine,
+    SamplingConfig,
+    get_rollout_engine,
+    register_rollout_engine,
+)
+from gpu_jobs.rollout.hf_engine import HFRolloutEngine
+from gpu_jobs.rollout.vllm_engine import VLLMRolloutEngine
+
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "HFRolloutEngine",
+    "RolloutConfig",
+    "RolloutEngine",
+    "SamplingConfig",
+    "VLLMRolloutEngine",
+    "get_rollout_engine",
+    "register_rollout_engine",
+]

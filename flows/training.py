@@ -1,0 +1,155 @@
+"""The RL run as Prefect flows: `rl_training` (one run) with one `rl_iteration` subflow per iteration.
+
+    python -m flows.cli train --config examples/grpo_arith.yaml rollout.n=8
+    prefect deployment run 'rl-training/manual' -p iterations=3
+
+A run can be killed at any point and started again with the same run_id: stages that committed
+are not recomputed, the trainer is restored from the last checkpoint plus the committed updates
+after it, and the final weights equal those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Any
+
+from prefect import flow, get_run_logger, tags
+
+from flows.config import RunConfig, load_run_config
+from flows.reporting import (Progress, TensorBoard, curves_png, final_artifact, iteration_artifacts,
+                             local_tb_dir)
+from flows.run_lock import RunLock
+from gpu_jobs.stages import RunContext, last_committed
+from storage import committed, join, read_manifest, read_table
+from tasks import stages as T
+from tasks.context import attach, context_for, detach
+
+log = logging.getLogger("rlmill")
+# DeepSpeed calls torch.distributed APIs that torch 2.13 deprecates, once per parameter per step.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+
+
+def _with_task_options(cfg: RunConfig) -> dict[str, Any]:
+    return {"retries": cfg.tasks.retries, "retry_delay_seconds": cfg.tasks.retry_delay_seconds,
+            "timeout_seconds": cfg.tasks.timeout_seconds}
+
+
+def _samples(ctx: RunContext, batch_uri: str, reward_uri: str, n: int) -> list[dict]:
+    if n <= 0:
+        return []
+    batch = read_table(batch_uri, columns=["uid", "prompt_ids", "ground_truth"], storage=ctx.storage).slice(0, 4 * n)
+    rew = {u: (t, s) for u, t, s in zip(*(read_table(reward_uri, storage=ctx.storage).column(c).to_pylist()
+                                          for c in ("uid", "response_text", "score")))}
+    out = []
+    for uid, pids, truth in zip(*(batch.column(c).to_pylist() for c in ("uid", "prompt_ids", "ground_truth"))):
+        text, score = rew.get(uid, ("", float("nan")))
+        out.append({"prompt": ctx.tokenizer.decode(pids, skip_special_tokens=True), "response": text,
+                    "truth": truth, "score": score})
+    return out[::4][:n]
+
+
+@flow(name="rl-iteration", log_prints=True)
+def rl_iteration(key: str, k: int) -> dict[str, Any]:
+    """One RL iteration: rollout -> gate -> {reward, log-probs, values} -> advantages -> update
+    -> weight sync -> commit. Returns the iteration's merged metrics."""
+    ctx = context_for(key)
+    opts = _with_task_options(ctx.cfg)
+    t = {name: task.with_options(**opts) for name, task in T.STAGE_TASKS.items()}
+    rollout_uri = t["rollout"](key, k)
+    batch_uri = t["gate"](key, k, rollout_uri)
+    # Scoring and log-prob/value passes are independent: run them concurrently.
+    reward_f = t["reward"].submit(key, k, batch_uri)
+    logprobs_f = t["logprobs"].submit(key, k, batch_uri)
+    values_f = t["values"].submit(key, k, batch_uri)
+    reward_uri, logprobs_uri, values_uri = reward_f.result(), logprobs_f.result(), values_f.result()
+    adv_uri = t["advantages"](key, k, batch_uri, reward_uri, logprobs_uri, values_uri)
+    update_uri = t["update"](key, k, adv_uri)
+    sync_s = t["weight-sync"](key, k)
+    uris = {"rollout": rollout_uri, "gate": batch_uri, "reward": reward_uri, "logprobs": logprobs_uri,
+            "values": values_uri, "advantages": adv_uri, "update": update_uri}
+    commit_uri = t["commit"](key, k, uris, {"timing_s/weight_sync": sync_s})
+    metrics = read_manifest(commit_uri, ctx.storage).metrics
+    iteration_artifacts(ctx.cfg.run_id, k, metrics,
+                        _samples(ctx, batch_uri, reward_uri, ctx.cfg.trainer.samples_in_artifact))
+    return metrics
+
+
+def _validate(ctx: RunContext, key: str, k: int) -> float:
+    ref = ctx.layout.stage(k, "update") if k else ctx.model_path
+    uri = T.validate.with_options(**_with_task_options(ctx.cfg))(key, k, ref)
+    return float(read_manifest(uri, ctx.storage).metrics["val/acc"])
+
+
+def _val_due(cfg: RunConfig, k: int) -> bool:
+    every = cfg.trainer.val_every
+    return k == cfg.trainer.total_iterations or (every > 0 and k % every == 0)
+
+
+def _history(ctx: RunContext, upto: int) -> tuple[list, list]:
+    hist, val = [], []
+    for k in range(0, upto + 1):
+        if k and (uri := committed(ctx.layout.stage(k, "commit"), ctx.storage)):
+            hist.append((k, read_manifest(uri, ctx.storage).metrics))
+        if uri := committed(ctx.layout.stage(k, "validate"), ctx.storage):
+            val.append((k, read_manifest(uri, ctx.storage).metrics["val/acc"]))
+    return hist, val
+
+
+@flow(name="rl-training", log_prints=True)
+def rl_training(config: str | None = None, overrides: list[str] | None = None,
+                iterations: int | None = None, run_id: str | None = None) -> dict[str, Any]:
+    """A whole RL run. `config` is a YAML file, `overrides` verl-style `key=value` strings;
+    `iterations` and `run_id` are shortcuts for trainer.total_iterations and run_id."""
+    extra = list(overrides or [])
+    extra += [f"trainer.total_iterations={iterations}"] if iterations else []
+    extra += [f"run_id={run_id}"] if run_id else []
+    cfg = load_run_config(config, extra)
+    logger = get_run_logger()
+    with RunLock(cfg.root, cfg.run_id), tags("rlmill", f"run:{cfg.run_id}"):
+        return _train(cfg, logger)
+
+
+def _train(cfg: RunConfig, logger) -> dict[str, Any]:
+    t_setup = time.perf_counter()
+    ctx = RunContext.open(cfg)
+    ctx.warm()
+    start = ctx.restore()
+    key = attach(ctx)
+    total = cfg.trainer.total_iterations
+    done = last_committed(ctx.layout, "commit", total)
+    logger.info("run %s: %d/%d iterations committed; model %s; setup %.1fs", cfg.run_id, done, total,
+                ctx.model_path, time.perf_counter() - t_setup)
+    tb = TensorBoard(local_tb_dir(cfg.root, cfg.run_id) if cfg.trainer.tensorboard else None)
+    try:
+        acc_before = _validate(ctx, key, 0)
+        progress = Progress(cfg.run_id, total, done)
+        t_train = time.perf_counter()
+        for k in range(done + 1, total + 1):
+            metrics = rl_iteration.with_options(flow_run_name=f"iter-{k:04d}")(key, k)
+            if _val_due(cfg, k):
+                metrics["val/acc"] = _validate(ctx, key, k)
+            tb.log(k, metrics)
+            progress.update(k, metrics)
+        train_s = time.perf_counter() - t_train
+        acc_after = _validate(ctx, key, total)
+        hist, val = _history(ctx, total)
+        png_url = join(ctx.layout.root, "report", "curves.png")
+        _write_bytes(png_url, curves_png(hist, val), ctx)
+        summary = {"run_id": cfg.run_id, "iterations": total, "val/acc before": acc_before,
+                   "val/acc after": acc_after, "train seconds (this process)": round(train_s, 1),
+                   "resumed from iteration": done}
+        final_artifact(cfg.run_id, summary, png_url)
+        return {**summary, "curves": png_url, "root": cfg.root}
+    finally:
+        tb.close()
+        detach(key)
+
+
+def _write_bytes(url: str, data: bytes, ctx: RunContext) -> None:
+    from storage import url_to_fs
+
+    fs, path = url_to_fs(url, ctx.storage)
+    fs.makedirs(fs._parent(path), exist_ok=True)
+    fs.pipe_file(path, data)

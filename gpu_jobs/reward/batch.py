@@ -1,0 +1,298 @@
+"""Score a batch of responses: built-ins in-process, user functions in a guarded worker pool.
+
+    >>> from gpu_jobs.reward import RewardConfig, score_batch
+    >>> rows = [{"data_source": "rlmill/arith", "solution_str": "82", "ground_truth": "82"}]
+    >>> scores, reward_extra, metrics = score_batch(rows, RewardConfig())
+    >>> scores, metrics["critic/score/mean"]
+    ([1.0], 1.0)
+
+A user's function runs in worker processes with a per-sample timeout. One bad sample never
+fails the batch: an exception, a timeout, a NaN, a non-number, or a score outside the declared
+range scores `cfg.on_error`, its row's reward_extra gets `error` / `error_kind`, and the
+metrics count it (`reward/errors`, `reward/timeouts`). A hung sample is abandoned by killing
+the pool's processes and starting a new pool; the other in-flight samples are re-run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from .config import RewardConfig
+from .custom import load_custom_reward_function
+from .registry import default_compute_score, get_reward_fn
+
+__all__ = ["score_batch", "coerce_result"]
+
+# (status, score, extras, error_kind, error_message) travels back from a worker; plain tuples
+# pickle cheaply and cannot carry a user's unpicklable exception object.
+_OK, _ERR = "ok", "error"
+
+
+def coerce_result(res: Any, score_range: tuple[float, float] | None) -> tuple[float, dict[str, Any]]:
+    """A reward function's return value -> (score, extras); raises ValueError/TypeError when it
+    is not a finite number (or a dict whose "score" is one) inside `score_range`."""
+    extras: dict[str, Any] = {}
+    if isinstance(res, Mapping):
+        if "score" not in res:
+            raise ValueError(f"reward dict has no 'score' key (keys: {sorted(map(str, res))})")
+        extras = {str(k): _json_value(v) for k, v in res.items() if k != "score"}
+        res = res["score"]
+    if isinstance(res, (str, bytes)) or not _is_number(res):
+        raise TypeError(f"reward is not a number: {type(res).__name__} {res!r:.80}")
+    score = float(res)
+    if not math.isfinite(score):
+        raise ValueError(f"reward is not finite: {score}")
+    if score_range is not None and not score_range[0] <= score <= score_range[1]:
+        raise ValueError(f"reward {score} is outside the declared score_range {tuple(score_range)}")
+    return score, extras
+
+
+def _is_number(x: Any) -> bool:
+    try:
+        float(x)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(x, (str, bytes))
+
+
+def _json_value(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else str(v)
+    try:
+        json.dumps(v)
+        return v
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _call(fn, task: tuple, kwargs: dict, score_range) -> tuple:
+    data_source, solution_str, ground_truth, extra_info = task
+    try:
+        # Keywords, as verl's reward managers call it: user functions are written against these names.
+        res = fn(
+            data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info, **kwargs
+        )
+        score, extras = coerce_result(res, score_range)
+    except (TypeError, ValueError) as e:
+        return (_ERR, None, {}, "invalid", f"{type(e).__name__}: {e}")
+    except Exception as e:  # the user's bug, recorded on the sample, never raised
+        return (_ERR, None, {}, "exception", f"{type(e).__name__}: {e}")
+    return (_OK, score, extras, None, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side: the function is loaded once per process by the initializer, from the path
+# (functions loaded from a file cannot be pickled by reference).
+# --------------------------------------------------------------------------------------------
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(path: str, name: str, kwargs: dict, score_range) -> None:
+    _WORKER.update(fn=load_custom_reward_function(path, name), kwargs=kwargs, score_range=score_range)
+
+
+def _worker_score(task: tuple) -> tuple:
+    return _call(_WORKER["fn"], task, _WORKER["kwargs"], _WORKER["score_range"])
+
+
+def _worker_pid(_: int) -> int:
+    import os
+
+    time.sleep(0.02)  # long enough that each ping lands on a different idle worker
+    return os.getpid()
+
+
+class _Pool:
+    """A ProcessPoolExecutor that can be killed: a hung user function never returns, and
+    ProcessPoolExecutor cannot cancel a running call, so we terminate its processes."""
+
+    def __init__(self, cfg: RewardConfig, n_workers: int):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        crf = cfg.custom_reward_function
+        self.executor = ProcessPoolExecutor(
+            max_workers=n_workers,
+            mp_context=mp.get_context(cfg.start_method),
+            initializer=_worker_init,
+            initargs=(crf.path, crf.name, dict(crf.reward_kwargs), cfg.score_range),
+        )
+        # Start every worker (and load the user's file) before any sample's clock runs, so a
+        # slow start is not mistaken for a hung sample.
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        pids: set[int] = set()
+        while len(pids) < n_workers and time.monotonic() < deadline:
+            futures = [self.executor.submit(_worker_pid, i) for i in range(n_workers)]
+            done, _ = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+            if len(done) < len(futures):
+                self.kill()
+                raise TimeoutError(f"reward worker pool did not start within {cfg.startup_timeout_s} s")
+            try:
+                pids.update(f.result() for f in futures)
+            except BrokenProcessPool as e:
+                self.kill()
+                raise RuntimeError(
+                    f"reward workers failed to start; loading {crf.path}:{crf.name} in a fresh process failed"
+                ) from e
+
+    def submit(self, task: tuple):
+        return self.executor.submit(_worker_score, task)
+
+    def kill(self) -> None:
+        # _processes is private but the only handle on the workers; shutdown() alone would
+        # wait for the hung call forever.
+        procs = list((getattr(self.executor, "_processes", None) or {}).values())
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            p.join(timeout=5)
+
+
+def _score_in_pool(tasks: list[tuple], cfg: RewardConfig) -> tuple[list[tuple], int]:
+    """Run every task in worker processes; returns (results, pool restarts)."""
+    results: list[tuple | None] = [None] * len(tasks)
+    pending = deque(range(len(tasks)))
+    crashes: Counter[int] = Counter()  # times a sample was in flight when a worker died
+    inflight: dict[Any, tuple[int, float]] = {}
+    restarts = 0
+    n_workers = min(cfg.num_workers, len(tasks))
+    pool = _Pool(cfg, n_workers)
+    try:
+        while pending or inflight:
+            # Keep at most n_workers in flight so a submitted sample starts at once and its
+            # clock is honest; a crash suspect runs alone so it cannot take others down.
+            while pending and len(inflight) < n_workers:
+                i = pending[0]
+                if crashes[i] and inflight:
+                    break
+                pending.popleft()
+                inflight[pool.submit(tasks[i])] = (i, time.monotonic())
+                if crashes[i]:
+                    break
+            oldest = min(t for _, t in inflight.values())
+            done, _ = wait(list(inflight), timeout=max(0.0, oldest + cfg.timeout_s - time.monotonic()),
+                           return_when=FIRST_COMPLETED)
+            broken = False
+            for fut in done:
+                i, _ = inflight.pop(fut)
+                try:
+                    results[i] = fut.result()
+                except BrokenProcessPool:
+                    broken = True
+                    crashes[i] += 1
+                    if crashes[i] >= 2:
+                        results[i] = (_ERR, None, {}, "crash", "reward worker process died while scoring this sample")
+                    else:
+                        pending.appendleft(i)
+                except Exception as e:  # e.g. the task or result could not be pickled
+                    results[i] = (_ERR, None, {}, "exception", f"{type(e).__name__}: {e}")
+            now = time.monotonic()
+            expired = [f for f, (_, t) in inflight.items() if now - t >= cfg.timeout_s]
+            for fut in expired:
+                i, _ = inflight.pop(fut)
+                results[i] = (_ERR, None, {}, "timeout", f"reward function took longer than timeout_s={cfg.timeout_s}")
+            if expired or broken:
+                for i, _ in inflight.values():  # bystanders: re-run on the new pool
+                    pending.appendleft(i)
+                inflight.clear()
+                pool.kill()
+                pool = _Pool(cfg, n_workers)
+                restarts += 1
+    finally:
+        pool.kill()
+    return results, restarts  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------
+def _task(row: Mapping[str, Any]) -> tuple:
+    solution = row["solution_str"] if "solution_str" in row else row["response"]
+    extra = row.get("extra_info")
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except ValueError:
+            pass
+    gt = row.get("ground_truth")
+    if gt is None and isinstance(row.get("reward_model"), Mapping):
+        gt = row["reward_model"].get("ground_truth")
+    return (row["data_source"], solution, gt, extra)
+
+
+def score_batch(
+    rows: Iterable[Mapping[str, Any]], cfg: RewardConfig
+) -> tuple[list[float], list[dict], dict[str, float]]:
+    """Score every row; returns (scores, reward_extra, metrics), one score and one dict per row.
+
+    A row has `data_source`, `solution_str` (the decoded response; `response` also accepted),
+    `ground_truth` (or verl's `reward_model.ground_truth`) and optionally `extra_info` (dict or
+    JSON string). With `cfg.custom_reward_function.path` set, the user's function scores every
+    row in worker processes; otherwise the built-in scorers run in-process (trusted and cheap).
+    An unknown data_source with the built-ins is a configuration error and raises before any
+    scoring.
+    """
+    t0 = time.perf_counter()
+    if hasattr(rows, "to_dict") and hasattr(rows, "columns"):
+        rows = rows.to_dict("records")  # pandas DataFrame
+    tasks = [_task(r) for r in rows]
+    restarts = 0
+    if cfg.custom_reward_function.path is None:
+        for ds in {t[0] for t in tasks}:
+            get_reward_fn(ds)
+        results = [_call(default_compute_score, t, {}, cfg.score_range) for t in tasks]
+    elif tasks:
+        # Load once here too: a missing file, a syntax error or a wrong name raises now, with
+        # its own message, instead of as a broken worker pool.
+        crf = cfg.custom_reward_function
+        load_custom_reward_function(crf.path, crf.name)
+        results, restarts = _score_in_pool(tasks, cfg)
+    else:
+        results = []
+
+    scores: list[float] = []
+    extras: list[dict] = []
+    kinds: Counter[str] = Counter()
+    for status, score, extra, kind, message in results:
+        if status == _OK:
+            scores.append(score)
+            extras.append(extra)
+        else:
+            kinds[kind] += 1
+            scores.append(float(cfg.on_error))
+            extras.append({"error": message, "error_kind": kind})
+    return scores, extras, _metrics(scores, kinds, restarts, time.perf_counter() - t0)
+
+
+def _metrics(scores: list[float], kinds: Counter, restarts: int, seconds: float) -> dict[str, float]:
+    n = len(scores)
+    errors = sum(kinds.values())
+    m = {
+        "reward/n": float(n),
+        "reward/errors": float(errors),
+        "reward/error_rate": errors / n if n else 0.0,
+        "reward/timeouts": float(kinds["timeout"]),
+        "reward/exceptions": float(kinds["exception"]),
+        "reward/invalid": float(kinds["invalid"]),
+        "reward/crashes": float(kinds["crash"]),
+        "reward/pool_restarts": float(restarts),
+        "timing_s/reward": seconds,
+    }
+    if n:
+        m.update({
+            "critic/score/mean": sum(scores) / n,
+            "critic/score/max": max(scores),
+            "critic/score/min": min(scores),
+        })
+    return m

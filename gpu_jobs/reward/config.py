@@ -1,0 +1,86 @@
+"""Configuration of reward scoring (field names follow verl's `custom_reward_function.*`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["CustomRewardFunctionConfig", "RewardConfig"]
+
+
+class CustomRewardFunctionConfig(BaseModel):
+    """A user's reward function file, as in verl's `custom_reward_function` section."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(
+        None,
+        description=(
+            "Python file (local path or s3:// URL) defining the reward function; None uses the "
+            "built-in scorers routed by data_source."
+        ),
+    )
+    name: str = Field("compute_score", description="Name of the function in that file.")
+    reward_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments passed to every call of the function."
+    )
+
+
+class RewardConfig(BaseModel):
+    """How responses are scored.
+
+        >>> RewardConfig(custom_reward_function={"path": "my_reward.py"}, timeout_s=5, num_workers=2)
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom_reward_function: CustomRewardFunctionConfig = Field(
+        default_factory=CustomRewardFunctionConfig, description="The user's reward function, if any."
+    )
+    timeout_s: float = Field(
+        10.0, gt=0, description="Seconds one sample may take in a user function before it scores on_error."
+    )
+    num_workers: int = Field(
+        2, ge=1, description="Worker processes that run user reward functions (built-ins run in-process)."
+    )
+    on_error: float = Field(
+        0.0,
+        description=(
+            "Score given to a sample whose function raised, timed out, or returned NaN or a "
+            "non-number; the error is recorded in that row's reward_extra and counted."
+        ),
+    )
+    score_range: tuple[float, float] | None = Field(
+        (0.0, 1.0),
+        description=(
+            "(min, max) the reward function declares; a score outside it counts as an error. "
+            "None: any finite score (e.g. a reward model's logits)."
+        ),
+    )
+    start_method: Literal["spawn", "forkserver", "fork"] = Field(
+        "spawn",
+        description=(
+            "How worker processes start. 'spawn' is safe in a process that holds torch threads; "
+            "each worker costs a Python start (~0.2-0.5 s) once per batch."
+        ),
+    )
+    startup_timeout_s: float = Field(
+        120.0, gt=0, description="Seconds the worker pool may take to start and import the user's file."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardConfig":
+        if not math.isfinite(self.on_error):
+            raise ValueError(f"on_error must be a finite number, got {self.on_error}")
+        if self.score_range is not None:
+            lo, hi = self.score_range
+            if not lo <= hi:
+                raise ValueError(f"score_range must be (min, max) with min <= max, got {self.score_range}")
+            if not lo <= self.on_error <= hi:
+                raise ValueError(
+                    f"on_error={self.on_error} lies outside score_range={self.score_range}: set on_error "
+                    "to a score inside the range (usually its minimum) or widen score_range"
+                )
+        return self

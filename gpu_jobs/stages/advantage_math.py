@@ -1,0 +1,86 @@
+"""From a joined batch (samples + scores [+ log-probs, values]) to advantages and returns.
+
+Outcome rewards sit on each response's last token, as in verl; optional shaping (DAPO overlong
+penalty, KL in the reward) is applied to those token-level scores before the estimator runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from gpu_jobs.stages.samples import FLOAT_LIST, padded, unpadded
+
+
+def token_level_scores(scores: np.ndarray, lengths: np.ndarray, width: int) -> torch.Tensor:
+    """(bs,) sequence scores -> (bs, width) with each score on its row's last response token.
+
+    A zero-length response has no token to carry its score; its row is all zeros (and masked).
+    """
+    out = torch.zeros(len(scores), width, dtype=torch.float32)
+    rows = np.nonzero(lengths > 0)[0]
+    out[rows, lengths[rows] - 1] = torch.as_tensor(scores[rows], dtype=torch.float32)
+    return out
+
+
+def _metric_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+    vals = x[mask.bool()] if mask is not None else x
+    if vals.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": float(vals.mean()), f"{prefix}/max": float(vals.max()), f"{prefix}/min": float(vals.min())}
+
+
+def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table, dict[str, Any]]:
+    """Returns the table with `advantages`, `returns` (list<float32> per response token) and the
+    metrics (critic/score/*, critic/rewards/*, critic/advantages/*, filter_groups/*, ...)."""
+    from gpu_jobs.algos import apply_kl_penalty, compute_advantage, filter_groups, overlong_penalty
+
+    algo = cfg.algorithm
+    metrics: dict[str, Any] = {}
+    lengths = np.asarray(table.column("response_len").to_pylist(), dtype=np.int64)
+    scores = np.asarray(table.column("score").to_pylist(), dtype=np.float32)
+    index = table.column("group_id").to_pylist()
+    width = int(lengths.max()) if len(lengths) else 0
+    _, mask_np = padded(table.column("response_ids").to_pylist(), width)
+    mask = torch.as_tensor(mask_np)
+    metrics.update(_metric_stats("critic/score", torch.as_tensor(scores)))
+
+    if cfg.overlong_buffer.enable:
+        pen = overlong_penalty(torch.as_tensor(lengths), cfg.rollout.max_response_length,
+                               cfg.overlong_buffer.len, cfg.overlong_buffer.penalty_factor)
+        scores = scores + pen.numpy().astype(np.float32)
+        metrics["reward/overlong_penalty_mean"] = float(pen.mean())
+
+    if algo.filter_groups.enable:
+        keep, fmetrics = filter_groups(index, torch.as_tensor(scores))
+        metrics.update({m: float(v) for m, v in fmetrics.items()})
+        keep_np = keep.numpy()
+        if not keep_np.all():
+            table = table.filter(pa.array(keep_np))
+            lengths, scores, mask = lengths[keep_np], scores[keep_np], mask[torch.as_tensor(keep_np)]
+            index = [g for g, kp in zip(index, keep_np) if kp]
+
+    rewards = token_level_scores(scores, lengths, width)
+    if algo.use_kl_in_reward:
+        old, _ = padded(table.column("old_logprobs" if "old_logprobs" in table.column_names
+                                     else "rollout_logprobs").to_pylist(), width)
+        ref, _ = padded(table.column("ref_logprobs").to_pylist(), width)
+        rewards, kl_metrics = apply_kl_penalty(rewards, torch.as_tensor(old), torch.as_tensor(ref), mask,
+                                               kl_coef=kl_ctrl.value, kl_penalty=algo.kl_penalty)
+        metrics.update({m: float(v) for m, v in kl_metrics.items()})
+        kl_ctrl.update(float(kl_metrics["actor/reward_kl_penalty"]), len(lengths))
+
+    vals = None
+    if "values" in table.column_names:
+        vals = torch.as_tensor(padded(table.column("values").to_pylist(), width)[0])
+    adv, ret = compute_advantage(algo.adv_estimator, token_level_rewards=rewards, response_mask=mask,
+                                 index=index, values=vals, **algo.advantage_kwargs())
+    metrics.update(_metric_stats("critic/rewards", rewards.sum(-1)))
+    metrics.update(_metric_stats("critic/advantages", adv, mask))
+    metrics.update(_metric_stats("critic/returns", ret, mask))
+    table = table.append_column("advantages", pa.array(unpadded(adv.numpy(), lengths), FLOAT_LIST))
+    table = table.append_column("returns", pa.array(unpadded(ret.numpy(), lengths), FLOAT_LIST))
+    return table, metrics

@@ -1,0 +1,212 @@
+"""What a run's stages share: the frozen config, its storage layout, the prompts, and the warm
+engines (trainer, reference model, critic, rollout engine) kept loaded across iterations.
+
+    ctx = RunContext.open(cfg)        # run.json, datasets, model folder, tokenizer: cheap
+    ctx.warm()                        # builds the DeepSpeed trainer and the rollout engine
+    ctx.restore()                     # trainer/engine weights = state after the last committed update
+
+Colocated placement keeps one RunContext per run in the flow process (see tasks/context.py);
+a stage that runs anywhere else rebuilds it from storage with `RunContext.open(run.json)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from storage import ObjectExistsError, RunLayout, committed, join, read_manifest
+from storage.datasets import PromptSampler, make_dataset, read_prompts
+
+if TYPE_CHECKING:
+    from flows.config import RunConfig
+
+log = logging.getLogger("rlmill")
+
+# Keys that may differ between the frozen run.json and a resuming invocation: extending a run,
+# or changing how often it reports, does not change what any committed stage computed.
+RESUMABLE_KEYS = {("trainer", "total_iterations"), ("trainer", "val_every"), ("trainer", "samples_in_artifact"),
+                  ("trainer", "tensorboard"), ("tasks", "retries"), ("tasks", "retry_delay_seconds"),
+                  ("tasks", "timeout_seconds")}
+
+
+class RunConfigMismatchError(ValueError):
+    """A run id was reused with a config that would change what its committed stages mean."""
+
+
+def _diff(a: Any, b: Any, prefix: tuple = ()) -> list[tuple]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _diff(a.get(key), b.get(key), prefix + (key,))
+        return out
+    return [] if a == b else [prefix]
+
+
+def resolve_model(path: str, seed: int, storage: Any) -> str:
+    """ModelConfig.path -> a local HF folder."""
+    from gpu_jobs.models import ensure_builtin_model, ensure_smollm2
+    from gpu_jobs.models.loading import resolve_model_path
+
+    if path == "builtin":
+        return ensure_builtin_model(seed=seed)
+    if path == "smollm2":
+        return ensure_smollm2()
+    return resolve_model_path(path, storage)
+
+
+@dataclass
+class RunContext:
+    cfg: "RunConfig"
+    layout: RunLayout
+    run_uid: str
+    model_path: str
+    tokenizer: Any
+    train: Any  # pandas DataFrame of verl rows
+    val: Any
+    sampler: PromptSampler
+    trainer: Any = None
+    ref: Any = None
+    critic: Any = None
+    engine: Any = None
+    trainer_k: int = 0  # the iteration whose update the trainer's weights include (0 = none yet)
+    kl_ctrl: Any = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def storage(self):
+        return self.cfg.storage
+
+    # ---------------------------------------------------------------- setup (no model weights)
+    @classmethod
+    def open(cls, cfg: "RunConfig") -> "RunContext":
+        from flows.config import frozen_config
+        from gpu_jobs.models import load_tokenizer
+
+        layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
+        run_uid = _freeze(layout, frozen_config(cfg))
+        train_urls, val_urls = _datasets(cfg)
+        train = read_prompts(train_urls, storage=cfg.storage)
+        val = read_prompts(val_urls, storage=cfg.storage).iloc[: cfg.data.val_size].reset_index(drop=True)
+        model_path = resolve_model(cfg.model.path, cfg.model.seed, cfg.storage)
+        tokenizer = load_tokenizer(model_path)
+        sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
+        ctx = cls(cfg, layout, run_uid, model_path, tokenizer, train, val, sampler)
+        ctx.kl_ctrl = _kl_controller(cfg)
+        return ctx
+
+    # ---------------------------------------------------------------- warm engines
+    def warm(self) -> None:
+        """Load the trainer (and ref/critic when the algorithm needs them) and the rollout engine."""
+        from gpu_jobs.rollout import get_rollout_engine
+        from gpu_jobs.train import Critic, PolicyTrainer, RefModel
+
+        cfg = self.cfg
+        if self.trainer is None:
+            # The logprobs stage commits old_logprobs when asked to; the trainer must not redo it.
+            actor = cfg.actor.model_copy(update={"recompute_old_logprobs": False})
+            self.trainer = PolicyTrainer(self.model_path, actor, tokenizer=self.tokenizer)
+        if cfg.needs_ref and self.ref is None:
+            self.ref = RefModel(self.model_path, cfg.actor, tokenizer=self.tokenizer)
+        if cfg.critic is not None and self.critic is None:
+            self.critic = Critic(self.model_path, cfg.critic, tokenizer=self.tokenizer)
+        if self.engine is None:
+            self.engine = get_rollout_engine(cfg.rollout.engine, self.model_path, cfg.rollout.engine_options)
+
+    def restore(self) -> int:
+        """Bring the trainer to the state after the last committed update; returns that iteration.
+
+        Loads the newest checkpoint (weights, optimizer, RNG, data cursor) and replays the
+        committed updates after it from their committed batches: updates are deterministic given
+        that state, so the weights equal those of a run that never stopped.
+        """
+        from gpu_jobs.stages.iteration import replay_update
+
+        last = last_committed(self.layout, "update")
+        ckpt = self.layout.latest_checkpoint()
+        if ckpt is not None and ckpt > self.trainer_k:
+            log.info("resuming %s from checkpoint %d", self.cfg.run_id, ckpt)
+            self.trainer.load(self.layout.trainer(ckpt))
+            if self.critic is not None and _exists(join(self.layout.checkpoint(ckpt), "critic"), self.storage):
+                self.critic.load(join(self.layout.checkpoint(ckpt), "critic"))
+            self.trainer_k = ckpt
+        for k in range(self.trainer_k + 1, last + 1):
+            log.info("replaying committed update of iteration %d", k)
+            replay_update(self, k)
+        if self.trainer_k > 0:
+            self._restore_kl_ctrl()
+            self.engine.update_weights(self.trainer.gathered_state_dict())
+        return self.trainer_k
+
+    def _restore_kl_ctrl(self) -> None:
+        uri = committed(self.layout.stage(self.trainer_k, "advantages"), self.storage)
+        state = read_manifest(uri, self.storage).metrics.get("kl_ctrl_state") if uri else None
+        if state:
+            self.kl_ctrl.load_state_dict(state)
+
+    def close(self) -> None:
+        self.trainer = self.ref = self.critic = self.engine = None
+
+
+def last_committed(layout: RunLayout, stage: str, limit: int = 1_000_000) -> int:
+    """Highest k >= 1 whose `stage` committed, scanning up from 1 (0 when none)."""
+    k = 0
+    while k < limit and committed(layout.stage(k + 1, stage), layout.storage):
+        k += 1
+    return k
+
+
+def _exists(url: str, storage: Any) -> bool:
+    from storage import url_to_fs
+
+    fs, path = url_to_fs(url, storage)
+    return fs.exists(path)
+
+
+def _freeze(layout: RunLayout, config: dict) -> str:
+    """Write run.json once; on a resume, check the config still matches. Returns the run's uid.
+
+    The uid is minted when the run is first created: a run deleted and started again under the
+    same id is a different run, and Prefect cache keys include the uid so they never cross.
+    """
+    try:
+        uid = uuid.uuid4().hex
+        layout.write_run_json({"run_uid": uid, "created_at": time.time(), "config": config})
+        return uid
+    except ObjectExistsError:
+        pass
+    frozen = layout.read_run_json() or {}
+    changed = [d for d in _diff(frozen.get("config", {}), json.loads(json.dumps(config, default=str)))
+               if d[:2] not in RESUMABLE_KEYS]
+    if changed:
+        keys = ", ".join(".".join(map(str, d)) for d in changed[:8])
+        raise RunConfigMismatchError(
+            f"run {layout.run_id!r} already exists under {layout.root_url} with a different config "
+            f"({keys}); resume it with the same config, or start a new run with another run_id")
+    return frozen["run_uid"]
+
+
+def _datasets(cfg: "RunConfig") -> tuple[list[str], list[str]]:
+    data = cfg.data
+    if data.train_files:
+        return list(data.train_files), list(data.val_files or data.train_files)
+    if data.generate is None:
+        raise ValueError("data.train_files is empty and data.generate is null: name a dataset or files")
+    out = join(cfg.root, "datasets", f"{data.generate.replace(':', '-')}-seed{data.seed}-n{data.train_size}")
+    train_url, test_url = join(out, "train.parquet"), join(out, "test.parquet")
+    if not (_exists(train_url, cfg.storage) and _exists(test_url, cfg.storage)):
+        make_dataset(data.generate, out, train_size=data.train_size, test_size=max(data.val_size, 300),
+                     seed=data.seed, storage=cfg.storage)
+    return [train_url], list(data.val_files or [test_url])
+
+
+def _kl_controller(cfg: "RunConfig"):
+    from gpu_jobs.algos import AdaptiveKLController, FixedKLController
+
+    k = cfg.algorithm.kl_ctrl
+    if k.type == "adaptive":
+        return AdaptiveKLController(init_kl_coef=k.kl_coef, target_kl=k.target_kl, horizon=k.horizon)
+    return FixedKLController(kl_coef=k.kl_coef)

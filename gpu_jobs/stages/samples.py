@@ -1,0 +1,101 @@
+"""The sample table: one row per response, the schema every stage reads and extends.
+
+Columns (DESIGN.md): uid, group_id, data_source, prompt_ids list<int32>, response_ids list<int32>,
+rollout_logprobs list<float32>, response_len, finish_reason, ground_truth, extra_info (json);
+later stages join score/reward_extra, old_logprobs/ref_logprobs/values, advantages/returns by uid.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+INT_LIST = pa.list_(pa.int32())
+FLOAT_LIST = pa.list_(pa.float32())
+
+SAMPLE_SCHEMA = pa.schema([
+    ("uid", pa.string()),
+    ("group_id", pa.string()),
+    ("sample_index", pa.int32()),
+    ("data_source", pa.string()),
+    ("prompt_ids", INT_LIST),
+    ("response_ids", INT_LIST),
+    ("rollout_logprobs", FLOAT_LIST),
+    ("response_len", pa.int32()),
+    ("finish_reason", pa.string()),
+    ("ground_truth", pa.string()),
+    ("extra_info", pa.string()),
+])
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x))
+
+
+def ground_truth_of(reward_model: Any) -> str:
+    gt = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    return "" if gt is None else str(gt)
+
+
+def sample_table(rows: Sequence[dict], prompts: Sequence[dict], iteration: int, tag: str = "") -> pa.Table:
+    """Engine rows (prompt-major, with prompt_index into `prompts`) -> a table in SAMPLE_SCHEMA.
+
+    `prompts[i]` carries the verl fields of prompt i plus `row` (its index in the dataset), which
+    makes group ids stable across retries: the same (iteration, dataset row) is the same group.
+    """
+    cols: dict[str, list] = {name: [] for name in SAMPLE_SCHEMA.names}
+    for r in rows:
+        p = prompts[r["prompt_index"]]
+        group = f"{tag}{iteration}-{p['row']}"
+        cols["uid"].append(f"{group}-{r['sample_index']}")
+        cols["group_id"].append(group)
+        cols["sample_index"].append(r["sample_index"])
+        cols["data_source"].append(p["data_source"])
+        cols["prompt_ids"].append(r["prompt_ids"])
+        cols["response_ids"].append(r["response_ids"])
+        cols["rollout_logprobs"].append(r["rollout_logprobs"])
+        cols["response_len"].append(len(r["response_ids"]))
+        cols["finish_reason"].append(r["finish_reason"])
+        cols["ground_truth"].append(ground_truth_of(p.get("reward_model")))
+        cols["extra_info"].append(_json(p.get("extra_info") or {}))
+    return pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA)
+
+
+def join_by_uid(base: pa.Table, *others: pa.Table | None) -> pa.Table:
+    """Add the columns of each `other` (keyed by uid) to `base`, keeping base's row order.
+
+    Raises if a uid of `base` is missing in another table: a stage never silently scores or
+    trains on a partial batch.
+    """
+    uids = base.column("uid").to_pylist()
+    for other in others:
+        if other is None:
+            continue
+        pos = {u: i for i, u in enumerate(other.column("uid").to_pylist())}
+        missing = [u for u in uids if u not in pos]
+        if missing:
+            raise ValueError(f"{len(missing)} uids missing from a joined stage table, e.g. {missing[:3]}")
+        take = pa.array([pos[u] for u in uids], pa.int64())
+        for name in other.column_names:
+            if name != "uid" and name not in base.column_names:
+                base = base.append_column(other.schema.field(name), other.column(name).take(take))
+    return base
+
+
+def padded(lists: Sequence[Sequence[float]], width: int | None = None, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged rows -> (values (bs, T) right-padded with 0, mask (bs, T) of 1 on real positions)."""
+    width = max((len(x) for x in lists), default=0) if width is None else width
+    values = np.zeros((len(lists), width), dtype=dtype)
+    mask = np.zeros((len(lists), width), dtype=np.float32)
+    for i, x in enumerate(lists):
+        values[i, : len(x)] = x
+        mask[i, : len(x)] = 1.0
+    return values, mask
+
+
+def unpadded(values: np.ndarray, lengths: Sequence[int]) -> list[list[float]]:
+    """(bs, T) -> ragged rows of the given lengths (inverse of `padded`)."""
+    return [values[i, :n].astype(np.float32).tolist() for i, n in enumerate(lengths)]

@@ -1,0 +1,185 @@
+"""Exact-resume checkpoints of a DeepSpeed engine in object storage.
+
+Layout under ``<url>/trainer/``: DeepSpeed's own ``save_checkpoint`` folder (weights, ZeRO
+optimizer shards, ``latest``), then ``trainer_state.json`` written LAST: it lists every file
+and carries step, data cursor, RNG states, world size and parameter shapes. A folder without it
+is an unfinished save and is not loaded.
+
+Same world size: ``engine.load_checkpoint`` restores weights and optimizer bit for bit.
+Different world size: ZeRO shards do not re-split, so the consolidated fp32 weights are loaded
+(``get_fp32_state_dict_from_zero_checkpoint``) and the optimizer starts fresh (logged).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import posixpath
+import random
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from . import dist
+from .errors import TrainInputError
+
+log = logging.getLogger("gpu_jobs.train")
+
+__all__ = ["save_engine_state", "load_engine_state", "rng_state", "set_rng_state", "STATE_FILE"]
+
+STATE_FILE = "trainer_state.json"
+TAG = "zero"
+FORMAT = "rlmill.trainer/1"
+
+
+def _b64(t: Any) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def rng_state(generator: Any) -> dict[str, Any]:
+    """JSON-able RNG states: the shuffle generator, torch's global RNG, numpy and random."""
+    import torch
+
+    np_state = np.random.get_state()
+    return {
+        "shuffle": _b64(generator.get_state()),
+        "torch": _b64(torch.get_rng_state()),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+
+
+def set_rng_state(state: dict[str, Any], generator: Any) -> None:
+    import torch
+
+    generator.set_state(_unb64(state["shuffle"]))
+    torch.set_rng_state(_unb64(state["torch"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _shared_tmpdir() -> str:
+    path = tempfile.mkdtemp(prefix="rlmill-ds-") if dist.is_rank0() else None
+    return dist.broadcast_object(path)
+
+
+def _mine(rel: str, rank: int) -> bool:
+    """Files this rank uploads: its own ZeRO shards; rank 0 also everything rank-independent."""
+    name = posixpath.basename(rel)
+    if "zero_pp_rank_" in name:
+        return name.startswith(f"zero_pp_rank_{rank}_") or f"_zero_pp_rank_{rank}_" in name
+    return rank == 0
+
+
+def _local_files(root: str) -> list[str]:
+    out = []
+    for base, _, files in os.walk(root):
+        out += [os.path.relpath(os.path.join(base, f), root).replace(os.sep, "/") for f in files]
+    return sorted(out)
+
+
+def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
+    """DeepSpeed checkpoint of ``module.engine`` plus ``extra`` (JSON-able) to ``<url>/trainer/``.
+    All ranks call it. Returns the URL of trainer_state.json."""
+    from storage import url_to_fs
+
+    from storage import ManifestExistsError
+
+    fs, root = url_to_fs(url)
+    dest = posixpath.join(root, "trainer")
+    if fs.exists(posixpath.join(dest, STATE_FILE)):
+        # Never write over the last good checkpoint: each save goes to a fresh URL.
+        raise ManifestExistsError(f"{url}/trainer/{STATE_FILE} exists: trainer state already saved there")
+    tmp = _shared_tmpdir()
+    try:
+        module.engine.save_checkpoint(tmp, tag=TAG, client_state={})
+        dist.barrier()
+        files = _local_files(tmp)
+        for rel in (f for f in files if _mine(f, module.rank)):
+            fs.makedirs(posixpath.dirname(posixpath.join(dest, rel)), exist_ok=True)
+            fs.put_file(os.path.join(tmp, rel), posixpath.join(dest, rel))
+        dist.barrier()
+        if module.rank == 0:
+            state = {
+                "format": FORMAT,
+                "tag": TAG,
+                "files": files,
+                "world_size": module.world_size,
+                "zero_stage": module.config.zero_stage,
+                "param_shapes": module._param_shapes,
+                "step": module.step,
+                **extra,
+            }
+            fs.pipe_file(posixpath.join(dest, STATE_FILE), json.dumps(state).encode())
+        dist.barrier()
+    finally:
+        if module.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return url.rstrip("/") + f"/trainer/{STATE_FILE}"
+
+
+def _read_state(fs: Any, dest: str, url: str) -> dict[str, Any]:
+    path = posixpath.join(dest, STATE_FILE)
+    if not fs.exists(path):
+        raise TrainInputError(
+            f"no trainer state at {url}/trainer/{STATE_FILE}: the save did not finish or this is "
+            f"not a trainer checkpoint; pass the URL given to save() (the folder holding trainer/)."
+        )
+    state = json.loads(fs.cat_file(path))
+    if state.get("format") != FORMAT:
+        raise TrainInputError(f"{url}: unknown trainer state format {state.get('format')!r}")
+    return state
+
+
+def load_engine_state(module: Any, url: str) -> dict[str, Any]:
+    """Restore ``module.engine`` from ``save_engine_state(url)``; returns the saved JSON state.
+    Raises TrainInputError (before touching any weight) for a checkpoint of another model."""
+    from storage import url_to_fs
+
+    fs, root = url_to_fs(url)
+    dest = posixpath.join(root, "trainer")
+    state = _read_state(fs, dest, url)
+    module.check_shapes(state["param_shapes"], url)
+    tmp = tempfile.mkdtemp(prefix="rlmill-ds-load-")  # per rank: every rank reads the files it needs
+    try:
+        for rel in state["files"]:
+            os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
+            fs.get_file(posixpath.join(dest, rel), os.path.join(tmp, rel))
+        same_layout = state["world_size"] == module.world_size and state["zero_stage"] == module.config.zero_stage
+        if same_layout or module.config.zero_stage == 0 == state["zero_stage"]:
+            module.engine.load_checkpoint(
+                tmp, tag=state["tag"], load_optimizer_states=module.optimizer is not None,
+                load_lr_scheduler_states=False,
+            )
+        else:
+            _load_consolidated(module, tmp, state, url)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    return state
+
+
+def _load_consolidated(module: Any, tmp: str, state: dict[str, Any], url: str) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    weights = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=state["tag"])
+    module.load_weights(weights)
+    log.warning(
+        "%s was saved with world_size=%s zero_stage=%s and is loaded with world_size=%s "
+        "zero_stage=%s: weights are restored exactly from the consolidated fp32 copy, but the "
+        "optimizer state (Adam moments) starts fresh, so the next steps differ from an "
+        "uninterrupted run.",
+        url, state["world_size"], state["zero_stage"], module.world_size, module.config.zero_stage,
+    )

@@ -1,0 +1,170 @@
+"""Typed configs for the policy trainer and the critic (verl field names), and their DeepSpeed view.
+
+    from gpu_jobs.train import TrainerConfig
+    cfg = TrainerConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=8, lr=1e-5)
+    cfg.deepspeed_config(world_size=2)   # the dict handed to deepspeed.initialize
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gpu_jobs.algos import KLConfig, PolicyLossConfig
+
+__all__ = ["TrainerConfig", "CriticConfig", "PIPELINE_ZERO_ERROR"]
+
+PIPELINE_ZERO_ERROR = (
+    "zero_stage={stage} with pipeline_parallel_size={pp}: DeepSpeed cannot combine pipeline "
+    "parallelism with ZeRO-2/3 (it asserts 'ZeRO-2 and ZeRO-3 are incompatible with pipeline "
+    "parallelism'). Fix: set zero_stage to 0 or 1 to keep pipeline_parallel_size={pp}, or set "
+    "pipeline_parallel_size=1 to keep ZeRO-{stage} data parallelism."
+)
+
+
+class _UpdateConfig(BaseModel):
+    """Fields the actor and the critic share: batching, optimizer, schedule, parallelism."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each batch per update() call.")
+    ppo_mini_batch_size: int = Field(
+        16,
+        ge=1,
+        description="Prompts per optimizer step, as in verl: a mini-batch is this many prompts "
+        "times their n samples (rows sharing a group_id). Without group_id, rows.",
+    )
+    ppo_micro_batch_size_per_gpu: int = Field(
+        4, ge=1, description="Rows per forward/backward on one rank (ignored with use_dynamic_bsz)."
+    )
+    use_dynamic_bsz: bool = Field(
+        False,
+        description="Pack micro-batches by a token budget (ppo_max_token_len_per_gpu) instead of "
+        "a fixed row count.",
+    )
+    ppo_max_token_len_per_gpu: int = Field(
+        16384,
+        ge=1,
+        description="With use_dynamic_bsz: padded tokens (rows x (prompt+response width)) per "
+        "micro-batch on one rank. A longer single row gets a micro-batch of its own.",
+    )
+    shuffle: bool = Field(True, description="Shuffle rows into mini-batches with a seeded generator.")
+    lr: float = Field(1e-6, gt=0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="update() calls over which lr rises linearly to `lr`."
+    )
+    lr_scheduler: Literal["constant", "cosine"] = Field(
+        "constant", description="Learning-rate shape after warm-up (verl lr_scheduler_type)."
+    )
+    total_training_steps: int | None = Field(
+        None, ge=1, description="update() calls in the run; required by the cosine schedule."
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="Cosine floor as a fraction of `lr`."
+    )
+    grad_clip: float = Field(
+        1.0, ge=0, description="Global gradient-norm clip; 0 disables (set explicitly for DeepSpeed)."
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        3, description="DeepSpeed ZeRO stage. 3 shards weights, gradients and optimizer state."
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="Pipeline stages; >1 needs zero_stage 0 or 1 (DeepSpeed limitation)."
+    )
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Training precision.")
+    seed: int = Field(1, description="Seeds the shuffle generator and any freshly initialised head.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "_UpdateConfig":
+        if self.pipeline_parallel_size > 1 and self.zero_stage >= 2:
+            raise ValueError(
+                PIPELINE_ZERO_ERROR.format(stage=self.zero_stage, pp=self.pipeline_parallel_size)
+            )
+        if self.lr_scheduler == "cosine" and self.total_training_steps is None:
+            raise ValueError(
+                "lr_scheduler='cosine' needs total_training_steps (the number of update() calls); "
+                "set it, or use lr_scheduler='constant'."
+            )
+        return self
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for the update() call numbered ``step`` (0-based)."""
+        import math
+
+        if self.lr_warmup_steps and step < self.lr_warmup_steps:
+            return self.lr * (step + 1) / self.lr_warmup_steps
+        if self.lr_scheduler == "constant":
+            return self.lr
+        span = max(1, self.total_training_steps - self.lr_warmup_steps)
+        progress = min(1.0, (step - self.lr_warmup_steps) / span)
+        scale = self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return self.lr * scale
+
+    def deepspeed_config(self, world_size: int, train: bool = True) -> dict[str, Any]:
+        """The DeepSpeed config dict. Micro-batching is ours: DeepSpeed sees gas=1 and we mark
+        the accumulation boundary ourselves, so token-budget micro-batches can vary in number."""
+        cfg: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": world_size,
+            "gradient_clipping": self.grad_clip,
+            "zero_optimization": {"stage": self.zero_stage},
+            "bf16": {"enabled": self.dtype == "bf16"},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        if not train:
+            cfg.pop("gradient_clipping")
+        return cfg
+
+
+class TrainerConfig(_UpdateConfig):
+    """Policy (actor) update: PPO-family losses from gpu_jobs.algos on a DeepSpeed engine."""
+
+    entropy_coeff: float = Field(
+        0.0, description="Weight of the entropy bonus subtracted from the loss (verl entropy_coeff)."
+    )
+    policy_loss: PolicyLossConfig = Field(
+        default_factory=PolicyLossConfig,
+        description="Policy loss variant and its clip ratios / aggregation mode (gpu_jobs.algos).",
+    )
+    kl_loss: KLConfig = Field(
+        default_factory=KLConfig,
+        description="KL-to-reference loss (use_kl_loss, kl_loss_coef, kl_loss_type); needs a "
+        "ref_logprobs column when enabled.",
+    )
+    recompute_old_logprobs: bool = Field(
+        True,
+        description="Compute old_logprobs with the current weights before the first mini-batch "
+        "(verl's default). False: use the batch's old_logprobs, else rollout_logprobs.",
+    )
+    temperature: float = Field(
+        1.0, gt=0, description="Rollout sampling temperature; logits are divided by it."
+    )
+    log_prob_micro_batch_size_per_gpu: int = Field(
+        8, ge=1, description="Rows per forward in compute_log_probs (no grad)."
+    )
+
+
+class CriticConfig(_UpdateConfig):
+    """Value model update: clipped value loss (PPO) on a scalar head over the LM's hidden states."""
+
+    lr: float = Field(1e-5, gt=0, description="Peak AdamW learning rate.")
+    cliprange_value: float = Field(
+        0.5, ge=0, description="Clip new values to old values +- this (PPO value clipping)."
+    )
+    loss_agg_mode: str = Field(
+        "token-mean", description="Aggregation of the per-token value loss (gpu_jobs.algos.agg_loss)."
+    )
+    critic_warmup: int = Field(
+        0, ge=0, description="Iterations that update only the critic before the actor starts (the "
+        "flow reads this; the critic itself always trains)."
+    )
+    log_prob_micro_batch_size_per_gpu: int = Field(
+        8, ge=1, description="Rows per forward in compute_values (no grad)."
+    )

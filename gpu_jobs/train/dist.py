@@ -1,0 +1,139 @@
+"""Process-group setup for DeepSpeed on CPU or GPU: one rank in-process, or N under torchrun.
+
+``init_distributed()`` is idempotent. On one rank it fills RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/
+MASTER_PORT when they are unset, so a notebook or a Prefect task needs no launcher. On CPU it
+uses gloo and skips DeepSpeed's shared-memory comm op, whose C++ build costs 60-80 s per fresh
+machine (PLATFORM.md); gloo alone is what the tests measure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+from typing import Any
+
+__all__ = [
+    "init_distributed",
+    "rank",
+    "world_size",
+    "is_rank0",
+    "barrier",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "all_gather_object",
+    "broadcast_object",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fill_single_rank_env() -> None:
+    if "WORLD_SIZE" in os.environ:
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
+
+
+def init_distributed() -> None:
+    """Start the process group once (gloo on CPU, nccl on GPU); a no-op when already started."""
+    import torch
+
+    _fill_single_rank_env()
+    if _on_cpu():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch.distributed as td
+
+    if td.is_available() and td.is_initialized():
+        return
+    import deepspeed
+
+    if _on_cpu():
+        # `import deepspeed.comm.torch as m` would bind the torch package (deepspeed.comm
+        # re-exports it), so patching that name silently does nothing: go through importlib.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        deepspeed.init_distributed(dist_backend="nccl")
+
+
+def _td():
+    import torch.distributed as td
+
+    return td if td.is_available() and td.is_initialized() else None
+
+
+def rank() -> int:
+    td = _td()
+    return td.get_rank() if td else 0
+
+
+def world_size() -> int:
+    td = _td()
+    return td.get_world_size() if td else 1
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    td = _td()
+    if td and td.get_world_size() > 1:
+        td.barrier()
+
+
+def _all_reduce(value: float | list[float], op: str) -> Any:
+    import torch
+
+    td = _td()
+    scalar = not isinstance(value, list)
+    t = torch.tensor([value] if scalar else value, dtype=torch.float64)
+    if td and td.get_world_size() > 1:
+        if t.device.type == "cpu" and td.get_backend() == "nccl":
+            t = t.cuda()
+        td.all_reduce(t, op=getattr(td.ReduceOp, op))
+    out = t.cpu().tolist()
+    return out[0] if scalar else out
+
+
+def all_reduce_max(value: float) -> float:
+    """Largest ``value`` over ranks (e.g. how many micro-batches the busiest rank runs)."""
+    return _all_reduce(value, "MAX")
+
+
+def all_reduce_sum(value: float | list[float]) -> float | list[float]:
+    """Sum over ranks of a number or a list of numbers (metrics)."""
+    return _all_reduce(value, "SUM")
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (pickled; for small host-side results)."""
+    td = _td()
+    if not td or td.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * td.get_world_size()
+    td.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` as rank ``src`` has it, on every rank."""
+    td = _td()
+    if not td or td.get_world_size() == 1:
+        return obj
+    box = [obj]
+    td.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,389 @@
+"""What the policy, the reference model and the critic share: an HF model inside a DeepSpeed
+engine, sharded row iteration, gathered weights and HF checkpoints.
+
+Not public: use PolicyTrainer, RefModel or Critic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import dist
+from .batch import Rows, collate, plan_microbatches, plan_minibatches
+from .config import _UpdateConfig
+from .errors import TrainInputError
+
+log = logging.getLogger("gpu_jobs.train")
+
+__all__ = ["ZeroModule", "PhaseTimer", "resolve_model_path"]
+
+
+LossOf = Callable[[dict[str, Any]], tuple[Any, dict[str, Any]]]
+
+
+class _MetricSums:
+    """Share-weighted metric sums; ``mean()`` sums them over ranks and divides by the steps."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.steps = 0
+
+    def add(self, metrics: dict[str, Any], share: float) -> None:
+        for k, v in metrics.items():
+            self.sums[k] += float(v) * share
+
+    def mean(self) -> dict[str, float]:
+        keys = sorted(self.sums)
+        totals = dist.all_reduce_sum([self.sums[k] for k in keys]) if keys else []
+        return {k: t / max(1, self.steps) for k, t in zip(keys, totals)}
+
+
+class PhaseTimer:
+    """Wall time per named phase: ``with timer("forward"): ...``; ``timer.seconds`` sums them."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t0
+
+
+def resolve_model_path(model_path: str) -> str:
+    """A local HF folder for ``model_path``: a folder, a storage URL (downloaded and cached), or
+    an alias of gpu_jobs.models ("builtin", "smollm2")."""
+    from gpu_jobs.models import resolve_model_path as resolve
+
+    return resolve(model_path)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+class ZeroModule:
+    """An HF model wrapped in a DeepSpeed engine (ZeRO stage from the config).
+
+    Subclasses pass ``auto_class`` (e.g. AutoModelForCausalLM) and ``train`` (with an AdamW
+    optimizer) and add their losses.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        config: _UpdateConfig,
+        *,
+        auto_class: Any,
+        train: bool,
+        tokenizer: Any = None,
+        config_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        import torch
+
+        dist.init_distributed()
+        self.config = config
+        self.model_path = resolve_model_path(model_path)
+        self.rank, self.world_size = dist.rank(), dist.world_size()
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self.step = 0  # update() calls so far
+        self.samples_seen = 0  # data cursor: rows consumed by update() so far
+        self._shuffle = torch.Generator().manual_seed(config.seed)
+        torch.manual_seed(config.seed)  # a freshly initialised head (critic) is seeded
+        model = self._build_model(auto_class, config_overrides or {})
+        self.model_config = model.config
+        self._param_shapes = {
+            n: list(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()
+        }
+        self.engine, self.optimizer = self._build_engine(model, train)
+        self.device = self.engine.device
+
+    # ---- construction --------------------------------------------------------------------
+    def _load_tokenizer(self) -> Any:
+        # A weights-only folder has no tokenizer (AutoTokenizer would invent an empty one):
+        # save_hf then writes no tokenizer files.
+        if not any(
+            os.path.exists(os.path.join(self.model_path, f))
+            for f in ("tokenizer.json", "tokenizer_config.json")
+        ):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_path)
+
+    def _build_model(self, auto_class: Any, overrides: dict[str, Any]) -> Any:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(self.model_path, **overrides)
+        kwargs = {"config": hf_config, "dtype": _torch_dtype(self.config.dtype)}
+        if self.config.zero_stage != 3:
+            return auto_class.from_pretrained(self.model_path, **kwargs)
+        from transformers.integrations import HfDeepSpeedConfig
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        # HfDeepSpeedConfig makes from_pretrained build inside zero.Init, so no rank ever holds
+        # the full model. It is a process-wide switch: unset it at once, or every later
+        # from_pretrained in this process (a rollout engine, a test) would be partitioned too.
+        hf_ds = HfDeepSpeedConfig(self.config.deepspeed_config(self.world_size))
+        try:
+            return auto_class.from_pretrained(self.model_path, **kwargs)
+        finally:
+            del hf_ds
+            unset_hf_deepspeed_config()
+
+    def _build_engine(self, model: Any, train: bool) -> tuple[Any, Any]:
+        import deepspeed
+        import torch
+
+        ds_config = self.config.deepspeed_config(self.world_size, train=train)
+        if not train:
+            model.requires_grad_(False)
+            engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+            return engine, None
+        c = self.config
+        # torch AdamW, not DeepSpeed's FusedAdam/CPUAdam: those JIT-compile C++ for minutes.
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=c.lr_at(0), betas=c.betas, eps=c.eps, weight_decay=c.weight_decay
+        )
+        engine, ds_optimizer, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config
+        )
+        return engine, optimizer
+
+    # ---- the update loop -----------------------------------------------------------------
+    def _run_update(self, rows: Rows, loss_of: LossOf, agg_mode: str, role: str,
+                    prep_seconds: float = 0.0) -> dict[str, float]:
+        """ppo_epochs passes of shuffled mini-batches, one optimizer step each; returns the
+        metrics of ``loss_of`` averaged over steps and ranks, plus lr, throughput and timings.
+        ``prep_seconds`` (e.g. recomputing old log-probs) counts towards perf/throughput."""
+        timer, t0 = PhaseTimer(), time.perf_counter()
+        lr = self._apply_lr()
+        sums = _MetricSums()
+        self.engine.train()
+        rows_per_mini = self.config.ppo_mini_batch_size * rows.samples_per_prompt
+        for _ in range(self.config.ppo_epochs):
+            gen = self._shuffle if self.config.shuffle else None
+            for mini in plan_minibatches(len(rows), rows_per_mini, gen):
+                self._train_minibatch(rows, mini, loss_of, agg_mode, timer, sums)
+        self.step += 1
+        self.samples_seen += len(rows)
+        seconds = time.perf_counter() - t0
+        out = sums.mean()
+        out[f"{role}/grad_norm"] = out.pop("grad_norm")
+        tokens = self.config.ppo_epochs * sum(
+            len(p) + len(r) for p, r in zip(rows.prompt_ids, rows.response_ids)
+        )
+        out.update({
+            f"{role}/lr": lr,
+            "perf/total_num_tokens": float(tokens),
+            "perf/throughput": tokens / max(seconds + prep_seconds, 1e-9) / self.world_size,
+            f"timing_s/update_{role}": seconds,
+        })
+        out.update({f"timing_s/update_{role}/{k}": v for k, v in timer.seconds.items()})
+        return out
+
+    def _train_minibatch(self, rows: Rows, mini: np.ndarray, loss_of: LossOf, agg_mode: str,
+                         timer: PhaseTimer, sums: "_MetricSums") -> None:
+        """Accumulate gradients over this rank's micro-batches, then one optimizer step.
+
+        Each micro-batch loss is scaled by its share of the mini-batch (tokens for token-mean,
+        rows otherwise) times world_size (DeepSpeed averages gradients over ranks), so the step
+        equals one step on the whole mini-batch whatever the micro-batching or rank count."""
+        c = self.config
+        tokens, n = max(1, rows.response_tokens(mini)), len(mini)
+        # Dr. GRPO's constant normaliser is the padded width: keep it the batch's, not the micro's.
+        pad_to = max(map(len, rows.response_ids)) if agg_mode == "seq-mean-token-sum-norm" else None
+        micros = self._local_microbatches(
+            rows, mini, micro_size=c.ppo_micro_batch_size_per_gpu,
+            max_tokens=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+        )
+        for k, micro in enumerate(micros):
+            share = rows.response_tokens(micro) / tokens if agg_mode == "token-mean" else len(micro) / n
+            self.engine.set_gradient_accumulation_boundary(k == len(micros) - 1)
+            with timer("forward"):
+                loss, metrics = loss_of(self._collate(rows, micro, int(mini[0]), pad_to))
+            with timer("backward"):
+                self.engine.backward(loss * (share * self.world_size), scale_wrt_gas=False)
+            sums.add(metrics, share)
+        with timer("optimizer"):
+            self.engine.step()
+        sums.add({"grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}, 1 / self.world_size)
+        sums.steps += 1
+
+    # ---- learning rate -------------------------------------------------------------------
+    def _apply_lr(self) -> float:
+        lr = self.config.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    # ---- sharded iteration ---------------------------------------------------------------
+    def _local_microbatches(
+        self, rows: Rows, idx: Sequence[int], *, micro_size: int, max_tokens: int | None
+    ) -> list[list[int]]:
+        """This rank's micro-batches of the rows ``idx``, padded with empty entries so every
+        rank runs the same number of forwards (ZeRO-3 gathers weights collectively per forward)."""
+        local = list(idx)[self.rank :: self.world_size]
+        micro = plan_microbatches(rows, local, micro_size=micro_size, max_tokens=max_tokens)
+        n = int(dist.all_reduce_max(len(micro)))
+        return micro + [[] for _ in range(n - len(micro))]
+
+    def _collate(self, rows: Rows, micro: list[int], fallback: int, pad_to: int | None = None):
+        """Tensors on the engine's device; an empty micro-batch becomes row ``fallback`` (its
+        loss is multiplied by 0: it only keeps this rank in step with the others)."""
+        batch = collate(rows, micro or [fallback], pad_response_to=pad_to)
+        return {k: v.to(self.device) if hasattr(v, "to") else v for k, v in batch.items()}
+
+    def _map_rows_no_grad(
+        self, rows: Rows, fn: Callable[[dict[str, Any]], Any], micro_size: int
+    ) -> list[np.ndarray]:
+        """``fn(micro_batch) -> (b, R) tensor`` on every row, sharded over ranks, returned as one
+        float32 array per row (response length) on every rank."""
+        import torch
+
+        idx = np.arange(len(rows))
+        max_tokens = self.config.ppo_max_token_len_per_gpu if self.config.use_dynamic_bsz else None
+        local: dict[int, np.ndarray] = {}
+        self.engine.eval()
+        with torch.no_grad():
+            for micro in self._local_microbatches(
+                rows, idx, micro_size=micro_size, max_tokens=max_tokens
+            ):
+                out = fn(self._collate(rows, micro, fallback=0)).float().cpu().numpy()
+                for j, i in enumerate(micro):
+                    local[i] = out[j, : len(rows.response_ids[i])].copy()
+        merged: dict[int, np.ndarray] = {}
+        for part in dist.all_gather_object(local):
+            merged.update(part)
+        return [merged[i] for i in range(len(rows))]
+
+    # ---- weights out ---------------------------------------------------------------------
+    def _gather_params(self, params: list[Any], modifier_rank: int | None = None):
+        if self.config.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """Full fp32 weights (HF names) on rank 0, ``{}`` on other ranks. All ranks must call it.
+
+        Gathers one parameter at a time, so peak extra memory is one full tensor per rank.
+        """
+        import torch
+
+        module = self.engine.module
+        out: dict[str, torch.Tensor] = {}
+        # bf16 training keeps fp32 master weights in the optimizer: hand those out, not the
+        # rounded bf16 copies (safe_get_full_fp32_param is collective under ZeRO-3).
+        master = self.optimizer is not None and self.config.dtype != "fp32"
+        for name, p in module.named_parameters():
+            if master:
+                from deepspeed.utils import safe_get_full_fp32_param
+
+                full = safe_get_full_fp32_param(p)
+                if full is not None:
+                    if self.rank == 0:
+                        out[name] = full.detach().to(torch.float32, copy=True).cpu().reshape(
+                            self._param_shapes[name])
+                    continue
+            with self._gather_params([p]):
+                if self.rank == 0:
+                    out[name] = p.detach().to(torch.float32, copy=True).cpu()
+        keys = set(module.state_dict().keys()) if self.rank == 0 else set()
+        for name, b in module.named_buffers():
+            if name in keys:  # persistent buffers only, as in state_dict()
+                out[name] = b.detach().to(torch.float32, copy=True).cpu()
+        return out
+
+    def save_hf(self, url: str) -> str | None:
+        """Write an HF safetensors checkpoint (config, tokenizer, weights) to ``url`` via storage;
+        loads with ``from_pretrained``. All ranks call it; rank 0 writes and returns the URL."""
+        state = self.gathered_state_dict()
+        result = None
+        if self.rank == 0:
+            from storage import save_checkpoint
+
+            result = save_checkpoint(url, state, config=self.model_config, tokenizer=self.tokenizer)
+        dist.barrier()
+        return result
+
+    # ---- weights in ----------------------------------------------------------------------
+    def check_shapes(self, shapes: dict[str, list[int]], source: str) -> None:
+        """Raise TrainInputError if ``shapes`` (name -> shape) is not this model's."""
+        mine = self._param_shapes
+        missing = sorted(set(mine) - set(shapes))
+        extra = sorted(set(shapes) - set(mine))
+        wrong = [n for n in mine if n in shapes and list(shapes[n]) != list(mine[n])]
+        if missing or extra or wrong:
+            detail = "; ".join(
+                s
+                for s in (
+                    f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}" if missing else "",
+                    f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}" if extra else "",
+                    ", ".join(f"{n}: {shapes[n]} vs {mine[n]}" for n in wrong[:3]),
+                )
+                if s
+            )
+            raise TrainInputError(
+                f"checkpoint {source} was saved from a different model ({detail}); load a "
+                f"checkpoint of {self.model_path} or build the trainer from that checkpoint's model."
+            )
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        """Copy a full state dict (HF names) into the engine; every rank passes the same dict.
+        The optimizer's fp32 master copy is refreshed; its moments are left as they are."""
+        import torch
+
+        self.check_shapes({k: list(v.shape) for k, v in state.items()}, "state dict")
+        for name, p in self.engine.module.named_parameters():
+            with self._gather_params([p], modifier_rank=0):
+                if self.rank == 0 or self.config.zero_stage != 3:
+                    with torch.no_grad():
+                        p.data.copy_(state[name].to(p.dtype))
+        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
+        if self.optimizer is not None and refresh is not None:
+            refresh()
+
+    # ---- exact resume --------------------------------------------------------------------
+    def save(self, url: str) -> str:
+        """Everything exact resume needs under ``<url>/trainer/`` (all ranks call it): DeepSpeed
+        weights + optimizer, step, data cursor, RNG states. Returns the state file's URL."""
+        from .checkpoint import rng_state, save_engine_state
+
+        extra = {
+            "samples_seen": self.samples_seen,
+            "rng": rng_state(self._shuffle),
+            "config": self.config.model_dump(mode="json"),
+            **self._extra_state(),
+        }
+        return save_engine_state(self, url, extra)
+
+    def load(self, url: str) -> None:
+        """Restore a ``save(url)``; a checkpoint of another model raises TrainInputError first."""
+        from .checkpoint import load_engine_state, set_rng_state
+
+        state = load_engine_state(self, url)
+        self.step = state["step"]
+        self.samples_seen = state["samples_seen"]
+        set_rng_state(state["rng"], self._shuffle)
+        self._load_extra_state(state)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,146 @@
+"""Fast checks (no DeepSpeed engine): configs, batch validation, collation, batching plans."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from pydantic import ValidationError
+
+from gpu_jobs.train import CriticConfig, TrainerConfig, TrainInputError
+from gpu_jobs.train.batch import collate, plan_microbatches, plan_minibatches, read_rows
+
+
+# ---- configs ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pipeline_with_zero2_or_3_is_rejected_with_the_fix(stage):
+    with pytest.raises(ValidationError) as e:
+        TrainerConfig(zero_stage=stage, pipeline_parallel_size=2)
+    msg = str(e.value)
+    assert "DeepSpeed cannot combine pipeline parallelism with ZeRO-2/3" in msg
+    assert "set zero_stage to 0 or 1" in msg and "pipeline_parallel_size=1" in msg
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_pipeline_with_zero0_or_1_is_accepted(stage):
+    cfg = TrainerConfig(zero_stage=stage, pipeline_parallel_size=2)
+    assert cfg.deepspeed_config(world_size=2)["zero_optimization"]["stage"] == stage
+
+
+def test_configs_forbid_unknown_fields_and_document_every_field():
+    with pytest.raises(ValidationError):
+        TrainerConfig(learning_rate=1e-5)  # verl calls it lr
+    for cls in (TrainerConfig, CriticConfig):
+        undocumented = [n for n, f in cls.model_fields.items() if not f.description]
+        assert undocumented == []
+
+
+def test_deepspeed_config_sets_clipping_explicitly_and_owns_accumulation():
+    ds = TrainerConfig(grad_clip=0.5, dtype="bf16").deepspeed_config(world_size=2)
+    assert ds["gradient_clipping"] == 0.5  # DeepSpeed's own default would be 1.0
+    assert ds["gradient_accumulation_steps"] == 1 and ds["train_batch_size"] == 2
+    assert ds["bf16"]["enabled"] and ds["zero_optimization"]["stage"] == 3
+
+
+def test_lr_schedules():
+    cfg = TrainerConfig(lr=1.0, lr_warmup_steps=4)
+    assert [cfg.lr_at(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = TrainerConfig(lr=1.0, lr_scheduler="cosine", total_training_steps=10, min_lr_ratio=0.1)
+    assert cos.lr_at(0) == 1.0 and math.isclose(cos.lr_at(10), 0.1)
+    assert math.isclose(cos.lr_at(5), 0.1 + 0.9 * 0.5)  # half way down the cosine
+    with pytest.raises(ValidationError, match="total_training_steps"):
+        TrainerConfig(lr_scheduler="cosine")
+
+
+# ---- batch validation ------------------------------------------------------------------------
+def _table(**cols):
+    return pa.table(cols)
+
+
+def _ok(**extra):
+    cols = {
+        "prompt_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32())),
+        "response_ids": pa.array([[4, 5, 6], [7]], pa.list_(pa.int32())),
+        "advantages": pa.array([[1.0, 1.0, 1.0], [-1.0]], pa.list_(pa.float32())),
+    }
+    cols.update(extra)
+    return _table(**cols)
+
+
+def test_valid_batch_reads():
+    rows = read_rows(_ok(), require=("advantages",), vocab_size=64)
+    assert len(rows) == 2 and rows.samples_per_prompt == 1
+    assert rows.columns["advantages"][0].tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "table, needle",
+    [
+        (_ok().drop(["advantages"]), "missing column(s) ['advantages']"),
+        (_ok(advantages=pa.array([[1.0, float("nan"), 1.0], [0.0]], pa.list_(pa.float32()))),
+         "'advantages' row 0 token 1 is nan"),
+        (_ok().slice(0, 0), "empty batch"),
+        (_ok(advantages=pa.array([[1.0, 1.0], [0.0]], pa.list_(pa.float32()))),
+         "'advantages' row 0 has 2 values but the response has 3 tokens"),
+        (_ok(response_ids=pa.array([[4, 5, 99], [7]], pa.list_(pa.int32()))),
+         "outside the model's vocabulary"),
+        (_ok(prompt_ids=pa.array([[], [3]], pa.list_(pa.int32()))), "empty prompt"),
+        (_ok(advantages=pa.array([None, [0.0]], pa.list_(pa.float32()))), "null in row 0"),
+    ],
+    ids=["missing-advantages", "nan", "empty", "length-mismatch", "vocab", "empty-prompt", "null"],
+)
+def test_bad_batches_name_the_problem_and_the_fix(table, needle):
+    with pytest.raises(TrainInputError) as e:
+        read_rows(table, require=("advantages",), vocab_size=64)
+    assert needle in str(e.value)
+    assert any(w in str(e.value).lower() for w in ("fix", "recompute", "drop", "check", "roll out", "run"))
+
+
+def test_group_ids_give_samples_per_prompt():
+    t = _ok().append_column("group_id", pa.array(["a", "a"]))
+    assert read_rows(t, vocab_size=64).samples_per_prompt == 2
+
+
+# ---- collation -------------------------------------------------------------------------------
+def test_collate_left_pads_prompts_right_pads_responses_and_counts_positions():
+    rows = read_rows(_ok(), vocab_size=64)
+    mb = collate(rows, [0, 1])
+    assert mb["input_ids"].tolist() == [[1, 2, 4, 5, 6], [0, 3, 7, 0, 0]]
+    assert mb["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]]
+    # the second row's prompt token sits at position 0 although it is the second column
+    assert mb["position_ids"][1, 1:3].tolist() == [0, 1]
+    assert mb["responses"].tolist() == [[4, 5, 6], [7, 0, 0]]
+    assert mb["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert mb["advantages"].tolist() == [[1, 1, 1], [-1, 0, 0]]
+    assert collate(rows, [1], pad_response_to=4)["response_mask"].shape == (1, 4)
+
+
+# ---- plans -----------------------------------------------------------------------------------
+def test_minibatch_plan_is_a_seeded_permutation():
+    import torch
+
+    a = plan_minibatches(10, 4, torch.Generator().manual_seed(3))
+    b = plan_minibatches(10, 4, torch.Generator().manual_seed(3))
+    assert [x.tolist() for x in a] == [x.tolist() for x in b]
+    assert [len(x) for x in a] == [4, 4, 2]
+    assert sorted(np.concatenate(a).tolist()) == list(range(10))
+    assert np.concatenate(plan_minibatches(5, 2, None)).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_dynamic_microbatches_respect_the_token_budget():
+    rng = np.random.default_rng(0)
+    n = 20
+    t = _table(
+        prompt_ids=pa.array([rng.integers(1, 9, rng.integers(1, 8)).tolist() for _ in range(n)], pa.list_(pa.int32())),
+        response_ids=pa.array([rng.integers(1, 9, rng.integers(1, 12)).tolist() for _ in range(n)], pa.list_(pa.int32())),
+    )
+    rows = read_rows(t, vocab_size=64)
+    micros = plan_microbatches(rows, range(n), micro_size=None, max_tokens=40)
+    assert sorted(i for m in micros for i in m) == list(range(n))
+    for m in micros:
+        p, r = rows.lengths(m)
+        assert len(m) == 1 or len(m) * (p.max() + r.max()) <= 40
+    fixed = plan_microbatches(rows, range(n), micro_size=6, max_tokens=None)
+    assert [len(m) for m in fixed] == [6, 6, 6, 2]

@@ -1,0 +1,42 @@
+"""The critic: a scalar head on the LM, trained with the clipped value loss."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from gpu_jobs.train import Critic, CriticConfig, RefModel, TrainerConfig, TrainInputError
+
+pytestmark = pytest.mark.deepspeed
+
+
+def test_critic_loss_decreases_on_a_fixed_batch(tiny_model, helpers):
+    batch = helpers.make_batch(seed=21, prompts=4, n=2)
+    returns = [(0.5 * np.sign(a)).tolist() for a in batch.column("advantages").to_pylist()]
+    batch = batch.append_column("returns", pa.array(returns, pa.list_(pa.float32())))
+    critic = Critic(tiny_model, CriticConfig(ppo_mini_batch_size=4, lr=3e-3, cliprange_value=0.5))
+    with pytest.raises(TrainInputError, match="values"):
+        critic.update(batch)  # values missing: run compute_values first
+    losses, explained = [], []
+    for _ in range(8):
+        values = critic.compute_values(batch)
+        assert [len(v) for v in values] == [len(r) for r in batch.column("response_ids").to_pylist()]
+        table = batch.append_column("values", pa.array([v.tolist() for v in values], pa.list_(pa.float32())))
+        m = critic.update(table)
+        losses.append(m["critic/vf_loss"])
+        explained.append(m["critic/vf_explained_var"])
+        assert 0 <= m["critic/vf_clipfrac"] <= 1 and m["critic/grad_norm"] > 0
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert explained[-1] > explained[0]
+
+
+def test_ref_model_log_probs_equal_the_policy_before_training(tiny_model, helpers):
+    from gpu_jobs.train import PolicyTrainer
+
+    batch = helpers.make_batch(seed=22, prompts=2, n=2)
+    ref = RefModel(tiny_model, TrainerConfig())
+    assert ref.optimizer is None
+    policy = PolicyTrainer(tiny_model, TrainerConfig())
+    for a, b in zip(ref.compute_log_probs(batch), policy.compute_log_probs(batch)):
+        np.testing.assert_array_equal(a, b)

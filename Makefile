@@ -29,5 +29,15 @@ bench-rollout: venv
 bench-update: venv
 	$(PY) -m benchmarks.bench_update
 
+# Running it for real: a Prefect server, a process worker, and the deployments (README "For real").
+server: venv
+	PATH=$(CURDIR)/.venv/bin:$$PATH bash scripts/prefect_local.sh server
+
+worker: venv
+	PATH=$(CURDIR)/.venv/bin:$$PATH bash scripts/prefect_local.sh worker
+
+deploy: venv
+	PATH=$(CURDIR)/.venv/bin:$$PATH bash scripts/prefect_local.sh deploy
+
 clean:
 	rm -rf .rlmill .pytest_cache

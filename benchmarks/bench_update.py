@@ -95,9 +95,9 @@ def _launch(model_dir: str, ranks: int, updates: int, out: str) -> dict:
 
 def _row(name: str, params: int, r: dict) -> str:
     w = r["world_size"]
-    u = r["timing_s/update_actor"] + r.get("timing_s/old_log_prob", 0.0)
+    u = r["timing_s/update_actor"] + r.get("timing_s/old_log_prob", 0.0)  # mean seconds per update
     job_tps = r["perf/total_num_tokens"] / u
-    return (f"| {name} | {params / 1e6:.2f}M | {w} | {r['perf/throughput']:,.0f} | {job_tps:,.0f} | "
+    return (f"| {name} | {params / 1e6:.2f}M | {w} | {job_tps / w:,.0f} | {job_tps:,.0f} | "
             f"{u:.2f} | {r.get('timing_s/old_log_prob', 0):.2f} | "
             f"{r.get('timing_s/update_actor/forward', 0):.2f} | "
             f"{r.get('timing_s/update_actor/backward', 0):.2f} | "

@@ -10,9 +10,14 @@ so the command line and a YAML file mean the same thing.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import yaml
+
+
+# YAML 1.1 reads "3e-5" (no dot) as a string; on a command line it is always meant as a number.
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
 class OverrideError(ValueError):
@@ -30,6 +35,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise OverrideError(f"override {text!r}: value is not valid YAML ({exc})") from None
+    if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+        value = float(value)
     return key.split("."), value
 
 

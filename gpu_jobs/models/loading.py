@@ -143,8 +143,10 @@ def _convert_gguf(gguf: str, out: Path) -> None:
     folder, name = os.path.split(gguf)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # The weights are dequantised on load; a leftover quantization_config would make
-    # from_pretrained / vLLM look for a GGUF quantiser when reading the plain folder.
+    # The weights are dequantised on load; a leftover quantizer refuses to save, and a
+    # leftover quantization_config would make from_pretrained / vLLM look for a GGUF
+    # quantiser when reading the plain folder.
+    model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

@@ -79,7 +79,11 @@ def _call(fn, task: tuple, kwargs: dict, score_range) -> tuple:
     try:
         # Keywords, as verl's reward managers call it: user functions are written against these names.
         res = fn(
-            data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info, **kwargs
+            data_source=data_source,
+            solution_str=solution_str,
+            ground_truth=ground_truth,
+            extra_info=extra_info,
+            **kwargs,
         )
         score, extras = coerce_result(res, score_range)
     except (TypeError, ValueError) as e:
@@ -185,30 +189,37 @@ def _score_in_pool(tasks: list[tuple], cfg: RewardConfig) -> tuple[list[tuple], 
                            return_when=FIRST_COMPLETED)
             broken = False
             for fut in done:
-                i, _ = inflight.pop(fut)
                 try:
-                    results[i] = fut.result()
+                    results[inflight[fut][0]] = fut.result()
+                    del inflight[fut]
                 except BrokenProcessPool:
-                    broken = True
+                    broken = True  # stays in flight: handled with the others below
+                except Exception as e:  # e.g. the task or result could not be pickled
+                    results[inflight.pop(fut)[0]] = (_ERR, None, {}, "exception", f"{type(e).__name__}: {e}")
+            if broken:
+                # A worker died (os._exit, segfault, OOM kill). Which sample did it is unknown,
+                # so every sample in flight becomes a suspect and is retried alone; one that
+                # kills a worker twice scores on_error. An innocent one never crashes alone.
+                for i, _ in inflight.values():
                     crashes[i] += 1
                     if crashes[i] >= 2:
                         results[i] = (_ERR, None, {}, "crash", "reward worker process died while scoring this sample")
                     else:
                         pending.appendleft(i)
-                except Exception as e:  # e.g. the task or result could not be pickled
-                    results[i] = (_ERR, None, {}, "exception", f"{type(e).__name__}: {e}")
+                inflight.clear()
             now = time.monotonic()
             expired = [f for f, (_, t) in inflight.items() if now - t >= cfg.timeout_s]
             for fut in expired:
                 i, _ = inflight.pop(fut)
                 results[i] = (_ERR, None, {}, "timeout", f"reward function took longer than timeout_s={cfg.timeout_s}")
             if expired or broken:
-                for i, _ in inflight.values():  # bystanders: re-run on the new pool
+                for i, _ in inflight.values():  # bystanders of a hang: re-run on the new pool
                     pending.appendleft(i)
                 inflight.clear()
                 pool.kill()
-                pool = _Pool(cfg, n_workers)
-                restarts += 1
+                if pending:
+                    pool = _Pool(cfg, n_workers)
+                    restarts += 1
     finally:
         pool.kill()
     return results, restarts  # type: ignore[return-value]

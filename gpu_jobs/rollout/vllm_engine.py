@@ -14,8 +14,9 @@ token ids, so any tokenizer, including the built-in character-level one, works.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import tempfile
+import random
 
 from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig, make_row, register_rollout_engine
 
@@ -25,10 +26,32 @@ _SEED_STRIDE = 1_000_003
 
 
 def _set_vllm_env() -> None:
-    """Environment vLLM reads at import/engine-creation time; setdefault keeps user overrides."""
+    """Environment vLLM reads at import/engine-creation time; setdefault keeps user overrides.
+
+    VLLM_CACHE_ROOT is rlmill's own folder, not ~/.cache/vllm and not a fresh temp dir: with
+    enforce_eager it only holds vLLM's model-class inspection results, and a cold one costs a
+    subprocess that imports vLLM's model registry (~5 s idle, over a minute on busy cores)
+    on every engine start.
+    """
+    from gpu_jobs.models.tiny import default_cache_dir
+
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="rlmill-vllm-cache-"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(default_cache_dir().parent / "vllm"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@contextlib.contextmanager
+def _preserve_global_rng():
+    import numpy as np
+    import torch
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 class VLLMRolloutEngine:
@@ -49,7 +72,13 @@ class VLLMRolloutEngine:
         kwargs = {}
         if self.config.max_model_len is not None:
             kwargs["max_model_len"] = self.config.max_model_len
-        self.llm = LLM(
+        # In-process vLLM seeds the global random/numpy/torch RNGs with config.seed; keep the
+        # caller's (e.g. a trainer's) streams as they were.
+        with _preserve_global_rng():
+            self.llm = self._make_llm(LLM, kwargs)
+
+    def _make_llm(self, LLM, kwargs):
+        return LLM(
             model=self.model_path,
             dtype=self.config.dtype,
             seed=self.config.seed,

@@ -199,18 +199,25 @@ def update(ctx: RunContext, k: int, adv_uri: str) -> str:
     from storage import read_pointer
 
     if ctx.trainer_k >= k:
-        # The process died after checkpoint k was published but before this manifest: the
-        # trainer already holds update k (restored from that checkpoint). Training again would
-        # apply it twice, so commit what that update measured.
-        metrics = json.loads(read_pointer(join(ctx.layout.checkpoint(k), "update_metrics.json"), ctx.storage))
+        # The trainer already holds update k: either this is a retry after a failed checkpoint
+        # write (metrics kept in memory), or the process died after checkpoint k was published
+        # but before this manifest (metrics saved with the checkpoint). Training again would
+        # apply the update twice.
+        metrics = ctx.extra.get(("update_metrics", k))
+        if metrics is None:
+            saved = read_pointer(join(ctx.layout.checkpoint(k), "update_metrics.json"), ctx.storage)
+            if saved is None:
+                raise RuntimeError(f"trainer holds update {k} but neither memory nor checkpoint {k} has its metrics")
+            metrics = json.loads(saved)
     else:
         if ctx.trainer_k != k - 1:
             raise RuntimeError(f"trainer holds update {ctx.trainer_k}, cannot apply update {k}: restore first")
         metrics = _train_on(ctx, k, read_table(adv_uri, storage=ctx.storage))
-        if _checkpoint_due(ctx, k):
-            t0 = time.perf_counter()
-            save_checkpoint(ctx, k, metrics)
-            metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0
+        ctx.extra[("update_metrics", k)] = metrics
+    if _checkpoint_due(ctx, k) and (ctx.layout.latest_checkpoint() or 0) < k:
+        t0 = time.perf_counter()
+        save_checkpoint(ctx, k, metrics)
+        metrics = {**metrics, "timing_s/save_checkpoint": time.perf_counter() - t0}
     return _commit(ctx, k, "update", pa.table({"iteration": [k]}), [adv_uri], metrics)
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "PolicyTrainer",
     "RefModel",
     "Critic",
+    "PipelinePolicyTrainer",
     "TrainInputError",
     "PIPELINE_ZERO_ERROR",
 ]
@@ -32,6 +33,7 @@ _LAZY = {
     "PolicyTrainer": "policy",
     "RefModel": "policy",
     "Critic": "critic",
+    "PipelinePolicyTrainer": "pipeline",
 }
 
 

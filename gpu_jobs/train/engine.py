@@ -69,6 +69,17 @@ def resolve_model_path(model_path: str) -> str:
     return resolve(model_path)
 
 
+def load_tokenizer_if_any(model_path: str) -> Any:
+    """The folder's tokenizer, or None for a weights-only folder (AutoTokenizer would invent
+    an empty one there); save_hf then writes no tokenizer files."""
+    if not any(os.path.exists(os.path.join(model_path, f))
+               for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
 def _torch_dtype(name: str):
     import torch
 
@@ -98,32 +109,26 @@ class ZeroModule:
         self.config = config
         self.model_path = resolve_model_path(model_path)
         self.rank, self.world_size = dist.rank(), dist.world_size()
-        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_if_any(self.model_path)
         self.step = 0  # update() calls so far
         self.samples_seen = 0  # data cursor: rows consumed by update() so far
         self._shuffle = torch.Generator().manual_seed(config.seed)
-        torch.manual_seed(config.seed)  # a freshly initialised head (critic) is seeded
-        model = self._build_model(auto_class, config_overrides or {})
+        with torch.random.fork_rng(devices=[]):  # seed a fresh head (critic), keep the caller's RNG
+            torch.manual_seed(config.seed)
+            model = self._build_model(auto_class, config_overrides or {})
         self.model_config = model.config
         self._param_shapes = {
             n: list(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()
+        }
+        # Names that are a second name of a parameter (lm_head.weight tied to the embedding):
+        # consolidated ZeRO checkpoints list them, named_parameters() does not.
+        self._aliases = set(model.state_dict()) - set(self._param_shapes) - {
+            n for n, _ in model.named_buffers()
         }
         self.engine, self.optimizer = self._build_engine(model, train)
         self.device = self.engine.device
 
     # ---- construction --------------------------------------------------------------------
-    def _load_tokenizer(self) -> Any:
-        # A weights-only folder has no tokenizer (AutoTokenizer would invent an empty one):
-        # save_hf then writes no tokenizer files.
-        if not any(
-            os.path.exists(os.path.join(self.model_path, f))
-            for f in ("tokenizer.json", "tokenizer_config.json")
-        ):
-            return None
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.model_path)
-
     def _build_model(self, auto_class: Any, overrides: dict[str, Any]) -> Any:
         from transformers import AutoConfig
 
@@ -158,7 +163,7 @@ class ZeroModule:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=c.lr_at(0), betas=c.betas, eps=c.eps, weight_decay=c.weight_decay
         )
-        engine, ds_optimizer, *_ = deepspeed.initialize(
+        engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config
         )
         return engine, optimizer
@@ -348,6 +353,7 @@ class ZeroModule:
         The optimizer's fp32 master copy is refreshed; its moments are left as they are."""
         import torch
 
+        state = {k: v for k, v in state.items() if k not in self._aliases}
         self.check_shapes({k: list(v.shape) for k, v in state.items()}, "state dict")
         for name, p in self.engine.module.named_parameters():
             with self._gather_params([p], modifier_rank=0):

@@ -133,7 +133,7 @@ def test_verl_users_file_reads_unchanged(tmp_path):
     rows = [
         {
             "data_source": "openai/gsm8k",
-            "prompt": [{"content": f"Q{i}? Let's think step by step and output the answer after '####'.", "role": "user"}],
+            "prompt": [{"content": f"Q{i}? Think step by step; give the answer after '####'.", "role": "user"}],
             "ability": "math",
             "reward_model": {"ground_truth": str(i * 3), "style": "rule"},
             "extra_info": {"answer": f"... #### {i * 3}", "index": i, "question": f"Q{i}?", "split": "train"},
@@ -197,5 +197,6 @@ def test_overlong_prompts_error_or_are_filtered_and_counted(tokenizer):
     prompts = [[{"role": "user", "content": c}] for c in ["1+2=", "12345+678=", "3+4="]]
     with pytest.raises(OverlongPromptError, match="row 1"):
         render_prompts(prompts, tokenizer, DatasetConfig(max_prompt_length=5))
-    ids, kept, n_filtered = render_prompts(prompts, tokenizer, DatasetConfig(max_prompt_length=5, overlong_prompts="filter"))
+    cfg = DatasetConfig(max_prompt_length=5, overlong_prompts="filter")
+    ids, kept, n_filtered = render_prompts(prompts, tokenizer, cfg)
     assert kept == [0, 2] and n_filtered == 1 and [len(x) for x in ids] == [4, 4]

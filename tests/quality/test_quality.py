@@ -145,8 +145,10 @@ ROLLOUT_VIOLATIONS = {
                    "expect_column_pair_values_to_be_equal", "response_len,dq_response_ids_len"),
     "len != logprobs": (lambda d: _one_extra(d, "rollout_logprobs", np.float32),
                         "expect_column_pair_values_to_be_equal", "response_len,dq_logprobs_len"),
-    "nan logprob": (lambda d: _bad_logprobs(d, np.nan), "expect_column_values_to_be_in_set", "dq_logprobs_all_finite"),
-    "-inf logprob": (lambda d: _bad_logprobs(d, -np.inf), "expect_column_values_to_be_in_set", "dq_logprobs_all_finite"),
+    "nan logprob": (lambda d: _bad_logprobs(d, np.nan),
+                    "expect_column_values_to_be_in_set", "dq_logprobs_all_finite"),
+    "-inf logprob": (lambda d: _bad_logprobs(d, -np.inf),
+                     "expect_column_values_to_be_in_set", "dq_logprobs_all_finite"),
     "positive logprob": (lambda d: _bad_logprobs(d, 0.5), "expect_column_values_to_be_between", "dq_logprobs_max"),
     "duplicate uid": (lambda d: _set(d, 5, "uid", "u6"), "expect_column_values_to_be_unique", "uid"),
     "duplicate sample": (lambda d: _set(d, 5, "sample_index", 2),
@@ -211,8 +213,9 @@ def test_validating_4096_rows_is_fast():
     df = rollout_df(4096, max_len=64, seed=1)
     cfg = GateConfig(max_response_length=64, score_range=(0.0, 1.0))
     validate_rollout(df.head(8), cfg)  # import + context, paid once per process
-    t0 = time.perf_counter()
+    # CPU time, not wall time: other processes on a shared 2-core box must not fail this test.
+    # ~0.45-0.65 s measured; the budget is ~1 s.
+    t0 = time.process_time()
     assert validate_rollout(df, cfg).passed
-    elapsed = time.perf_counter() - t0
-    # ~0.3-0.5 s on an idle core; the bound leaves room for a shared, busy machine.
-    assert elapsed < 2.5, elapsed
+    elapsed = time.process_time() - t0
+    assert elapsed < 1.5, elapsed

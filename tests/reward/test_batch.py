@@ -91,10 +91,10 @@ def test_bad_samples_score_on_error_and_the_batch_completes(reward_file):
 
 def test_a_crashing_worker_is_isolated_and_the_rest_score(reward_file):
     cfg = RewardConfig(custom_reward_function={"path": reward_file}, timeout_s=5.0, num_workers=2)
-    scores, extra, metrics = score_batch(_rows("5", "crash", "5", "4"), cfg)
-    assert scores == [1.0, 0.0, 1.0, 0.0]
-    assert extra[1]["error_kind"] == "crash" and metrics["reward/crashes"] == 1
-    assert metrics["reward/errors"] == 1
+    scores, extra, metrics = score_batch(_rows("5", "crash", "5", "4", "crash", "5"), cfg)
+    assert scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert extra[1]["error_kind"] == "crash" and extra[4]["error_kind"] == "crash"
+    assert metrics["reward/crashes"] == 2 and metrics["reward/errors"] == 2
 
 
 def test_functions_are_called_by_keyword_like_verl(reward_file):

@@ -17,13 +17,15 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 VOCAB = 64
 
 
-def build_tiny(path: str, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> str:
-    """A random tiny Qwen2ForCausalLM (hidden 64, 2 layers, 4 heads, vocab 64) saved to ``path``."""
+def build_tiny(path: str, *, hidden: int = 64, layers: int = 2, seed: int = 0, tied: bool = False) -> str:
+    """A random tiny Qwen2ForCausalLM (hidden 64, 2 layers, 4 heads, vocab 64) saved to ``path``;
+    ``tied``: lm_head shares the embedding, as in the built-in model."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=VOCAB, intermediate_size=2 * hidden, max_position_embeddings=128,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
@@ -68,6 +70,11 @@ def weights_of(trainer) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     return build_tiny(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session")
+def tied_model(tmp_path_factory) -> str:
+    return build_tiny(str(tmp_path_factory.mktemp("tied") / "model"), seed=1, tied=True)
 
 
 @pytest.fixture(scope="session")

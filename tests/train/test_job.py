@@ -38,7 +38,7 @@ def _job(args, nproc=None, timeout=400):
 
 
 @pytest.fixture(scope="module")
-def job_inputs(tiny_model, helpers, tmp_path_factory):
+def job_inputs(tied_model, helpers, tmp_path_factory):
     from storage import write_table
 
     tmp = tmp_path_factory.mktemp("job")
@@ -46,7 +46,7 @@ def job_inputs(tiny_model, helpers, tmp_path_factory):
     manifest = write_table(str(tmp / "batch"), batch)
     config = tmp / "trainer.yaml"
     config.write_text(yaml.safe_dump(CFG))
-    return dict(tmp=tmp, batch=batch, manifest=manifest, config=str(config), model=tiny_model)
+    return dict(tmp=tmp, batch=batch, manifest=manifest, config=str(config), model=tied_model)
 
 
 @pytest.mark.slow

@@ -1,0 +1,393 @@
+"""Nightly retraining: train the promoted model on the prompts that arrived since the last
+successful night, score the new checkpoint and the promoted model on a fixed held-out set, and
+promote the new one only if it is not worse.
+
+    prefect deployment run 'rl-nightly/nightly'          # what the 02:00 schedule triggers
+    python -m flows.nightly --config examples/grpo_arith.yaml --model-name arith root=/tmp/rl
+
+One night, as Prefect tasks and one `rl-training` subflow:
+  1. list verl-format Parquet files under `new_data_prefix` (default <root>/incoming/<model>/)
+     that the last successful night did not process; none -> a "nothing to do" artifact, done;
+  2. validate them (great-expectations, storage.quality.validate_prompts);
+  3. rl_training starting from the promoted version (models/<name>/CURRENT) or, before the
+     first promotion, from the config's model; run id nightly-<YYYYMMDD>;
+  4. greedy decoding of both models on the held-out set, scored by the run's reward;
+  5. promote (copy the HF folder to models/<name>/versions/<run id>, index last, then CURRENT)
+     if new - promoted >= min_gain; a markdown artifact shows the decision and both scores;
+  6. write models/<name>/nightly_state.json (only on success): which files are done.
+
+A night that fails leaves the state untouched, so the next night sees the same files again and,
+on the same date, resumes the same run id from its committed stages.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prefect import flow, get_run_logger, tags, task
+from prefect.cache_policies import NONE as NO_CACHE
+
+from flows.config import load_run_config
+from flows.reporting import artifact_key
+from storage import ModelLayout, RunLayout, join, read_pointer, url_to_fs, write_pointer
+
+if TYPE_CHECKING:
+    from flows.config import RunConfig
+
+log = logging.getLogger("rlmill")
+
+STATE_NAME = "nightly_state.json"
+HISTORY_KEPT = 60  # nights remembered in the state file (the artifacts keep the rest)
+
+
+# ------------------------------------------------------------------------------------ state
+def state_url(models: ModelLayout) -> str:
+    return join(models.root, STATE_NAME)
+
+
+def read_state(url: str, storage=None) -> dict[str, Any]:
+    """The state file, or an empty state before the first successful night."""
+    text = read_pointer(url, storage)
+    state = json.loads(text) if text else {}
+    state.setdefault("processed", {})
+    state.setdefault("history", [])
+    return state
+
+
+def write_state(url: str, state: dict[str, Any], storage=None) -> None:
+    """Atomically replace the state (os.replace locally, one PUT on S3)."""
+    state = {**state, "history": state["history"][-HISTORY_KEPT:]}
+    write_pointer(url, json.dumps(state, indent=1, sort_keys=True), storage)
+
+
+# ------------------------------------------------------------------------------------ new data
+@dataclass(frozen=True)
+class NewFile:
+    url: str
+    rel: str  # path under the prefix: the key in state["processed"]
+    size: int
+
+
+def list_new_files(prefix: str, processed: dict[str, int], storage=None) -> list[NewFile]:
+    """Parquet files under `prefix` that are not in `processed` (or whose size changed), by path.
+
+    Files are matched by name, not by modification time: object-store clocks and local clocks
+    disagree, and a file re-uploaded under the same name with new content is new again.
+    Hidden names ('.x', '_x') are skipped: write_prompts stages '.name.tmp-*' files.
+    """
+    fs, root = url_to_fs(prefix, storage)
+    if not fs.exists(root):
+        return []
+    root = root.rstrip("/")
+    out = []
+    for path, info in sorted(fs.find(root, detail=True).items()):
+        rel = path[len(root):].lstrip("/")
+        if not rel.endswith(".parquet") or any(p.startswith((".", "_")) for p in rel.split("/")):
+            continue
+        size = int(info.get("size") or 0)
+        if processed.get(rel) != size:
+            out.append(NewFile(join(prefix, rel), rel, size))
+    return out
+
+
+def pick_run_id(night: str, state: dict[str, Any], train_files: list[str], root: str, storage=None) -> str:
+    """nightly-<night>, or -2, -3 ... when that id already finished or trained on other files.
+
+    A run that failed on this date with the same files keeps its id, so it resumes.
+    """
+    done = {h.get("run_id") for h in state["history"]}
+    for n in range(1, 100):
+        run_id = f"nightly-{night}" + (f"-{n}" if n > 1 else "")
+        if run_id in done:
+            continue
+        frozen = RunLayout(root, run_id, storage).read_run_json()
+        if frozen is None or frozen["config"]["data"]["train_files"] == train_files:
+            return run_id
+    raise RuntimeError(f"more than 99 nightly runs on {night}: clean up {root}/runs/nightly-{night}*")
+
+
+# ------------------------------------------------------------------------------------ evaluation
+def ensure_heldout(cfg: "RunConfig", models: ModelLayout, size: int, heldout_files: list[str] | None) -> list[str]:
+    """The fixed held-out set: `heldout_files`, else the config's data.val_files, else the
+    config's built-in generator's test split, written once under models/<name>/heldout/."""
+    from storage.datasets import make_dataset
+
+    if heldout_files:
+        return list(heldout_files)
+    if cfg.data.val_files:
+        return list(cfg.data.val_files)
+    if not cfg.data.generate:
+        raise ValueError("no held-out set: pass heldout_files, or set data.val_files or data.generate")
+    out = join(models.root, "heldout", f"{cfg.data.generate.replace(':', '-')}-seed{cfg.data.seed}-n{size}")
+    test_url = join(out, "test.parquet")
+    fs, path = url_to_fs(test_url, cfg.storage)
+    if not fs.exists(path):
+        make_dataset(cfg.data.generate, out, train_size=0, test_size=size, seed=cfg.data.seed, storage=cfg.storage)
+    return [test_url]
+
+
+def evaluate_model(model: str, heldout_files: list[str], eval_size: int, cfg: "RunConfig") -> dict[str, float]:
+    """Greedy decoding of `model` (alias, folder or storage URL) on the first `eval_size`
+    held-out rows, scored by the run's reward. Returns mean reward, exact match and n."""
+    import gc
+
+    from gpu_jobs.reward import score_batch
+    from gpu_jobs.rollout import get_rollout_engine
+    from gpu_jobs.stages.context import resolve_model
+    from gpu_jobs.stages.samples import ground_truth_of
+    from gpu_jobs.models import load_tokenizer
+    from storage.datasets import read_prompts, render_many
+
+    rows = read_prompts(heldout_files, storage=cfg.storage).iloc[:eval_size]
+    path = resolve_model(model, cfg.model.seed, cfg.storage)
+    tok = load_tokenizer(path)
+    engine = get_rollout_engine(cfg.rollout.engine, path, cfg.rollout.engine_options)
+    try:
+        out = engine.generate(render_many(rows[cfg.data.prompt_key], tok), 1, cfg.rollout.greedy())
+    finally:
+        del engine
+        gc.collect()
+    texts = tok.batch_decode([r["response_ids"] for r in out], skip_special_tokens=True)
+    truths = [ground_truth_of(rm) for rm in rows["reward_model"]]
+    extras = rows["extra_info"] if "extra_info" in rows else [None] * len(rows)
+    scores, _, _ = score_batch([{"data_source": d, "solution_str": s, "ground_truth": g, "extra_info": e}
+                                for d, s, g, e in zip(rows["data_source"], texts, truths, extras)], cfg.reward)
+    n = len(scores)
+    return {"mean_reward": sum(scores) / n if n else float("nan"),
+            "exact_match": sum(t.strip() == g for t, g in zip(texts, truths)) / n if n else float("nan"),
+            "n": n}
+
+
+@dataclass(frozen=True)
+class Decision:
+    promote: bool
+    reason: str
+
+
+def decide(new_score: float, current_score: float, min_gain: float = 0.0) -> Decision:
+    """Promote when new - current >= min_gain ("not worse" at the default 0.0).
+
+    >>> decide(0.52, 0.50).promote, decide(0.50, 0.50).promote, decide(0.49, 0.50).promote
+    (True, True, False)
+    """
+    if not math.isfinite(new_score):
+        return Decision(False, f"new score is {new_score}: nothing to compare")
+    if not math.isfinite(current_score):
+        return Decision(True, f"promoted model's score is {current_score}: the new one wins by default")
+    gain = new_score - current_score
+    # 1e-9: a tie computed from the same rows in a different order must count as "not worse".
+    if gain >= min_gain - 1e-9:
+        return Decision(True, f"new {new_score:.4f} - promoted {current_score:.4f} = {gain:+.4f} >= min_gain {min_gain:+.4f}")
+    return Decision(False, f"new {new_score:.4f} - promoted {current_score:.4f} = {gain:+.4f} < min_gain {min_gain:+.4f}")
+
+
+# ------------------------------------------------------------------------------------ promotion
+def copy_checkpoint(src_url: str, dest_url: str, storage=None) -> str:
+    """Copy a committed HF folder to `dest_url`, writing model.safetensors.index.json last and
+    create-only: the version is either absent or complete. A retry after a crash re-copies the
+    files and commits; an already committed destination is left as it is."""
+    from storage import INDEX_NAME, ObjectExistsError, read_index, write_once
+
+    fs, src = url_to_fs(src_url, storage)
+    dfs, dst = url_to_fs(dest_url, storage)
+    if dfs.exists(f"{dst.rstrip('/')}/{INDEX_NAME}"):
+        return dest_url
+    read_index(src_url, storage)  # raises NotCommittedError for a half-written source
+    src = src.rstrip("/")
+    for path in sorted(fs.find(src)):
+        rel = path[len(src):].lstrip("/")
+        if rel == INDEX_NAME:
+            continue
+        target = f"{dst.rstrip('/')}/{rel}"
+        dfs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        if fs is dfs:
+            fs.cp_file(path, target)
+        else:
+            dfs.pipe_file(target, fs.cat_file(path))
+    try:
+        write_once(join(dest_url, INDEX_NAME), fs.cat_file(f"{src}/{INDEX_NAME}"), storage)
+    except ObjectExistsError:  # another try committed it meanwhile: same bytes
+        pass
+    read_index(dest_url, storage)
+    return dest_url
+
+
+# ------------------------------------------------------------------------------------ artifacts
+def _fmt(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, float) else str(x)
+
+
+def decision_markdown(model_name: str, night: str, run_id: str, decision: Decision, new_eval: dict,
+                      cur_eval: dict, new_url: str, base: str, base_version: str | None,
+                      files: list[NewFile], promoted_to: str | None) -> str:
+    verdict = f"PROMOTED `{promoted_to}`" if decision.promote else "REFUSED (promoted model kept)"
+    shown = "".join(f"\n- `{f.url}` ({f.size} bytes)" for f in files[:20])
+    more = f"\n- ... and {len(files) - 20} more" if len(files) > 20 else ""
+    return (
+        f"## Nightly retraining of `{model_name}`, {night}: {verdict}\n\n"
+        "| model | weights | held-out mean reward | exact match | rows |\n|---|---|---|---|---|\n"
+        f"| new (run `{run_id}`) | `{new_url}` | {_fmt(new_eval['mean_reward'])} | "
+        f"{_fmt(new_eval['exact_match'])} | {new_eval['n']} |\n"
+        f"| promoted ({f'version `{base_version}`' if base_version else 'config model, nothing promoted yet'}) "
+        f"| `{base}` | {_fmt(cur_eval['mean_reward'])} | {_fmt(cur_eval['exact_match'])} | {cur_eval['n']} |\n\n"
+        f"**Decision:** {'promote' if decision.promote else 'refuse'}: {decision.reason}\n\n"
+        f"**New data:** {len(files)} file(s){shown}{more}\n"
+    )
+
+
+def nothing_markdown(model_name: str, night: str, prefix: str, state: dict) -> str:
+    last = state.get("last_success", {}).get("finished_at", "never")
+    return (f"## Nightly retraining of `{model_name}`, {night}: nothing to do\n\n"
+            f"No new Parquet files under `{prefix}` (last successful night: {last}; "
+            f"{len(state['processed'])} file(s) already processed).\n")
+
+
+def _markdown_artifact(model_name: str, markdown: str, description: str) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(key=artifact_key(model_name, "nightly"), markdown=markdown, description=description)
+
+
+# ------------------------------------------------------------------------------------ tasks
+# Each stage is idempotent on its own (files are compared by name, the copy commits create-only),
+# so no Prefect result cache is needed: NO_CACHE also avoids hashing the config on every call.
+@task(name="find-new-data", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def find_new_data(prefix: str, state_file: str, cfg: "RunConfig") -> list[NewFile]:
+    return list_new_files(prefix, read_state(state_file, cfg.storage)["processed"], cfg.storage)
+
+
+@task(name="validate-new-data", cache_policy=NO_CACHE)
+def validate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: str) -> list[str]:
+    """Gate the new prompts; returns the files to train on (a clean copy when rows were
+    quarantined). A failed gate in 'raise' mode fails the night and leaves the state as it was."""
+    from gpu_jobs.models import load_tokenizer
+    from gpu_jobs.stages.context import resolve_model
+    from storage.datasets import read_prompts, write_prompts
+    from storage.quality import validate_prompts
+
+    df = read_prompts(files, storage=cfg.storage)
+    gate = cfg.gate.model_copy(update={"max_prompt_length": cfg.gate.max_prompt_length or cfg.data.max_prompt_length})
+    tok = load_tokenizer(resolve_model(model, cfg.model.seed, cfg.storage))
+    result = validate_prompts(df, gate, join(out_dir, "_QUALITY.json"), tokenizer=tok,
+                              quarantine_url=join(out_dir, "quarantine.parquet"), storage=cfg.storage)
+    get_run_logger().info("new data: %d rows in %d file(s), %d quarantined", result.n_rows, len(files),
+                          result.n_quarantined)
+    if not result.n_quarantined:
+        return list(files)
+    if len(result.clean) == 0:
+        raise ValueError(f"every new row failed the data-quality gate; see {result.report_url}")
+    return [write_prompts(result.clean.to_dict("records"), join(out_dir, "clean.parquet"), storage=cfg.storage)]
+
+
+@task(name="evaluate", retries=1, cache_policy=NO_CACHE)
+def evaluate(model: str, heldout_files: list[str], eval_size: int, cfg: "RunConfig") -> dict[str, float]:
+    return evaluate_model(model, heldout_files, eval_size, cfg)
+
+
+@task(name="promote", retries=2, cache_policy=NO_CACHE)
+def promote(src_url: str, models: ModelLayout, version: str) -> str:
+    dest = copy_checkpoint(src_url, models.version(version), models.storage)
+    models.promote(version)
+    return dest
+
+
+# ------------------------------------------------------------------------------------ the flow
+def _today() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
+
+
+@flow(name="rl-nightly", log_prints=True)
+def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[str] | None = None,
+               model_name: str = "arith", new_data_prefix: str | None = None, iterations: int = 10,
+               eval_size: int = 300, min_gain: float = 0.0, night: str | None = None,
+               heldout_files: list[str] | None = None) -> dict[str, Any]:
+    """One night of retraining (see the module docstring).
+
+    config/overrides: the run config (root, storage, model, algorithm ...); new_data_prefix:
+    where new verl Parquet files land (default <root>/incoming/<model_name>); iterations: RL
+    iterations per night; eval_size: held-out rows scored for the decision; min_gain: how much
+    better (mean reward) the new model must be, 0.0 = not worse; night: YYYYMMDD (default today,
+    UTC) names the run; heldout_files: the held-out set (default: data.val_files, else generated).
+    """
+    overrides = list(overrides or [])
+    cfg = load_run_config(config, overrides)
+    models = ModelLayout(cfg.root, model_name, cfg.storage)
+    state_file = state_url(models)
+    state = read_state(state_file, cfg.storage)
+    prefix = new_data_prefix or join(cfg.root, "incoming", model_name)
+    night = night or _today()
+    logger = get_run_logger()
+    with tags("rlmill", "nightly", f"model:{model_name}"):
+        new = find_new_data(prefix, state_file, cfg)
+        if not new:
+            logger.info("no new data under %s: nothing to do", prefix)
+            _markdown_artifact(model_name, nothing_markdown(model_name, night, prefix, state), "nothing to do")
+            return {"status": "nothing to do", "model": model_name, "prefix": prefix}
+
+        base_version = models.current_version()
+        base = models.current_url() or cfg.model.path
+        run_id = pick_run_id(night, state, [f.url for f in new], cfg.root, cfg.storage)
+        logger.info("%d new file(s); run %s starts from %s", len(new), run_id, base)
+        train_files = validate_new_data([f.url for f in new], cfg, base, join(models.root, "nightly", run_id))
+        heldout = ensure_heldout(cfg, models, max(eval_size, cfg.data.val_size), heldout_files)
+
+        from flows.training import rl_training
+
+        run = rl_training(config=config, overrides=[
+            *overrides, f"model.path={json.dumps(base)}", f"data.train_files={json.dumps(train_files)}",
+            f"data.val_files={json.dumps(heldout)}", f"run_id={run_id}", f"trainer.total_iterations={iterations}"])
+
+        new_url = RunLayout(cfg.root, run_id, cfg.storage).policy(iterations)
+        new_eval = evaluate.with_options(task_run_name="evaluate-new")(new_url, heldout, eval_size, cfg)
+        cur_eval = evaluate.with_options(task_run_name="evaluate-promoted")(base, heldout, eval_size, cfg)
+        decision = decide(new_eval["mean_reward"], cur_eval["mean_reward"], min_gain)
+        promoted_to = None
+        if decision.promote:
+            promote(new_url, models, run_id)
+            promoted_to = run_id
+        logger.info("decision: %s (%s)", "promote" if decision.promote else "refuse", decision.reason)
+
+        _markdown_artifact(model_name, decision_markdown(model_name, night, run_id, decision, new_eval, cur_eval,
+                                                         new_url, base, base_version, new, promoted_to),
+                           f"Nightly {night}: {'promoted' if decision.promote else 'refused'}")
+        record = {"night": night, "run_id": run_id, "files": [f.rel for f in new], "new": new_eval,
+                  "promoted_before": cur_eval, "base": base, "decision": "promote" if decision.promote else "refuse",
+                  "reason": decision.reason, "promoted_version": promoted_to,
+                  "finished_at": dt.datetime.now(dt.timezone.utc).isoformat()}
+        state["processed"].update({f.rel: f.size for f in new})
+        state["history"].append(record)
+        state["last_success"] = {"night": night, "run_id": run_id, "finished_at": record["finished_at"]}
+        write_state(state_file, state, cfg.storage)
+        return {"status": "promoted" if decision.promote else "refused", "model": model_name, **record,
+                "run": {k: run[k] for k in ("val/acc before", "val/acc after") if k in run}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from flows.cli import _quiet_env
+
+    p = argparse.ArgumentParser(prog="python -m flows.nightly", description="one night of retraining")
+    p.add_argument("--config", default="examples/grpo_arith.yaml")
+    p.add_argument("--model-name", default="arith")
+    p.add_argument("--new-data-prefix", default=None)
+    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--eval-size", type=int, default=300)
+    p.add_argument("--min-gain", type=float, default=0.0)
+    p.add_argument("--night", default=None, help="YYYYMMDD (default: today, UTC)")
+    p.add_argument("overrides", nargs="*", help="dotted run-config overrides, e.g. root=/tmp/rl")
+    a = p.parse_args(argv)
+    _quiet_env()
+    out = rl_nightly(config=a.config, overrides=a.overrides, model_name=a.model_name,
+                     new_data_prefix=a.new_data_prefix, iterations=a.iterations, eval_size=a.eval_size,
+                     min_gain=a.min_gain, night=a.night)
+    print(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# A local Prefect for rlmill: server (API + UI), a process worker, and the deployments.
+#
+#   scripts/prefect_local.sh server    # API + UI on http://127.0.0.1:${PORT:-4200} (make server)
+#   scripts/prefect_local.sh worker    # process worker on pool ${RLMILL_WORK_POOL:-local} (make worker)
+#   scripts/prefect_local.sh deploy    # pool if missing + deployments/prefect.yaml (make deploy)
+#
+# Environment: PORT (4200), PREFECT_API_URL (http://127.0.0.1:$PORT/api, for worker and deploy),
+# RLMILL_WORK_POOL (local), RLMILL_NIGHTLY_TZ (UTC; the nightly 02:00 schedule's time zone),
+# PREFECT_HOME (~/.prefect: the server's SQLite database lives there), RLMILL_SERVER_WAIT_S (30:
+# seconds worker/deploy wait for the server to answer).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+# The worker starts flow runs with its own Python: put the repo's venv first.
+export PATH="$REPO/.venv/bin:$PATH"
+export PORT="${PORT:-4200}"
+export RLMILL_WORK_POOL="${RLMILL_WORK_POOL:-local}"
+export RLMILL_NIGHTLY_TZ="${RLMILL_NIGHTLY_TZ:-UTC}"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 GX_ANALYTICS_ENABLED=false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="${PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS:-180}"
+
+need_server() {
+  # Without a reachable PREFECT_API_URL the CLI would start a throwaway ephemeral server and the
+  # deployments (or the worker's polling) would go nowhere: fail loudly instead.
+  export PREFECT_API_URL="${PREFECT_API_URL:-http://127.0.0.1:$PORT/api}"
+  python - "$PREFECT_API_URL" "${RLMILL_SERVER_WAIT_S:-30}" <<'PY' || { echo "prefect_local.sh: no Prefect server answers at $PREFECT_API_URL; start one with 'make server' (or set PREFECT_API_URL)" >&2; exit 1; }
+import sys, time, urllib.request
+for _ in range(max(1, int(sys.argv[2]))):
+    try:
+        urllib.request.urlopen(sys.argv[1].rstrip("/") + "/health", timeout=5).read()
+        sys.exit(0)
+    except OSError:
+        time.sleep(1)
+sys.exit(1)
+PY
+}
+
+case "${1:-}" in
+  server)
+    # The bundled UI is told where the API is through PREFECT_UI_API_URL; without it, it asks
+    # the default port 4200 even when the server listens elsewhere.
+    export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-http://127.0.0.1:$PORT/api}"
+    exec prefect server start --host 127.0.0.1 --port "$PORT"
+    ;;
+  worker)
+    need_server
+    exec prefect worker start --pool "$RLMILL_WORK_POOL" --type process
+    ;;
+  deploy)
+    need_server
+    if ! prefect work-pool inspect "$RLMILL_WORK_POOL" >/dev/null 2>&1; then
+      # A worker starting at the same moment may create it first: that is fine.
+      prefect work-pool create "$RLMILL_WORK_POOL" --type process >/dev/null 2>&1 \
+        || prefect work-pool inspect "$RLMILL_WORK_POOL" >/dev/null
+    fi
+    exec prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml
+    ;;
+  *)
+    sed -n '2,11p' "$0" >&2
+    exit 2
+    ;;
+esac

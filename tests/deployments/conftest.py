@@ -1,0 +1,286 @@
+"""A real local Prefect for the deployment tests: server, deployments, process worker.
+
+Everything is started through scripts/prefect_local.sh (what `make server/deploy/worker` run),
+with its own PREFECT_HOME (SQLite database) in a temporary folder and a free port, and stopped
+by PID at the end of the session (SIGTERM to its process group, SIGKILL after 15 s: a process
+worker may ignore SIGTERM).
+
+    .venv/bin/python -m pytest -q tests/deployments
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "prefect_local.sh"
+VENV_BIN = REPO / ".venv" / "bin"
+POOL = "rlmill-test"
+CHROMIUM = "/usr/bin/chromium"
+# The tiny run every end-to-end test trains: 8 prompts x 4 samples, 50 held-out rows, 1 iteration.
+TINY = ["data.train_batch_size=8", "rollout.n=4", "data.val_size=50", "actor.ppo_mini_batch_size=8",
+        "trainer.total_iterations=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """Stop a process we started with start_new_session=True, and its children, by its PID."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def nightly_timezone(now: dt.datetime | None = None) -> str:
+    """A non-UTC zone whose next 02:00 is more than an hour away, so the worker started by these
+    tests never picks up a real scheduled night (Tokyo and New York 02:00 are 10-11 h apart)."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    for tz in ("Asia/Tokyo", "America/New_York"):
+        local = now.astimezone(ZoneInfo(tz))
+        nxt = local.replace(hour=2, minute=0, second=0, microsecond=0)
+        if nxt <= local:
+            nxt += dt.timedelta(days=1)
+        if nxt - local > dt.timedelta(hours=1):
+            return tz
+    return "Asia/Tokyo"  # unreachable: the two 02:00s are never both within the hour
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=5).read()
+            return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"prefect server not healthy after {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def prefect_env(tmp_path_factory) -> dict[str, str]:
+    """Environment for every child: the session's server, pool and time zone, quiet, 1 thread."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    env = dict(os.environ)
+    env.update({
+        "PREFECT_HOME": str(home), "PORT": str(port), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PATH": f"{VENV_BIN}:{env.get('PATH', '')}", "RLMILL_WORK_POOL": POOL,
+        "RLMILL_NIGHTLY_TZ": nightly_timezone(), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1", "GX_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+        # The scheduler fills upcoming runs every loop (default 60 s): make the first fill prompt.
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+    })
+    env.pop("PREFECT_PROFILE", None)
+    env.pop("PREFECT_UI_API_URL", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def prefect_server(prefect_env, tmp_path_factory):
+    """`scripts/prefect_local.sh server` on a free port; yields the API URL."""
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["bash", str(SCRIPT), "server"], cwd=REPO, env=prefect_env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(prefect_env["PREFECT_API_URL"], proc, log, timeout=180)
+        yield prefect_env["PREFECT_API_URL"]
+    finally:
+        stop_group(proc)
+
+
+def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """A command from the repository root; raises with its output when it fails."""
+    res = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
+    return res
+
+
+@pytest.fixture(scope="session")
+def deployed(prefect_server, prefect_env) -> dict[str, str]:
+    """`scripts/prefect_local.sh deploy`: the pool and both deployments exist."""
+    res = run_cli(["bash", str(SCRIPT), "deploy"], prefect_env, timeout=400)
+    return {"output": res.stdout}
+
+
+@pytest.fixture(scope="session")
+def prefect_worker(deployed, prefect_env, tmp_path_factory):
+    """`scripts/prefect_local.sh worker` polling the session's pool."""
+    log = tmp_path_factory.mktemp("logs") / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["bash", str(SCRIPT), "worker"], cwd=REPO, env=prefect_env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield log
+    finally:
+        stop_group(proc)
+
+
+@pytest.fixture(scope="session")
+def api(prefect_server):
+    """api(async_fn) runs `async_fn(client)` with a client of the session's server."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    def call(fn):
+        async def go():
+            with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+                async with get_client() as client:
+                    return await fn(client)
+
+        return asyncio.run(go())
+
+    return call
+
+
+def trigger(name: str, params: dict, env: dict[str, str]) -> str:
+    """`prefect deployment run NAME -p k=v ...`; returns the new flow run's id."""
+    args = ["prefect", "deployment", "run", name]
+    for k, v in params.items():
+        args += ["-p", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+    out = run_cli([str(VENV_BIN / args[0]), *args[1:]], env, timeout=120).stdout
+    m = re.search(r"UUID: ([0-9a-f-]{36})", out)
+    assert m, f"no flow run id in:\n{out}"
+    return m.group(1)
+
+
+def wait_final(api, flow_run_id: str, timeout: float, worker_log: Path | None = None):
+    """Poll a flow run until it is in a final state; returns the FlowRun."""
+    from uuid import UUID
+
+    deadline = time.monotonic() + timeout
+    while True:
+        run = api(lambda c: c.read_flow_run(UUID(flow_run_id)))
+        if run.state is not None and run.state.is_final():
+            return run
+        if time.monotonic() > deadline:
+            tail = worker_log.read_text()[-4000:] if worker_log else ""
+            raise AssertionError(f"flow run {flow_run_id} still {run.state_type} after {timeout:.0f}s\n{tail}")
+        time.sleep(2)
+
+
+# ---------------------------------------------------------------------------------------------- UI
+class Chromium:
+    """Headless Debian chromium driven over the DevTools protocol (websockets is a Prefect
+    dependency, so no node/playwright is needed). The Prefect UI renders client side and hides
+    its Subflow Runs / Artifacts tabs until the run has loaded, so a one-shot --dump-dom cannot
+    open them: here we wait for text, click a tab by its label, and read innerText."""
+
+    def __init__(self, exe: str = CHROMIUM):
+        from websockets.sync.client import connect
+
+        self.dir = tempfile.mkdtemp(prefix="rlmill-chromium-")
+        self.proc = subprocess.Popen(
+            [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={self.dir}", "--remote-debugging-port=0", "--window-size=1400,1000", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        port_file = Path(self.dir) / "DevToolsActivePort"
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.close()
+                raise RuntimeError("chromium did not open its DevTools port")
+            time.sleep(0.2)
+        port = int(port_file.read_text().split()[0])
+        pages = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10))
+        self.ws = connect(next(p for p in pages if p["type"] == "page")["webSocketDebuggerUrl"],
+                          max_size=None, open_timeout=30)
+        self._id = 0
+
+    def call(self, method: str, **params):
+        self._id += 1
+        self.ws.send(json.dumps({"id": self._id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv(timeout=60))
+            if msg.get("id") == self._id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg["result"]
+
+    def eval(self, js: str):
+        return self.call("Runtime.evaluate", expression=js, returnByValue=True)["result"].get("value")
+
+    def open(self, url: str) -> None:
+        self.call("Page.navigate", url=url)
+
+    def text(self) -> str:
+        return self.eval("document.body ? document.body.innerText : ''") or ""
+
+    def wait_text(self, needles: list[str], timeout: float = 60) -> str:
+        """The page's text once it holds every needle (or, after timeout, whatever it holds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.text()
+            if all(n in text for n in needles) or time.monotonic() > deadline:
+                return text
+            time.sleep(0.5)
+
+    def click(self, label: str) -> bool:
+        """Click the first leaf element whose text is exactly `label` (a tab, a link)."""
+        return bool(self.eval(
+            "(() => { const el = [...document.querySelectorAll('*')].find(e => e.children.length === 0"
+            f" && e.textContent.trim() === {json.dumps(label)}); if (!el) return false; el.click(); return true; }})()"))
+
+    def screenshot(self, path: Path) -> None:
+        import base64
+
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+
+    def close(self) -> None:
+        if getattr(self, "ws", None) is not None:
+            self.ws.close()
+        stop_group(self.proc, grace=5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def chromium():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is absent: install Debian's browser (apt-get install -y chromium) to check the UI")
+    browser = Chromium()
+    try:
+        yield browser
+    finally:
+        browser.close()
+
+
+@pytest.fixture(scope="session")
+def tools(prefect_env):
+    """Helpers for tests (test modules cannot import conftest under --import-mode=importlib)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(repo=REPO, script=SCRIPT, venv_bin=VENV_BIN, pool=POOL, tiny=list(TINY),
+                           env=prefect_env, run_cli=run_cli, trigger=trigger, wait_final=wait_final)

@@ -1,0 +1,172 @@
+"""The nightly flow's plain functions and the deployment files, without a Prefect server.
+
+    .venv/bin/python -m pytest -q tests/deployments/test_nightly_unit.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows import nightly as N
+from storage import ModelLayout, RunLayout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------ decide
+@pytest.mark.parametrize("new,cur,min_gain,promote", [
+    (0.52, 0.50, 0.0, True),    # better
+    (0.50, 0.50, 0.0, True),    # a tie is "not worse"
+    (0.49, 0.50, 0.0, False),   # worse by one row in a hundred
+    (0.52, 0.50, 0.05, False),  # better, but not by the required margin
+    (0.40, 0.50, -0.2, True),   # a negative min_gain tolerates a regression
+    (0.1 + 0.2, 0.3, 0.0, True),  # 0.30000000000000004 vs 0.3: float noise is a tie
+])
+def test_decide(new, cur, min_gain, promote):
+    d = N.decide(new, cur, min_gain)
+    assert d.promote is promote
+    assert f"{min_gain:+.4f}" in d.reason
+
+
+def test_decide_nan():
+    assert not N.decide(math.nan, 0.5).promote  # a broken evaluation never promotes
+    assert N.decide(0.5, math.nan).promote
+
+
+# ------------------------------------------------------------------------------------ new files
+def _touch(path: Path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+
+
+def test_list_new_files(tmp_path):
+    prefix = tmp_path / "incoming"
+    assert N.list_new_files(str(prefix), {}) == []  # prefix not there yet: nothing to do
+    _touch(prefix / "a.parquet", 10)
+    _touch(prefix / "day2" / "b.parquet", 20)
+    _touch(prefix / ".b.parquet.tmp-123", 5)       # write_prompts' staging name
+    _touch(prefix / "_quarantine" / "c.parquet", 5)
+    _touch(prefix / "notes.txt", 5)
+    found = N.list_new_files(str(prefix), {})
+    assert [(f.rel, f.size) for f in found] == [("a.parquet", 10), ("day2/b.parquet", 20)]
+    assert found[1].url == f"{prefix}/day2/b.parquet"
+    # Processed files are skipped; a file rewritten with another size is new again.
+    assert [f.rel for f in N.list_new_files(str(prefix), {"a.parquet": 10, "day2/b.parquet": 20})] == []
+    assert [f.rel for f in N.list_new_files(str(prefix), {"a.parquet": 9, "day2/b.parquet": 20})] == ["a.parquet"]
+
+
+def test_list_new_files_memory_url():
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/rlmill-nightly-unit/in/x.parquet", b"123")
+    try:
+        found = N.list_new_files("memory://rlmill-nightly-unit/in", {})
+        assert [(f.url, f.rel, f.size) for f in found] == [("memory://rlmill-nightly-unit/in/x.parquet", "x.parquet", 3)]
+    finally:
+        fs.rm("/rlmill-nightly-unit", recursive=True)
+
+
+# ------------------------------------------------------------------------------------ state
+def test_state_roundtrip(tmp_path):
+    url = N.state_url(ModelLayout(str(tmp_path), "arith"))
+    assert url.endswith("models/arith/nightly_state.json")
+    state = N.read_state(url)
+    assert state == {"processed": {}, "history": []}
+    state["processed"]["a.parquet"] = 10
+    state["history"] = [{"run_id": f"r{i}"} for i in range(N.HISTORY_KEPT + 5)]
+    N.write_state(url, state)
+    again = N.read_state(url)
+    assert again["processed"] == {"a.parquet": 10}
+    assert [h["run_id"] for h in again["history"]][0] == "r5"  # only the last HISTORY_KEPT nights
+    assert len(again["history"]) == N.HISTORY_KEPT
+
+
+def test_pick_run_id(tmp_path):
+    root = str(tmp_path)
+    state = {"processed": {}, "history": []}
+    assert N.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101"
+    # A run of that id that failed with the same files is resumed under the same id ...
+    RunLayout(root, "nightly-20260101").write_run_json({"config": {"data": {"train_files": ["f1"]}}})
+    assert N.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101"
+    # ... but new files that day get a new id, and so does a second night after a success.
+    assert N.pick_run_id("20260101", state, ["f2"], root) == "nightly-20260101-2"
+    state["history"].append({"run_id": "nightly-20260101"})
+    assert N.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101-2"
+
+
+# ------------------------------------------------------------------------------------ promotion
+def test_copy_checkpoint(tmp_path):
+    import torch
+
+    from storage import INDEX_NAME, NotCommittedError, load_state_dict, save_checkpoint
+
+    sd = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}
+    src = save_checkpoint(str(tmp_path / "run" / "policy"), sd, config={"model_type": "qwen2"}, shard_bytes=16)
+    models = ModelLayout(str(tmp_path), "arith")
+    dest = N.copy_checkpoint(src, models.version("v1"))
+    got = load_state_dict(dest)
+    assert set(got) == {"w", "b"} and torch.equal(got["w"], sd["w"])
+    assert sorted(p.name for p in Path(dest).iterdir()) == sorted(p.name for p in Path(src).iterdir())
+    assert N.copy_checkpoint(src, dest) == dest  # committed already: a retry changes nothing
+    # A source without its index (a half-written checkpoint) is never copied.
+    (Path(src) / INDEX_NAME).unlink()
+    with pytest.raises(NotCommittedError):
+        N.copy_checkpoint(src, models.version("v2"))
+    assert not (Path(models.version("v2")) / INDEX_NAME).exists()
+
+
+def test_markdown_shows_both_scores_and_decision():
+    files = [N.NewFile("/in/a.parquet", "a.parquet", 10)]
+    md = N.decision_markdown("arith", "20260101", "nightly-20260101", N.decide(0.4, 0.5),
+                             {"mean_reward": 0.4, "exact_match": 0.4, "n": 50},
+                             {"mean_reward": 0.5, "exact_match": 0.5, "n": 50},
+                             "/r/runs/nightly-20260101/checkpoints/1/policy", "builtin", None, files, None)
+    assert "REFUSED" in md and "0.4000" in md and "0.5000" in md and "/in/a.parquet" in md
+    assert "nothing promoted yet" in md
+    md = N.nothing_markdown("arith", "20260101", "/in", {"processed": {"a": 1}, "history": []})
+    assert "nothing to do" in md and "`/in`" in md
+
+
+# ------------------------------------------------------------------------------------ deployment files
+def test_prefect_yaml_deployments():
+    spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    deps = {d["name"]: d for d in spec["deployments"]}
+    assert set(deps) == {"manual", "nightly"}
+    assert deps["manual"]["entrypoint"] == "flows/training.py:rl_training"
+    assert deps["nightly"]["entrypoint"] == "flows/nightly.py:rl_nightly"
+    assert "schedules" not in deps["manual"]
+    (sched,) = deps["nightly"]["schedules"]
+    assert sched["cron"] == "0 2 * * *" and sched["timezone"] == "{{ $RLMILL_NIGHTLY_TZ }}"
+    for d in deps.values():
+        assert d["work_pool"]["name"] == "{{ $RLMILL_WORK_POOL }}"
+    assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ repo.stdout }}"}}]
+    # The entrypoints name the flows the deployments are called after.
+    from flows.training import rl_training
+
+    assert rl_training.name == "rl-training" and N.rl_nightly.name == "rl-nightly"
+    assert (REPO / deps["nightly"]["parameters"]["config"]).exists()
+
+
+def test_script_usage_and_missing_server():
+    script = str(REPO / "scripts" / "prefect_local.sh")
+    res = subprocess.run(["bash", script], capture_output=True, text=True)
+    assert res.returncode == 2 and "server" in res.stderr and "deploy" in res.stderr
+    env = {"PATH": "/usr/bin:/bin", "PORT": "9", "RLMILL_SERVER_WAIT_S": "1", "HOME": str(Path.home())}
+    res = subprocess.run(["bash", script, "deploy"], capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 1 and "no Prefect server answers at http://127.0.0.1:9/api" in res.stderr
+
+
+def test_nightly_cli_parses(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(N, "rl_nightly", lambda **kw: seen.update(kw) or {"status": "nothing to do"})
+    N.main(["--iterations", "2", "--eval-size", "5", "--min-gain", "0.1", "--night", "20260102", "root=/tmp/x"])
+    assert seen == {"config": "examples/grpo_arith.yaml", "overrides": ["root=/tmp/x"], "model_name": "arith",
+                    "new_data_prefix": None, "iterations": 2, "eval_size": 5, "min_gain": 0.1, "night": "20260102"}
+    json.dumps(seen)

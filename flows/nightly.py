@@ -304,7 +304,7 @@ def _today() -> str:
 @flow(name="rl-nightly", log_prints=True)
 def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[str] | None = None,
                model_name: str = "arith", new_data_prefix: str | None = None, iterations: int = 10,
-               eval_size: int = 300, min_gain: float = 0.0, night: str | None = None,
+               eval_size: int = 300, min_gain: float = 0.0, night: str | int | None = None,
                heldout_files: list[str] | None = None) -> dict[str, Any]:
     """One night of retraining (see the module docstring).
 
@@ -320,7 +320,7 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
     state_file = state_url(models)
     state = read_state(state_file, cfg.storage)
     prefix = new_data_prefix or join(cfg.root, "incoming", model_name)
-    night = night or _today()
+    night = str(night or _today())  # `-p night=20260101` on the CLI arrives as an int
     logger = get_run_logger()
     with tags("rlmill", "nightly", f"model:{model_name}"):
         new = find_new_data(prefix, state_file, cfg)

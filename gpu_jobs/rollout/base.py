@@ -90,7 +90,7 @@ ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
 
 
 def register_rollout_engine(name: str):
-    """Decorator registering a backend factory `(model, config) -> RolloutEngine` under `name`."""
+    """Decorator registering a backend factory `(model, config, **kwargs) -> RolloutEngine`."""
 
     def deco(factory):
         if name in ROLLOUT_ENGINES:
@@ -101,14 +101,16 @@ def register_rollout_engine(name: str):
     return deco
 
 
-def get_rollout_engine(name: str, model_path, config: RolloutConfig | None = None) -> RolloutEngine:
+def get_rollout_engine(name: str, model_path, config: RolloutConfig | None = None,
+                       **kwargs) -> RolloutEngine:
     """Build the backend `name` ("hf" | "vllm") on `model_path` (a local HF folder, a storage
-    URL, "builtin" for the built-in tiny model; "hf" also takes an nn.Module)."""
+    URL, "builtin" for the built-in tiny model; "hf" also takes an nn.Module). kwargs go to
+    the backend (both take `storage=StorageConfig`; "hf" also `tokenizer=`)."""
     from gpu_jobs.rollout import hf_engine, vllm_engine  # noqa: F401  (they register themselves)
 
     if name not in ROLLOUT_ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; choose one of {sorted(ROLLOUT_ENGINES)}")
-    return ROLLOUT_ENGINES[name](model_path, config or RolloutConfig())
+    return ROLLOUT_ENGINES[name](model_path, config or RolloutConfig(), **kwargs)
 
 
 def make_row(prompt_index: int, sample_index: int, prompt_ids, response_ids, logprobs,

@@ -14,6 +14,7 @@ positions as an unpadded one (as `generate` does).
 from __future__ import annotations
 
 import math
+import os
 
 from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig, make_row, register_rollout_engine
 
@@ -84,7 +85,7 @@ class HFRolloutEngine:
     def __init__(self, model, tokenizer=None, config: RolloutConfig | None = None, storage=None):
         self.config = config or RolloutConfig()
         self.storage = storage
-        if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        if isinstance(model, (str, os.PathLike)):
             from gpu_jobs.models.loading import load_model
 
             model, tokenizer = load_model(model, dtype=self.config.dtype, storage=storage)
@@ -110,7 +111,8 @@ class HFRolloutEngine:
             raise ValueError("every prompt needs at least one token")
         generator = None
         if sampling.seed is not None:
-            generator = torch.Generator().manual_seed(sampling.seed)
+            device = next(self.model.parameters()).device  # multinomial wants it there
+            generator = torch.Generator(device=device).manual_seed(sampling.seed)
         per_chunk = max(1, self.config.max_batch_size // n)
         was_training = self.model.training
         self.model.eval()  # a shared trainer module may be in train mode (dropout)
@@ -163,13 +165,14 @@ class HFRolloutEngine:
         lengths = torch.zeros(total, dtype=torch.long)
         stopped = torch.zeros(total, dtype=torch.bool)
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=logits.device)
+        dev = logits.device  # bookkeeping lives on the CPU, model tensors on `dev`
         rows_in_batch = torch.arange(total)  # batch slot -> row index
         alive = torch.ones(total, dtype=torch.bool)  # per batch slot
         for step in range(max_new):
             tokens, logps = sample_tokens(logits, sampling, generator)
             live_rows = rows_in_batch[alive]
-            tokens_out[live_rows, step] = tokens[alive].cpu()
-            logprobs_out[live_rows, step] = logps[alive].float().cpu()
+            tokens_out[live_rows, step] = tokens.cpu()[alive]
+            logprobs_out[live_rows, step] = logps.float().cpu()[alive]
             lengths[live_rows] = step + 1
             if not sampling.ignore_eos and len(eos):
                 hit = torch.isin(tokens, eos).cpu() & alive
@@ -181,8 +184,9 @@ class HFRolloutEngine:
             # finished to pay for copying the cache without them.
             if (~alive).sum() >= max(1, self.config.compact_fraction * len(alive)):
                 keep = alive.nonzero().squeeze(-1)
-                cache.batch_select_indices(keep.to(mask.device))
-                tokens, mask, next_pos = tokens[keep], mask[keep], next_pos[keep]
+                keep_dev = keep.to(dev)
+                cache.batch_select_indices(keep_dev)
+                tokens, mask, next_pos = tokens[keep_dev], mask[keep_dev], next_pos[keep_dev]
                 rows_in_batch, alive = rows_in_batch[keep], alive[keep]
             mask = torch.cat([mask, mask.new_ones((len(mask), 1))], dim=1)
             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask,
@@ -222,5 +226,5 @@ class HFRolloutEngine:
 
 
 @register_rollout_engine("hf")
-def _make_hf(model_path, config: RolloutConfig) -> HFRolloutEngine:
-    return HFRolloutEngine(model_path, None, config)
+def _make_hf(model_path, config: RolloutConfig, tokenizer=None, storage=None) -> HFRolloutEngine:
+    return HFRolloutEngine(model_path, tokenizer, config, storage=storage)

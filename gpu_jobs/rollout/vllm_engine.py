@@ -157,5 +157,5 @@ class VLLMRolloutEngine:
 
 
 @register_rollout_engine("vllm")
-def _make_vllm(model_path, config: RolloutConfig) -> VLLMRolloutEngine:
-    return VLLMRolloutEngine(model_path, config)
+def _make_vllm(model_path, config: RolloutConfig, storage=None) -> VLLMRolloutEngine:
+    return VLLMRolloutEngine(model_path, config, storage=storage)

@@ -63,7 +63,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     # Fail in seconds on a bad batch, before DeepSpeed starts (update() checks again).
     vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
     read_rows(batch, require=required_columns(config, batch), vocab_size=vocab_size)
-    trainer = PolicyTrainer(model_path, config)
+    if config.pipeline_parallel_size > 1:
+        from .pipeline import PipelinePolicyTrainer as trainer_class
+    else:
+        trainer_class = PolicyTrainer
+    trainer = trainer_class(model_path, config)
     if args.resume:
         trainer.load(args.resume)
     metrics = trainer.update(batch)

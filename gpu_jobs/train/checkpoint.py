@@ -29,7 +29,7 @@ from .errors import TrainInputError
 
 log = logging.getLogger("gpu_jobs.train")
 
-__all__ = ["save_engine_state", "load_engine_state", "rng_state", "set_rng_state", "STATE_FILE"]
+__all__ = ["Resumable", "save_engine_state", "load_engine_state", "rng_state", "set_rng_state", "STATE_FILE"]
 
 STATE_FILE = "trainer_state.json"
 TAG = "zero"
@@ -118,6 +118,7 @@ def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
                 "files": files,
                 "world_size": module.world_size,
                 "zero_stage": module.config.zero_stage,
+                "pipeline_parallel_size": module.config.pipeline_parallel_size,
                 "param_shapes": module._param_shapes,
                 "step": module.step,
                 **extra,
@@ -157,8 +158,11 @@ def load_engine_state(module: Any, url: str) -> dict[str, Any]:
         for rel in state["files"]:
             os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
             fs.get_file(posixpath.join(dest, rel), os.path.join(tmp, rel))
-        same_layout = state["world_size"] == module.world_size and state["zero_stage"] == module.config.zero_stage
-        if same_layout or module.config.zero_stage == 0 == state["zero_stage"]:
+        saved = (state["world_size"], state["zero_stage"], state.get("pipeline_parallel_size", 1))
+        mine = (module.world_size, module.config.zero_stage, module.config.pipeline_parallel_size)
+        # ZeRO-0 data-parallel states are whole on every rank, so any world size can load them.
+        full_copies = saved[1:] == mine[1:] == (0, 1)
+        if saved == mine or full_copies:
             module.engine.load_checkpoint(
                 tmp, tag=state["tag"], load_optimizer_states=module.optimizer is not None,
                 load_lr_scheduler_states=False,
@@ -183,3 +187,55 @@ def _load_consolidated(module: Any, tmp: str, state: dict[str, Any], url: str) -
         "uninterrupted run.",
         url, state["world_size"], state["zero_stage"], module.world_size, module.config.zero_stage,
     )
+
+
+class Resumable:
+    """save()/load() for a trainer holding ``engine`` (DeepSpeed), ``config``, ``rank``,
+    ``world_size``, ``step``, ``samples_seen``, ``_shuffle`` (torch.Generator), ``_param_shapes``
+    and ``load_weights(state_dict)``."""
+
+    def save(self, url: str) -> str:
+        """Everything exact resume needs under ``<url>/trainer/`` (all ranks call it): DeepSpeed
+        weights + optimizer, step, data cursor, RNG states. Returns the state file's URL."""
+        extra = {
+            "samples_seen": self.samples_seen,
+            "rng": rng_state(self._shuffle),
+            "config": self.config.model_dump(mode="json"),
+            **self._extra_state(),
+        }
+        return save_engine_state(self, url, extra)
+
+    def load(self, url: str) -> None:
+        """Restore a ``save(url)``; a checkpoint of another model raises TrainInputError first."""
+        state = load_engine_state(self, url)
+        self.step = state["step"]
+        self.samples_seen = state["samples_seen"]
+        set_rng_state(state["rng"], self._shuffle)
+        self._load_extra_state(state)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def check_shapes(self, shapes: dict[str, list[int]], source: str) -> None:
+        """Raise TrainInputError if ``shapes`` (name -> shape) is not this model's."""
+        mine = self._param_shapes
+        missing = sorted(set(mine) - set(shapes))
+        extra = sorted(set(shapes) - set(mine))
+        wrong = [n for n in mine if n in shapes and list(shapes[n]) != list(mine[n])]
+        if missing or extra or wrong:
+            detail = "; ".join(
+                s
+                for s in (
+                    f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}" if missing else "",
+                    f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}" if extra else "",
+                    ", ".join(f"{n}: {shapes[n]} vs {mine[n]}" for n in wrong[:3]),
+                )
+                if s
+            )
+            raise TrainInputError(
+                f"checkpoint {source} was saved from a different model ({detail}); load a "
+                f"checkpoint of {self.model_path} or build the trainer from that checkpoint's model."
+            )

@@ -7,7 +7,6 @@ Not public: use PolicyTrainer, RefModel or Critic.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections import defaultdict
@@ -18,10 +17,9 @@ import numpy as np
 
 from . import dist
 from .batch import Rows, collate, plan_microbatches, plan_minibatches
+from .checkpoint import Resumable
 from .config import _UpdateConfig
-from .errors import TrainInputError
 
-log = logging.getLogger("gpu_jobs.train")
 
 __all__ = ["ZeroModule", "PhaseTimer", "resolve_model_path"]
 
@@ -86,7 +84,7 @@ def _torch_dtype(name: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
-class ZeroModule:
+class ZeroModule(Resumable):
     """An HF model wrapped in a DeepSpeed engine (ZeRO stage from the config).
 
     Subclasses pass ``auto_class`` (e.g. AutoModelForCausalLM) and ``train`` (with an AdamW
@@ -327,27 +325,6 @@ class ZeroModule:
         return result
 
     # ---- weights in ----------------------------------------------------------------------
-    def check_shapes(self, shapes: dict[str, list[int]], source: str) -> None:
-        """Raise TrainInputError if ``shapes`` (name -> shape) is not this model's."""
-        mine = self._param_shapes
-        missing = sorted(set(mine) - set(shapes))
-        extra = sorted(set(shapes) - set(mine))
-        wrong = [n for n in mine if n in shapes and list(shapes[n]) != list(mine[n])]
-        if missing or extra or wrong:
-            detail = "; ".join(
-                s
-                for s in (
-                    f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}" if missing else "",
-                    f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}" if extra else "",
-                    ", ".join(f"{n}: {shapes[n]} vs {mine[n]}" for n in wrong[:3]),
-                )
-                if s
-            )
-            raise TrainInputError(
-                f"checkpoint {source} was saved from a different model ({detail}); load a "
-                f"checkpoint of {self.model_path} or build the trainer from that checkpoint's model."
-            )
-
     def load_weights(self, state: dict[str, Any]) -> None:
         """Copy a full state dict (HF names) into the engine; every rank passes the same dict.
         The optimizer's fp32 master copy is refreshed; its moments are left as they are."""
@@ -363,33 +340,3 @@ class ZeroModule:
         refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
         if self.optimizer is not None and refresh is not None:
             refresh()
-
-    # ---- exact resume --------------------------------------------------------------------
-    def save(self, url: str) -> str:
-        """Everything exact resume needs under ``<url>/trainer/`` (all ranks call it): DeepSpeed
-        weights + optimizer, step, data cursor, RNG states. Returns the state file's URL."""
-        from .checkpoint import rng_state, save_engine_state
-
-        extra = {
-            "samples_seen": self.samples_seen,
-            "rng": rng_state(self._shuffle),
-            "config": self.config.model_dump(mode="json"),
-            **self._extra_state(),
-        }
-        return save_engine_state(self, url, extra)
-
-    def load(self, url: str) -> None:
-        """Restore a ``save(url)``; a checkpoint of another model raises TrainInputError first."""
-        from .checkpoint import load_engine_state, set_rng_state
-
-        state = load_engine_state(self, url)
-        self.step = state["step"]
-        self.samples_seen = state["samples_seen"]
-        set_rng_state(state["rng"], self._shuffle)
-        self._load_extra_state(state)
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        pass

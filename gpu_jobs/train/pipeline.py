@@ -12,7 +12,8 @@ The HF decoder is cut into layers [embed, decoder x L, norm, lm_head] (the lm_he
 embedding when the model ties them). Each rank builds the whole HF model once and keeps its
 stage: fine for the small models this is tested on, wasteful for big ones. The old log-probs
 are recomputed through the pipeline (eval_batch) with the same loss machinery.
-Not yet: save()/load() for exact resume (use PolicyTrainer for resumable runs).
+save()/load() resume exactly with the same world size, pipeline size and ZeRO stage; another
+layout is refused (no consolidated-weights fallback for pipeline checkpoints yet).
 
 This module imports torch at the top: load it only where a pipeline is wanted.
 """
@@ -29,8 +30,9 @@ from transformers.masking_utils import create_causal_mask
 
 from . import dist
 from .batch import Rows, collate, plan_microbatches, plan_minibatches, read_rows
+from .checkpoint import Resumable
 from .config import TrainerConfig
-from .engine import PhaseTimer, _MetricSums, load_tokenizer_if_any, resolve_model_path
+from .engine import PhaseTimer, _MetricSums, _torch_dtype, load_tokenizer_if_any, resolve_model_path
 from .errors import TrainInputError
 from .policy import policy_objective, required_columns
 
@@ -126,9 +128,10 @@ def _sum_over_ranks(sums: _MetricSums) -> dict[str, float]:
     return {k: v / max(1, sums.steps) for k, v in merged.items()}
 
 
-class PipelinePolicyTrainer:
-    """``update(batch)`` / ``gathered_state_dict()`` / ``save_hf(url)`` like PolicyTrainer, on a
-    DeepSpeed pipeline (``config.pipeline_parallel_size`` stages, ZeRO stage 0 or 1)."""
+class PipelinePolicyTrainer(Resumable):
+    """PolicyTrainer's ``update``, ``compute_log_probs``, ``gathered_state_dict``, ``save_hf``,
+    ``save`` and ``load`` on a DeepSpeed pipeline (``config.pipeline_parallel_size`` stages,
+    ZeRO stage 0 or 1; data parallel over the remaining ranks). Tested in fp32."""
 
     def __init__(self, model_path: str, config: TrainerConfig, *, tokenizer: Any = None) -> None:
         import deepspeed
@@ -143,12 +146,13 @@ class PipelinePolicyTrainer:
                 f"PipelinePolicyTrainer needs pipeline_parallel_size >= 2 dividing the world size "
                 f"({dist.world_size()} ranks), got {pp}; use PolicyTrainer for ZeRO-3 data parallel."
             )
-        self.config, self.step, self.rank = config, 0, dist.rank()
+        self.config, self.rank, self.world_size = config, dist.rank(), dist.world_size()
+        self.step, self.samples_seen = 0, 0
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_if_any(self.model_path)
-        torch.manual_seed(config.seed)
-        hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_torch_dtype(config.dtype))
         self.model_config = hf.config
+        self._param_shapes = {n: list(p.shape) for n, p in hf.named_parameters()}
         self.pipe = PipelineModule(layers=_layers(hf), num_stages=pp, loss_fn=self._loss_fn,
                                    partition_method="uniform", dynamic_shape=True)
         ds = config.deepspeed_config(dist.world_size() // pp)
@@ -245,6 +249,7 @@ class PipelinePolicyTrainer:
                                          self._shuffle if c.shuffle else None):
                 self._train_minibatch(rows, mini, timer, sums)
         self.step += 1
+        self.samples_seen += len(rows)
         return self._metrics(rows, sums, timer, lr, time.perf_counter() - t0)
 
     def _train_minibatch(self, rows: Rows, mini: np.ndarray, timer: PhaseTimer, sums: _MetricSums) -> None:
@@ -296,3 +301,11 @@ class PipelinePolicyTrainer:
             result = save_checkpoint(url, state, config=self.model_config, tokenizer=self.tokenizer)
         dist.barrier()
         return result
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        """Called by load() only for a checkpoint of another layout, which pipelines refuse."""
+        raise TrainInputError(
+            "this pipeline trainer state was saved with another world size, pipeline_parallel_size "
+            "or zero_stage: resume it with the layout it was saved with, or start from its HF "
+            "checkpoint (save_hf) with a fresh optimizer."
+        )

@@ -169,7 +169,7 @@ def trigger(name: str, params: dict, env: dict[str, str]) -> str:
     """`prefect deployment run NAME -p k=v ...`; returns the new flow run's id."""
     args = ["prefect", "deployment", "run", name]
     for k, v in params.items():
-        args += ["-p", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+        args += ["-p", f"{k}={json.dumps(v)}"]  # the CLI parses each value as JSON when it can
     out = run_cli([str(VENV_BIN / args[0]), *args[1:]], env, timeout=120).stdout
     m = re.search(r"UUID: ([0-9a-f-]{36})", out)
     assert m, f"no flow run id in:\n{out}"

@@ -105,7 +105,8 @@ def test_ui_flow_run_page_shows_subflows_and_metrics_artifact(manual_run, prefec
     text = chromium.wait_text(["Subflow Runs", "rl-training"])
     assert "Subflow Runs" in text, text[-2000:]
     assert chromium.click("Subflow Runs")
-    text = chromium.wait_text(["iter-0001"], timeout=60)
+    # The list shows the run name first, its flow's name ("rl-iteration") once a second request returns.
+    text = chromium.wait_text(["iter-0001", "rl-iteration"], timeout=60)
     chromium.screenshot(tmp_path / "flow-run-subflows.png")
     assert "iter-0001" in text and "rl-iteration" in text, text[-2000:]
 

@@ -110,3 +110,28 @@ def test_reusing_a_run_id_with_another_config_is_refused(tiny_config, tmp_path):
     # ...changing what committed stages computed is not.
     with pytest.raises(RunConfigMismatchError, match="rollout.n"):
         RunContext.open(tiny_config("rollout.n=2", root=root))
+
+
+@pytest.mark.parametrize("example", ["ppo_critic_arith.yaml", "dapo_arith.yaml", "rloo_arith.yaml"])
+def test_each_algorithm_example_runs_an_iteration(example, example_path, tiny, tmp_path):
+    """PPO+critic (values stage, GAE), DAPO (filter groups, overlong penalty), RLOO+KL loss (ref)."""
+    from flows.config import load_run_config
+
+    cfg = load_run_config(example_path.parent / example,
+                          tiny(str(tmp_path / "root"), "trainer.total_iterations=1", "actor.ppo_mini_batch_size=4",
+                               *(["critic.ppo_mini_batch_size=4"] if "critic" in example else [])))
+    ctx = open_warm(cfg)
+    before = weights(ctx)
+    uris = run_iteration(ctx, 1)
+    metrics = read_manifest(uris["commit"], ctx.storage).metrics
+    assert (uris["values"] is not None) == (cfg.critic is not None)
+    assert (uris["logprobs"] is not None) == (cfg.needs_ref or cfg.actor.recompute_old_logprobs)
+    if cfg.critic is not None:
+        assert "critic/vf_loss" in metrics
+    if cfg.algorithm.filter_groups.enable:
+        assert "filter_groups/dropped_groups" in metrics
+    if cfg.actor.kl_loss.use_kl_loss:
+        assert "actor/kl_loss" in metrics
+    changed = any(not torch.equal(before[n], w) for n, w in weights(ctx).items())
+    kept = read_manifest(uris["advantages"], ctx.storage).num_rows
+    assert changed or kept == 0

@@ -40,3 +40,21 @@ def test_ref_model_log_probs_equal_the_policy_before_training(tiny_model, helper
     policy = PolicyTrainer(tiny_model, TrainerConfig())
     for a, b in zip(ref.compute_log_probs(batch), policy.compute_log_probs(batch)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_critic_save_load_restores_values_and_step(tiny_model, helpers, tmp_path):
+    batch = helpers.make_batch(seed=23, prompts=2, n=2)
+    returns = [[1.0] * len(r) for r in batch.column("response_ids").to_pylist()]
+    cfg = CriticConfig(ppo_mini_batch_size=2, lr=3e-3)
+    critic = Critic(tiny_model, cfg)
+    values = critic.compute_values(batch)
+    table = batch.append_column("values", pa.array([v.tolist() for v in values], pa.list_(pa.float32())))
+    table = table.append_column("returns", pa.array(returns, pa.list_(pa.float32())))
+    critic.update(table)
+    critic.save(str(tmp_path / "critic"))
+    fresh = Critic(tiny_model, cfg)
+    fresh.load(str(tmp_path / "critic"))
+    assert fresh.step == 1
+    for a, b in zip(fresh.compute_values(batch), critic.compute_values(batch)):
+        np.testing.assert_array_equal(a, b)
+    assert fresh.update(table)["critic/vf_loss"] == critic.update(table)["critic/vf_loss"]

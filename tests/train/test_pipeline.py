@@ -1,5 +1,6 @@
 """Pipeline parallelism (DeepSpeed PipelineModule, ZeRO-1): 2 stages under torchrun give the same
-update as the 1-rank ZeRO-3 PolicyTrainer; ZeRO-2/3 with a pipeline is a config error."""
+update as the 1-rank ZeRO-3 PolicyTrainer and resume exactly; ZeRO-2/3 with a pipeline is a
+config error."""
 
 from __future__ import annotations
 
@@ -52,3 +53,5 @@ def test_two_stage_pipeline_equals_one_rank_zero3(tied_model, helpers, tmp_path)
     assert max((piped[k] - v).abs().max().item() for k, v in ref.items()) < 1e-5
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
         assert metrics[key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-6), key
+    # pipeline_worker.py also saved, reloaded into a fresh trainer and continued both
+    assert metrics["resume_bitwise_equal"] is True and metrics["resume_same_pg_loss"] is True

@@ -82,6 +82,18 @@ class LoopConfig(_Section):
         "colocated", description="Where GPU stages run. 'colocated': in the flow process with warm engines.")
     samples_in_artifact: int = Field(4, ge=0, description="Prompts/responses shown in each iteration's markdown artifact.")
     tensorboard: bool = Field(True, description="Also write metrics as TensorBoard events under the run's folder.")
+    loggers: list[Literal["wandb", "mlflow"]] = Field(
+        default_factory=list, description="Extra metric loggers: 'wandb' and/or 'mlflow' (their packages must be installed).")
+
+    @model_validator(mode="after")
+    def _loggers_installed(self) -> "LoopConfig":
+        import importlib.util
+
+        for name in self.loggers:
+            if importlib.util.find_spec(name) is None:
+                raise ValueError(f"trainer.loggers names {name!r} but it is not installed: "
+                                 f"`.venv/bin/pip install {name}` or remove it")
+        return self
 
 
 class TaskConfig(_Section):

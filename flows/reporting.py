@@ -68,30 +68,53 @@ class Progress:
         print(f"[{bar:<20}] iter {k}/{self.total}  {shown}", flush=True)
 
 
-class TensorBoard:
-    """Optional TensorBoard events; W&B / MLflow are used too when installed and configured."""
+class MetricLoggers:
+    """TensorBoard events, plus Weights & Biases / MLflow runs when the config names them.
 
-    def __init__(self, logdir: str | None):
-        self.writer = None
-        if logdir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+    The config check (flows.config) refuses a named logger whose package is not installed, so
+    by the time a run starts every logger named here imports.
+    """
 
-                self.writer = SummaryWriter(logdir)
-            except ImportError:  # tensorboard is a dependency; a trimmed env may lack it
-                log.warning("tensorboard is not installed; skipping TensorBoard events")
+    def __init__(self, run_id: str, tb_dir: str | None, extra: list[str], config: dict[str, Any]):
+        self.tb = self.wandb = self.mlflow = None
+        if tb_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(tb_dir)
+        if "wandb" in extra:
+            import wandb
+
+            self.wandb = wandb.init(project="rlmill", name=run_id, id=run_id, resume="allow", config=config)
+        if "mlflow" in extra:
+            import mlflow
+
+            mlflow.set_experiment("rlmill")
+            self.mlflow = mlflow.start_run(run_name=run_id)
+            mlflow.log_params({"run_id": run_id})
 
     def log(self, k: int, metrics: dict[str, Any]) -> None:
-        if self.writer is None:
-            return
-        for m, v in metrics.items():
-            if isinstance(v, (int, float)):
-                self.writer.add_scalar(m, v, k)
-        self.writer.flush()
+        scalars = {m: float(v) for m, v in metrics.items() if isinstance(v, (int, float))}
+        if self.tb is not None:
+            for m, v in scalars.items():
+                self.tb.add_scalar(m, v, k)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=k)
+        if self.mlflow is not None:
+            import mlflow
+
+            # MLflow metric names may not contain '@' etc.; verl's '/' names are fine.
+            mlflow.log_metrics(scalars, step=k)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.mlflow is not None:
+            import mlflow
+
+            mlflow.end_run()
 
 
 def curves_png(history: list[tuple[int, dict]], val: list[tuple[int, float]]) -> bytes:

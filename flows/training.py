@@ -17,8 +17,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger, tags
 
-from flows.config import RunConfig, load_run_config
-from flows.reporting import (Progress, TensorBoard, curves_png, final_artifact, iteration_artifacts,
+from flows.config import RunConfig, frozen_config, load_run_config
+from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact, iteration_artifacts,
                              local_tb_dir)
 from flows.run_lock import RunLock
 from gpu_jobs.stages import RunContext, last_committed
@@ -121,7 +121,8 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
     done = last_committed(ctx.layout, "commit", total)
     logger.info("run %s: %d/%d iterations committed; model %s; setup %.1fs", cfg.run_id, done, total,
                 ctx.model_path, time.perf_counter() - t_setup)
-    tb = TensorBoard(local_tb_dir(cfg.root, cfg.run_id) if cfg.trainer.tensorboard else None)
+    tb = MetricLoggers(cfg.run_id, local_tb_dir(cfg.root, cfg.run_id) if cfg.trainer.tensorboard else None,
+                       cfg.trainer.loggers, frozen_config(cfg))
     try:
         acc_before = _validate(ctx, key, 0)
         progress = Progress(cfg.run_id, total, done)

@@ -28,7 +28,7 @@ log = logging.getLogger("rlmill")
 
 # Keys that may differ between the frozen run.json and a resuming invocation: extending a run,
 # or changing how often it reports, does not change what any committed stage computed.
-RESUMABLE_KEYS = {("trainer", "total_iterations"), ("trainer", "val_every"), ("trainer", "samples_in_artifact"),
+RESUMABLE_KEYS = {("trainer", "total_iterations"), ("trainer", "val_every"), ("trainer", "samples_in_artifact"), ("trainer", "loggers"),
                   ("trainer", "tensorboard"), ("tasks", "retries"), ("tasks", "retry_delay_seconds"),
                   ("tasks", "timeout_seconds")}
 

@@ -76,3 +76,13 @@ def test_secrets_are_masked_in_the_frozen_config():
     cfg = load_run_config(None, ["storage.key=AKIAEXAMPLE", "storage.secret=verysecret"])
     text = str(frozen_config(cfg))
     assert "verysecret" not in text and "AKIAEXAMPLE" not in text
+
+
+def test_a_logger_that_is_not_installed_is_refused_up_front():
+    import importlib.util
+
+    missing = [n for n in ("wandb", "mlflow") if importlib.util.find_spec(n) is None]
+    if not missing:
+        pytest.skip("wandb and mlflow are both installed here")
+    with pytest.raises(ConfigError, match=f"pip install {missing[0]}"):
+        load_run_config(None, [f"trainer.loggers=[{missing[0]}]"])

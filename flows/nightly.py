@@ -181,9 +181,9 @@ def decide(new_score: float, current_score: float, min_gain: float = 0.0) -> Dec
         return Decision(True, f"promoted model's score is {current_score}: the new one wins by default")
     gain = new_score - current_score
     # 1e-9: a tie computed from the same rows in a different order must count as "not worse".
-    if gain >= min_gain - 1e-9:
-        return Decision(True, f"new {new_score:.4f} - promoted {current_score:.4f} = {gain:+.4f} >= min_gain {min_gain:+.4f}")
-    return Decision(False, f"new {new_score:.4f} - promoted {current_score:.4f} = {gain:+.4f} < min_gain {min_gain:+.4f}")
+    promote = gain >= min_gain - 1e-9
+    return Decision(promote, f"new {new_score:.4f} - promoted {current_score:.4f} = {gain:+.4f} "
+                             f"{'>=' if promote else '<'} min_gain {min_gain:+.4f}")
 
 
 # ------------------------------------------------------------------------------------ promotion
@@ -254,6 +254,16 @@ def _markdown_artifact(model_name: str, markdown: str, description: str) -> None
 
 
 # ------------------------------------------------------------------------------------ tasks
+def _logger():
+    """The Prefect run logger inside a run (shown in the UI), else the module's (task.fn in tests)."""
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return log
+
+
 # Each stage is idempotent on its own (files are compared by name, the copy commits create-only),
 # so no Prefect result cache is needed: NO_CACHE also avoids hashing the config on every call.
 @task(name="find-new-data", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
@@ -275,8 +285,8 @@ def validate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: s
     tok = load_tokenizer(resolve_model(model, cfg.model.seed, cfg.storage))
     result = validate_prompts(df, gate, join(out_dir, "_QUALITY.json"), tokenizer=tok,
                               quarantine_url=join(out_dir, "quarantine.parquet"), storage=cfg.storage)
-    get_run_logger().info("new data: %d rows in %d file(s), %d quarantined", result.n_rows, len(files),
-                          result.n_quarantined)
+    _logger().info("new data: %d rows in %d file(s), %d quarantined", result.n_rows, len(files),
+                   result.n_quarantined)
     if not result.n_quarantined:
         return list(files)
     if len(result.clean) == 0:
@@ -357,14 +367,21 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
                            f"Nightly {night}: {'promoted' if decision.promote else 'refused'}")
         record = {"night": night, "run_id": run_id, "files": [f.rel for f in new], "new": new_eval,
                   "promoted_before": cur_eval, "base": base, "decision": "promote" if decision.promote else "refuse",
-                  "reason": decision.reason, "promoted_version": promoted_to,
-                  "finished_at": dt.datetime.now(dt.timezone.utc).isoformat()}
-        state["processed"].update({f.rel: f.size for f in new})
-        state["history"].append(record)
-        state["last_success"] = {"night": night, "run_id": run_id, "finished_at": record["finished_at"]}
-        write_state(state_file, state, cfg.storage)
+                  "reason": decision.reason, "promoted_version": promoted_to}
+        record_success(state_file, state, new, record, cfg.storage)
         return {"status": "promoted" if decision.promote else "refused", "model": model_name, **record,
                 "run": {k: run[k] for k in ("val/acc before", "val/acc after") if k in run}}
+
+
+def record_success(state_file: str, state: dict[str, Any], new: list[NewFile], record: dict[str, Any],
+                   storage=None) -> None:
+    """The night's last step: its files count as processed from now on, whatever the decision
+    (retraining on them tomorrow would repeat tonight's run)."""
+    record["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat()
+    state["processed"].update({f.rel: f.size for f in new})
+    state["history"].append(record)
+    state["last_success"] = {"night": record["night"], "run_id": record["run_id"], "finished_at": record["finished_at"]}
+    write_state(state_file, state, storage)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,7 +25,7 @@ need_server() {
   # Without a reachable PREFECT_API_URL the CLI would start a throwaway ephemeral server and the
   # deployments (or the worker's polling) would go nowhere: fail loudly instead.
   export PREFECT_API_URL="${PREFECT_API_URL:-http://127.0.0.1:$PORT/api}"
-  python - "$PREFECT_API_URL" "${RLMILL_SERVER_WAIT_S:-30}" <<'PY' || { echo "prefect_local.sh: no Prefect server answers at $PREFECT_API_URL; start one with 'make server' (or set PREFECT_API_URL)" >&2; exit 1; }
+  if ! python - "$PREFECT_API_URL" "${RLMILL_SERVER_WAIT_S:-30}" <<'PY'
 import sys, time, urllib.request
 for _ in range(max(1, int(sys.argv[2]))):
     try:
@@ -35,6 +35,11 @@ for _ in range(max(1, int(sys.argv[2]))):
         time.sleep(1)
 sys.exit(1)
 PY
+  then
+    echo "prefect_local.sh: no Prefect server answers at $PREFECT_API_URL;" \
+         "start one with 'make server' (or set PREFECT_API_URL)" >&2
+    exit 1
+  fi
 }
 
 case "${1:-}" in

@@ -108,11 +108,11 @@ class RunContext:
         if self.trainer is None:
             # The logprobs stage commits old_logprobs when asked to; the trainer must not redo it.
             actor = cfg.actor.model_copy(update={"recompute_old_logprobs": False})
-            self.trainer = PolicyTrainer(self.model_path, actor, tokenizer=self.tokenizer)
+            self.trainer = PolicyTrainer(self.model_path, actor, tokenizer=self.tokenizer, storage=cfg.storage)
         if cfg.needs_ref and self.ref is None:
-            self.ref = RefModel(self.model_path, cfg.actor, tokenizer=self.tokenizer)
+            self.ref = RefModel(self.model_path, cfg.actor, tokenizer=self.tokenizer, storage=cfg.storage)
         if cfg.critic is not None and self.critic is None:
-            self.critic = Critic(self.model_path, cfg.critic, tokenizer=self.tokenizer)
+            self.critic = Critic(self.model_path, cfg.critic, tokenizer=self.tokenizer, storage=cfg.storage)
         if self.engine is None:
             self.engine = get_rollout_engine(cfg.rollout.engine, self.model_path, cfg.rollout.engine_options)
 

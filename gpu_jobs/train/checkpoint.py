@@ -97,7 +97,7 @@ def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
 
     from storage import ManifestExistsError
 
-    fs, root = url_to_fs(url)
+    fs, root = url_to_fs(url, getattr(module, "storage", None))
     dest = posixpath.join(root, "trainer")
     if fs.exists(posixpath.join(dest, STATE_FILE)):
         # Never write over the last good checkpoint: each save goes to a fresh URL.
@@ -149,7 +149,7 @@ def load_engine_state(module: Any, url: str) -> dict[str, Any]:
     Raises TrainInputError (before touching any weight) for a checkpoint of another model."""
     from storage import url_to_fs
 
-    fs, root = url_to_fs(url)
+    fs, root = url_to_fs(url, getattr(module, "storage", None))
     dest = posixpath.join(root, "trainer")
     state = _read_state(fs, dest, url)
     module.check_shapes(state["param_shapes"], url)

@@ -25,7 +25,8 @@ class Critic(ZeroModule):
 
     config: CriticConfig
 
-    def __init__(self, model_path: str, config: CriticConfig | None = None, *, tokenizer: Any = None):
+    def __init__(self, model_path: str, config: CriticConfig | None = None, *, tokenizer: Any = None,
+                 storage: Any = None):
         from transformers import AutoModelForTokenClassification
 
         super().__init__(
@@ -35,6 +36,7 @@ class Critic(ZeroModule):
             train=True,
             tokenizer=tokenizer,
             config_overrides={"num_labels": 1, "classifier_dropout": 0.0},
+            storage=storage,
         )
 
     def _response_values(self, mb: dict[str, Any]) -> Any:

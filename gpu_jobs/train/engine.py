@@ -100,11 +100,13 @@ class ZeroModule(Resumable):
         train: bool,
         tokenizer: Any = None,
         config_overrides: dict[str, Any] | None = None,
+        storage: Any = None,
     ) -> None:
         import torch
 
         dist.init_distributed()
         self.config = config
+        self.storage = storage  # StorageConfig for save/load/save_hf URLs (None: AWS env vars)
         self.model_path = resolve_model_path(model_path)
         self.rank, self.world_size = dist.rank(), dist.world_size()
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_if_any(self.model_path)
@@ -320,7 +322,8 @@ class ZeroModule(Resumable):
         if self.rank == 0:
             from storage import save_checkpoint
 
-            result = save_checkpoint(url, state, config=self.model_config, tokenizer=self.tokenizer)
+            result = save_checkpoint(url, state, config=self.model_config, tokenizer=self.tokenizer,
+                                     storage=self.storage)
         dist.barrier()
         return result
 

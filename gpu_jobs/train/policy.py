@@ -70,11 +70,13 @@ class _CausalLM(ZeroModule):
 
     config: TrainerConfig
 
-    def __init__(self, model_path: str, config: TrainerConfig, *, train: bool, tokenizer: Any = None):
+    def __init__(self, model_path: str, config: TrainerConfig, *, train: bool, tokenizer: Any = None,
+                 storage: Any = None):
         from transformers import AutoModelForCausalLM
 
         super().__init__(
-            model_path, config, auto_class=AutoModelForCausalLM, train=train, tokenizer=tokenizer
+            model_path, config, auto_class=AutoModelForCausalLM, train=train, tokenizer=tokenizer,
+            storage=storage,
         )
 
     def _response_logits(self, mb: dict[str, Any]) -> Any:
@@ -110,8 +112,9 @@ class _CausalLM(ZeroModule):
 class RefModel(_CausalLM):
     """Frozen reference policy: ``RefModel(path, TrainerConfig()).compute_log_probs(batch)``."""
 
-    def __init__(self, model_path: str, config: TrainerConfig | None = None, *, tokenizer: Any = None):
-        super().__init__(model_path, config or TrainerConfig(), train=False, tokenizer=tokenizer)
+    def __init__(self, model_path: str, config: TrainerConfig | None = None, *, tokenizer: Any = None,
+                 storage: Any = None):
+        super().__init__(model_path, config or TrainerConfig(), train=False, tokenizer=tokenizer, storage=storage)
 
 
 class PolicyTrainer(_CausalLM):
@@ -128,8 +131,9 @@ class PolicyTrainer(_CausalLM):
         *,
         tokenizer: Any = None,
         kl_controller: Any = None,
+        storage: Any = None,
     ) -> None:
-        super().__init__(model_path, config or TrainerConfig(), train=True, tokenizer=tokenizer)
+        super().__init__(model_path, config or TrainerConfig(), train=True, tokenizer=tokenizer, storage=storage)
         self.kl_controller = kl_controller  # its state travels with save()/load()
 
     # ---- the update ----------------------------------------------------------------------

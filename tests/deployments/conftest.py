@@ -252,7 +252,8 @@ class Chromium:
         """Click the first leaf element whose text is exactly `label` (a tab, a link)."""
         return bool(self.eval(
             "(() => { const el = [...document.querySelectorAll('*')].find(e => e.children.length === 0"
-            f" && e.textContent.trim() === {json.dumps(label)}); if (!el) return false; el.click(); return true; }})()"))
+            f" && e.textContent.trim() === {json.dumps(label)});"
+            " if (!el) return false; el.click(); return true; })()"))
 
     def screenshot(self, path: Path) -> None:
         import base64

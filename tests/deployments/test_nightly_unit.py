@@ -68,7 +68,8 @@ def test_list_new_files_memory_url():
     fs.pipe("/rlmill-nightly-unit/in/x.parquet", b"123")
     try:
         found = N.list_new_files("memory://rlmill-nightly-unit/in", {})
-        assert [(f.url, f.rel, f.size) for f in found] == [("memory://rlmill-nightly-unit/in/x.parquet", "x.parquet", 3)]
+        assert [(f.url, f.rel, f.size) for f in found] == [
+            ("memory://rlmill-nightly-unit/in/x.parquet", "x.parquet", 3)]
     finally:
         fs.rm("/rlmill-nightly-unit", recursive=True)
 
@@ -170,3 +171,27 @@ def test_nightly_cli_parses(monkeypatch):
     assert seen == {"config": "examples/grpo_arith.yaml", "overrides": ["root=/tmp/x"], "model_name": "arith",
                     "new_data_prefix": None, "iterations": 2, "eval_size": 5, "min_gain": 0.1, "night": "20260102"}
     json.dumps(seen)
+
+
+@pytest.mark.slow  # imports great_expectations (~5 s) and loads the built-in model's tokenizer
+def test_validate_new_data_gate(tmp_path):
+    from flows.config import load_run_config
+    from storage.datasets import arith_row, read_prompts, write_prompts
+    from storage.quality import DataQualityError
+
+    rows = [arith_row(10 + i, 20, "train", i) for i in range(6)]
+    rows[2]["prompt"] = [{"role": "user", "content": ""}]  # an empty prompt fails the gate
+    url = write_prompts(rows, str(tmp_path / "in" / "bad.parquet"))
+    out = str(tmp_path / "models" / "arith" / "nightly" / "r1")
+
+    cfg = load_run_config(None, [f"root={tmp_path}"])
+    with pytest.raises(DataQualityError):  # on_failure=raise (the default): the night fails
+        N.validate_new_data.fn([url], cfg, "builtin", out)
+
+    cfg = load_run_config(None, [f"root={tmp_path}", "gate.on_failure=quarantine"])
+    (clean,) = N.validate_new_data.fn([url], cfg, "builtin", out)
+    assert clean == f"{out}/clean.parquet"
+    assert len(read_prompts(clean)) == 5 and len(read_prompts(f"{out}/quarantine.parquet")) == 1
+    assert N.validate_new_data.fn([url], cfg, "builtin", out) == [clean]  # a retried night rewrites the same files
+    good = write_prompts(rows[:2], str(tmp_path / "in" / "good.parquet"))
+    assert N.validate_new_data.fn([good], cfg, "builtin", out + "-good") == [good]  # clean: trained as they are

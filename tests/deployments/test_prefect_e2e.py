@@ -128,7 +128,8 @@ def _write_arith(url: Path, n: int, seed: int) -> None:
 
 
 def _nightly_cli(tools, args: list[str]) -> dict:
-    res = tools.run_cli([str(tools.venv_bin / "python"), "-m", "flows.nightly", *args], tools.env, timeout=RUN_TIMEOUT_S)
+    res = tools.run_cli([str(tools.venv_bin / "python"), "-m", "flows.nightly", *args], tools.env,
+                        timeout=RUN_TIMEOUT_S)
     m = re.search(r"^\{$", res.stdout, flags=re.M)  # main() prints the result as indented JSON, last
     assert m, res.stdout[-3000:]
     return json.JSONDecoder().raw_decode(res.stdout[m.start():])[0]
@@ -174,8 +175,9 @@ def test_nightly_promotes_refuses_and_skips(prefect_worker, api, tools, tmp_path
     assert frozen["config"]["model"]["path"] == models.version("nightly-20260101")
     assert frozen["config"]["data"]["train_files"] == [str(incoming / "later" / "day2.parquet")]
     assert models.current_version() == "nightly-20260101"  # refused: CURRENT unchanged
-    arts = api(lambda c: c.read_artifacts(flow_run_filter=F.FlowRunFilter(id=F.FlowRunFilterId(any_=[run.id])),
-                                          artifact_filter=F.ArtifactFilter(key=F.ArtifactFilterKey(any_=["arith-nightly"]))))
+    arts = api(lambda c: c.read_artifacts(
+        flow_run_filter=F.FlowRunFilter(id=F.FlowRunFilterId(any_=[run.id])),
+        artifact_filter=F.ArtifactFilter(key=F.ArtifactFilterKey(any_=["arith-nightly"]))))
     assert arts, "no decision artifact on the nightly run"
     md = arts[0].data
     assert "REFUSED" in md and f"{night2['new']['mean_reward']:.4f}" in md

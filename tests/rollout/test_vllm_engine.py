@@ -23,11 +23,23 @@ pytestmark = [
 GREEDY = SamplingConfig(temperature=0.0, max_response_length=8)
 
 
+_RNG_AFTER_START: dict = {}
+
+
 @pytest.fixture(scope="module")
 def vllm_engine(builtin_path):
+    torch.manual_seed(123)
+    expected = torch.rand(2)
+    torch.manual_seed(123)
     engine = get_rollout_engine("vllm", builtin_path)
+    _RNG_AFTER_START["kept"] = torch.equal(torch.rand(2), expected)
     yield engine
     engine.close()
+
+
+def test_engine_start_leaves_the_callers_rng_alone(vllm_engine):
+    # in-process vLLM seeds the global RNGs; a trainer in the same process must not notice
+    assert _RNG_AFTER_START["kept"]
 
 
 @pytest.fixture(scope="module")

@@ -78,8 +78,12 @@ class LoopConfig(_Section):
     total_iterations: int = Field(40, ge=1, description="RL iterations in the run (verl total_training_steps).")
     val_every: int = Field(10, ge=0, description="Validate every this many iterations (0 = only before and after).")
     checkpoint_every: int = Field(10, ge=1, description="Write policy weights + trainer state every this many iterations.")
-    placement: Literal["colocated"] = Field(
-        "colocated", description="Where GPU stages run. 'colocated': in the flow process with warm engines.")
+    placement: Literal["colocated", "remote"] = Field(
+        "colocated", description="Where GPU stages run. 'colocated': in the flow process with warm engines. "
+        "'remote': rollout, update and validation run as runs of the stage deployment on its work pool, "
+        "handing weights over through checkpoints in storage.")
+    stage_deployment: str = Field(
+        "rl-stage/gpu", description="With placement=remote: the deployment (flow/deployment) that runs GPU stages.")
     samples_in_artifact: int = Field(4, ge=0, description="Prompts/responses shown in each iteration's markdown artifact.")
     tensorboard: bool = Field(True, description="Also write metrics as TensorBoard events under the run's folder.")
     loggers: list[Literal["wandb", "mlflow"]] = Field(
@@ -151,6 +155,13 @@ class RunConfig(_Section):
         if self.algorithm.needs_reward_baselines:
             raise ValueError("adv_estimator=remax needs a greedy baseline rollout per prompt, which the flow "
                              "does not generate yet; use grpo, rloo or reinforce_plus_plus")
+        if self.trainer.placement == "remote":
+            if self.trainer.checkpoint_every != 1:
+                raise ValueError("placement=remote hands weights between processes through checkpoints: "
+                                 "set trainer.checkpoint_every=1")
+            if self.critic is not None or self.needs_ref or self.actor.recompute_old_logprobs:
+                raise ValueError("placement=remote runs critic-free runs without a reference model for now: "
+                                 "drop critic / KL / actor.recompute_old_logprobs, or use placement=colocated")
         if self.rollout.engine == "vllm" and self.rollout.engine_options.dtype == "float16":
             raise ValueError("rollout.engine_options.dtype=float16 is not supported on CPU vLLM; use bfloat16")
         return self
@@ -191,6 +202,14 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] = ()) -
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
     return build_run_config(apply_overrides(data, list(overrides)))
+
+
+def config_from_run_json(frozen: dict[str, Any]) -> RunConfig:
+    """The RunConfig a run was frozen with. Secrets are masked in run.json, so storage
+    credentials come from this process's environment (AWS_* variables), as on a cluster."""
+    data = dict(frozen["config"])
+    data["storage"] = {k: v for k, v in data.get("storage", {}).items() if k not in ("key", "secret", "token")}
+    return build_run_config(data)
 
 
 def frozen_config(cfg: RunConfig) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger, tags
 from flows.config import RunConfig, frozen_config, load_run_config
 from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact, iteration_artifacts,
                              local_tb_dir)
+from flows.remote import run_remote
 from flows.run_lock import RunLock
 from gpu_jobs.stages import RunContext, last_committed
 from storage import committed, join, read_manifest, read_table
@@ -57,7 +58,8 @@ def rl_iteration(key: str, k: int) -> dict[str, Any]:
     ctx = context_for(key)
     opts = _with_task_options(ctx.cfg)
     t = {name: task.with_options(**opts) for name, task in T.STAGE_TASKS.items()}
-    rollout_uri = t["rollout"](key, k)
+    remote = ctx.cfg.trainer.placement == "remote"
+    rollout_uri = run_remote(ctx, k, "rollout") if remote else t["rollout"](key, k)
     batch_uri = t["gate"](key, k, rollout_uri)
     # Scoring and log-prob/value passes are independent: run them concurrently.
     reward_f = t["reward"].submit(key, k, batch_uri)
@@ -65,8 +67,11 @@ def rl_iteration(key: str, k: int) -> dict[str, Any]:
     values_f = t["values"].submit(key, k, batch_uri)
     reward_uri, logprobs_uri, values_uri = reward_f.result(), logprobs_f.result(), values_f.result()
     adv_uri = t["advantages"](key, k, batch_uri, reward_uri, logprobs_uri, values_uri)
-    update_uri = t["update"](key, k, adv_uri)
-    sync_s = t["weight-sync"](key, k)
+    if remote:  # the next rollout loads checkpoint k, which the remote update committed
+        update_uri, sync_s = run_remote(ctx, k, "update", [adv_uri]), 0.0
+    else:
+        update_uri = t["update"](key, k, adv_uri)
+        sync_s = t["weight-sync"](key, k)
     uris = {"rollout": rollout_uri, "gate": batch_uri, "reward": reward_uri, "logprobs": logprobs_uri,
             "values": values_uri, "advantages": adv_uri, "update": update_uri}
     commit_uri = t["commit"](key, k, uris, {"timing_s/weight_sync": sync_s})
@@ -77,8 +82,11 @@ def rl_iteration(key: str, k: int) -> dict[str, Any]:
 
 
 def _validate(ctx: RunContext, key: str, k: int) -> float:
-    ref = ctx.layout.stage(k, "update") if k else ctx.model_path
-    uri = T.validate.with_options(**_with_task_options(ctx.cfg))(key, k, ref)
+    if ctx.cfg.trainer.placement == "remote":
+        uri = run_remote(ctx, k, "validate")
+    else:
+        ref = ctx.layout.stage(k, "update") if k else ctx.model_path
+        uri = T.validate.with_options(**_with_task_options(ctx.cfg))(key, k, ref)
     return float(read_manifest(uri, ctx.storage).metrics["val/acc"])
 
 
@@ -114,8 +122,9 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
 def _train(cfg: RunConfig, logger) -> dict[str, Any]:
     t_setup = time.perf_counter()
     ctx = RunContext.open(cfg)
-    ctx.warm()
-    start = ctx.restore()
+    if cfg.trainer.placement == "colocated":  # remote: this process never loads a model
+        ctx.warm()
+        ctx.restore()
     key = attach(ctx)
     total = cfg.trainer.total_iterations
     done = last_committed(ctx.layout, "commit", total)

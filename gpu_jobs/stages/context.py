@@ -99,12 +99,17 @@ class RunContext:
         return ctx
 
     # ---------------------------------------------------------------- warm engines
-    def warm(self) -> None:
+    def warm(self, *, trainer: bool = True, engine: bool = True) -> None:
         """Load the trainer (and ref/critic when the algorithm needs them) and the rollout engine."""
         from gpu_jobs.rollout import get_rollout_engine
         from gpu_jobs.train import Critic, PolicyTrainer, RefModel
 
         cfg = self.cfg
+        if engine and self.engine is None:
+            self.engine = get_rollout_engine(cfg.rollout.engine, self.model_path, cfg.rollout.engine_options,
+                                             storage=cfg.storage)
+        if not trainer:
+            return
         if self.trainer is None:
             # The logprobs stage commits old_logprobs when asked to; the trainer must not redo it.
             actor = cfg.actor.model_copy(update={"recompute_old_logprobs": False})
@@ -113,8 +118,12 @@ class RunContext:
             self.ref = RefModel(self.model_path, cfg.actor, tokenizer=self.tokenizer, storage=cfg.storage)
         if cfg.critic is not None and self.critic is None:
             self.critic = Critic(self.model_path, cfg.critic, tokenizer=self.tokenizer, storage=cfg.storage)
-        if self.engine is None:
-            self.engine = get_rollout_engine(cfg.rollout.engine, self.model_path, cfg.rollout.engine_options)
+
+    def load_policy_into_engine(self, k: int) -> None:
+        """Remote placement: the rollout engine takes the weights checkpointed after update k."""
+        if k > 0:
+            self.engine.update_weights(self.layout.policy(k))
+        self.trainer_k = k
 
     def restore(self) -> int:
         """Bring the trainer to the state after the last committed update; returns that iteration.
@@ -138,7 +147,8 @@ class RunContext:
             replay_update(self, k)
         if self.trainer_k > 0:
             self._restore_kl_ctrl()
-            self.engine.update_weights(self.trainer.gathered_state_dict())
+            if self.engine is not None:
+                self.engine.update_weights(self.trainer.gathered_state_dict())
         return self.trainer_k
 
     def _restore_kl_ctrl(self) -> None:

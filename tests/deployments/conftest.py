@@ -11,6 +11,7 @@ worker may ignore SIGTERM).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -43,20 +44,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every live descendant of `pid` (from /proc; [] where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
 def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    """Stop a process we started with start_new_session=True, and its children, by its PID."""
+    """Stop a process we started with start_new_session=True, and its children, by PID:
+    SIGTERM, then SIGKILL after `grace` s. `prefect server start` runs uvicorn in a session of
+    its own, so the children are collected by PID before the signal, not only by group."""
     if proc.poll() is not None:
         return
+    pids = [proc.pid, *_descendants(proc.pid)]
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        for pid in pids[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()
+            if not any(_alive(p) for p in pids):
+                return
+            time.sleep(0.2)
+    proc.wait(timeout=5)
 
 
 def nightly_timezone(now: dt.datetime | None = None) -> str:

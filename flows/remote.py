@@ -1,0 +1,64 @@
+"""Disaggregated placement: GPU stages as runs of their own deployment.
+
+With `trainer.placement: remote`, the rl-iteration flow does not load any model. Rollout, update
+and validation each start a run of the stage deployment (`trainer.stage_deployment`, by default
+`rl-stage/gpu`) on its work pool — Kubernetes jobs with GPU requests on a cluster, a local
+`process` pool in tests — and everything crosses through storage: the stage reads committed
+inputs and the weights checkpointed after the previous update, and commits its manifest (the
+update also commits checkpoint k, which the next rollout loads).
+
+    prefect deployment run 'rl-stage/gpu' -p root=s3://bucket/rl -p run_id=r -p k=3 -p stage=rollout
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import flow
+from prefect.deployments import run_deployment
+
+from gpu_jobs import stages
+from gpu_jobs.stages import RunContext
+from storage import RunLayout, committed
+
+RemoteStage = Literal["rollout", "update", "validate"]
+
+
+@flow(name="rl-stage", log_prints=True)
+def rl_stage(root: str, run_id: str, k: int, stage: RemoteStage, inputs: list[str] | None = None) -> str:
+    """Run one GPU stage of iteration k in this process, from storage only; returns its manifest URI."""
+    from flows.config import config_from_run_json
+
+    frozen = RunLayout(root, run_id).read_run_json()
+    if frozen is None:
+        raise RuntimeError(f"no run {run_id!r} under {root}: the flow writes run.json before any stage")
+    ctx = RunContext.open(config_from_run_json(frozen))
+    if stage == "update":
+        ctx.warm(engine=False)
+        ctx.restore()  # trainer state of checkpoint k-1 (checkpoint_every is 1 in remote placement)
+        return stages.update(ctx, k, *(inputs or []))
+    ctx.warm(trainer=False)
+    ctx.load_policy_into_engine(k - 1 if stage == "rollout" else k)
+    return stages.rollout(ctx, k) if stage == "rollout" else stages.validate(ctx, k)
+
+
+def run_remote(ctx: RunContext, k: int, stage: RemoteStage, inputs: list[str] = ()) -> str:
+    """Start the stage deployment for (k, stage) and wait; returns the manifest it committed.
+
+    Idempotent like every stage: an already committed stage is returned without a remote run.
+    """
+    dest = ctx.layout.stage(k, stage)
+    if uri := committed(dest, ctx.storage):
+        return uri
+    run = run_deployment(
+        name=ctx.cfg.trainer.stage_deployment,
+        parameters={"root": ctx.cfg.root, "run_id": ctx.cfg.run_id, "k": k, "stage": stage, "inputs": list(inputs)},
+        flow_run_name=f"{stage}-{k:04d}",
+        timeout=None,
+    )
+    uri = committed(dest, ctx.storage)
+    if uri is None:
+        state = run.state.name if run.state else "unknown"
+        raise RuntimeError(f"remote {stage} of iteration {k} ended {state} without committing {dest}; "
+                           f"see flow run {run.id} in the Prefect UI")
+    return uri

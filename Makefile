@@ -15,6 +15,7 @@ run: venv
 	$(PY) -m flows.cli run
 
 test: venv
+	@bash scripts/ensure_test_tools.sh
 	$(PY) -m pytest -q tests
 
 test-fast: venv

@@ -87,12 +87,16 @@ class RunContext:
         from gpu_jobs.models import load_tokenizer
 
         layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
-        run_uid = _freeze(layout, frozen_config(cfg))
         train_urls, val_urls = _datasets(cfg)
         train = read_prompts(train_urls, storage=cfg.storage)
         val = read_prompts(val_urls, storage=cfg.storage).iloc[: cfg.data.val_size].reset_index(drop=True)
         model_path = resolve_model(cfg.model.path, cfg.model.seed, cfg.storage)
         tokenizer = load_tokenizer(model_path)
+        # Gate the prompts before the run exists: bad data fails here, naming rows, with nothing
+        # of the run written but the gate's own report.
+        train = _gate_prompts(cfg, layout, "train", train, tokenizer)
+        val = _gate_prompts(cfg, layout, "val", val, tokenizer)
+        run_uid = _freeze(layout, frozen_config(cfg))
         sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
         ctx = cls(cfg, layout, run_uid, model_path, tokenizer, train, val, sampler)
         ctx.kl_ctrl = _kl_controller(cfg)
@@ -211,6 +215,21 @@ def _datasets(cfg: "RunConfig") -> tuple[list[str], list[str]]:
         make_dataset(data.generate, out, train_size=data.train_size, test_size=max(data.val_size, 300),
                      seed=data.seed, storage=cfg.storage)
     return [train_url], list(data.val_files or [test_url])
+
+
+def _gate_prompts(cfg: "RunConfig", layout: RunLayout, split: str, df: Any, tokenizer: Any) -> Any:
+    """great-expectations suite over a prompt dataset; quarantined rows are counted and written."""
+    from storage.quality import validate_prompts
+
+    gate = cfg.gate.model_copy(update={"max_prompt_length": cfg.data.max_prompt_length})
+    where = join(layout.root, "data_gate")
+    result = validate_prompts(df, gate, join(where, f"{split}_report.json"), tokenizer=tokenizer,
+                              quarantine_url=join(where, f"{split}_quarantine.parquet"), storage=cfg.storage)
+    if result.n_quarantined:
+        log.warning("%s prompts: %d of %d rows quarantined (see %s)", split, result.n_quarantined,
+                    result.n_rows, result.quarantine_url)
+        return result.clean.reset_index(drop=True)
+    return df
 
 
 def _kl_controller(cfg: "RunConfig"):

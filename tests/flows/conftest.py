@@ -14,6 +14,7 @@ TINY = [
     "data.train_batch_size=8",
     "rollout.n=4",
     "data.val_size=32",
+    "data.train_size=600",
     "actor.ppo_mini_batch_size=4",
     "trainer.tensorboard=false",
     "trainer.samples_in_artifact=2",

@@ -135,3 +135,29 @@ def test_each_algorithm_example_runs_an_iteration(example, example_path, tiny, t
     changed = any(not torch.equal(before[n], w) for n, w in weights(ctx).items())
     kept = read_manifest(uris["advantages"], ctx.storage).num_rows
     assert changed or kept == 0
+
+
+def test_bad_prompt_data_fails_before_the_run_exists(tiny_config, tmp_path):
+    from storage.datasets import write_prompts
+    from storage.quality import DataQualityError
+
+    rows = [{"data_source": "rlmill/arith", "prompt": [{"role": "user", "content": f"{a}+1="}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(a + 1)}, "extra_info": {"index": a}} for a in range(10, 40)]
+    rows[3]["prompt"] = [{"role": "user", "content": ""}]          # empty prompt
+    rows[7]["reward_model"] = {"style": "rule", "ground_truth": None}  # rule reward without truth
+    data = tmp_path / "bad.parquet"
+    write_prompts(rows, str(data))
+    cfg = tiny_config(f"data.train_files=[{data}]", f"data.val_files=[{data}]", "run_id=bad-data",
+                      root=str(tmp_path / "root"))
+    with pytest.raises(DataQualityError) as err:
+        RunContext.open(cfg)
+    assert "3" in str(err.value) and "7" in str(err.value)
+    run = tmp_path / "root" / "runs" / "bad-data"
+    assert not (run / "run.json").exists() and (run / "data_gate" / "train_report.json").exists()
+
+    # With quarantine, the bad rows are set aside and counted, never silently dropped.
+    cfg = tiny_config(f"data.train_files=[{data}]", f"data.val_files=[{data}]", "run_id=quarantined",
+                      "gate.on_failure=quarantine", root=str(tmp_path / "root"))
+    ctx = RunContext.open(cfg)
+    assert len(ctx.train) == 28
+    assert (tmp_path / "root" / "runs" / "quarantined" / "data_gate" / "train_quarantine.parquet").exists()

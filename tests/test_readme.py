@@ -21,7 +21,9 @@ def test_readme_s3_demo_runs_against_a_local_moto_server():
     block = re.search(r"<!-- readme-s3-demo -->\n```bash\n(.*?)```", text, re.S).group(1)
     port = str(free_port())
     script = block.replace("5555", port)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    from gpu_jobs.train.dist import child_env
+
+    env = {k: v for k, v in child_env().items() if not k.startswith("AWS_")}
     proc = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

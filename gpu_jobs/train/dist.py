@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "init_distributed",
+    "child_env",
     "rank",
     "world_size",
     "is_rank0",
@@ -53,20 +54,41 @@ def init_distributed() -> None:
     _fill_single_rank_env()
     if _on_cpu():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
     import torch.distributed as td
 
-    if td.is_available() and td.is_initialized():
-        return
-    import deepspeed
-
     if _on_cpu():
+        # DeepSpeed builds a shared-memory comm op (60-80 s of C++) whenever it sets up its comm
+        # backend, even over a process group that vLLM already started: patch it out first.
         # `import deepspeed.comm.torch as m` would bind the torch package (deepspeed.comm
         # re-exports it), so patching that name silently does nothing: go through importlib.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    if td.is_available() and td.is_initialized() and deepspeed.comm.is_initialized():
+        return
+    if not td.is_initialized():
+        # Someone else tore the process group down (an in-process vLLM engine does on shutdown):
+        # DeepSpeed would keep handing out its destroyed groups. Drop its references first.
+        from deepspeed.comm import comm as ds_comm
+        from deepspeed.utils import groups
+
+        groups._release_process_group_references()
+        ds_comm.cdb = None
+    # Over an existing torch process group (vLLM's, in-process) DeepSpeed wraps it.
+    if _on_cpu():
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         deepspeed.init_distributed(dist_backend="nccl")
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default os.environ) without the single-rank variables init_distributed set: a
+    subprocess (a torchrun job, another rlmill process) must not inherit this process's
+    MASTER_PORT, or it fails to listen on a port this process holds."""
+    env = dict(os.environ if env is None else env)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
 
 
 def _td():

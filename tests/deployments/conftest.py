@@ -124,7 +124,9 @@ def prefect_env(tmp_path_factory) -> dict[str, str]:
     """Environment for every child: the session's server, pool and time zone, quiet, 1 thread."""
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
-    env = dict(os.environ)
+    from gpu_jobs.train.dist import child_env
+
+    env = child_env()  # not this process's MASTER_PORT etc. if an earlier test started DeepSpeed
     env.update({
         "PREFECT_HOME": str(home), "PORT": str(port), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
         "PATH": f"{VENV_BIN}:{env.get('PATH', '')}", "RLMILL_WORK_POOL": POOL,

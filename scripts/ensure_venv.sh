@@ -8,6 +8,8 @@
 # $RLMILL_VENV_CACHE/<hash of the dependency pins> and .venv is a symlink to it: a fresh clone
 # with unchanged pins reuses it, a new machine or a changed pin builds a new one from scratch.
 set -euo pipefail
+# Bump when the install steps below change: the environment is keyed by it and the pins.
+ENV_RECIPE=1
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 CACHE=${RLMILL_VENV_CACHE:-$HOME/.cache/rlmill/venvs}
@@ -34,4 +36,4 @@ if [ -e .venv ] && [ "$(readlink .venv || true)" != "$ENV" ]; then
 fi
 [ -e .venv ] || ln -s "$ENV" .venv
 # rlmill itself: editable, no deps, so the shared environment always points at this clone.
-.venv/bin/pip install -q --no-deps --no-build-isolation -e . >/dev/null
+.venv/bin/pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || .venv/bin/pip install --no-deps --no-build-isolation -e .

@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv run test test-fast bench-storage bench-rollout bench-update server worker deploy clean
+.PHONY: venv run test test-fast bench-storage bench-rollout bench-update bench-overhead server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -29,6 +29,9 @@ bench-rollout: venv
 
 bench-update: venv
 	$(PY) -m benchmarks.bench_update
+
+bench-overhead: venv
+	$(PY) -m benchmarks.bench_overhead
 
 # Running it for real: a Prefect server, a process worker, and the deployments (README "For real").
 server: venv

@@ -1,0 +1,156 @@
+"""What orchestration and storage cost per RL iteration (issue 7's `make bench-overhead`).
+
+    .venv/bin/python -m benchmarks.bench_overhead [--iterations 6] [--batches 16,64,256]
+
+The same GRPO iterations (built-in model and task, same seeds) three ways, side by side:
+  memory  the stage math in one loop, nothing written (engine.generate -> score -> advantages
+          -> trainer.update -> weight sync): the floor;
+  stages  the stage functions (gpu_jobs.stages) called directly: adds Parquet commits with
+          manifests, the great-expectations gate, reads back by URI;
+  flow    the rl-training Prefect flow (one subflow per iteration, tasks, artifacts) on an
+          ephemeral Prefect API: adds Prefect's own cost (~1.1 s per subflow, PLATFORM.md).
+Per-iteration wall time is the median over iterations 2..N (the first warms caches). Not a test:
+numbers depend on the machine and its load; the ratios within one run are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_arith.yaml"
+
+
+def overrides(root: str, batch: int, iterations: int, run_id: str) -> list[str]:
+    return [f"root={root}", f"run_id={run_id}", f"data.train_batch_size={batch}",
+            f"actor.ppo_mini_batch_size={max(1, batch // 4)}", f"trainer.total_iterations={iterations}",
+            "trainer.val_every=0", f"trainer.checkpoint_every={iterations}", "trainer.tensorboard=false",
+            "data.val_size=32"]
+
+
+def memory_loop(cfg, iterations: int) -> list[float]:
+    """The same computation as the stages, with every table kept in memory."""
+    from gpu_jobs.reward import score_batch
+    from gpu_jobs.stages import RunContext
+    from gpu_jobs.stages.advantage_math import batch_advantages
+    from gpu_jobs.stages.iteration import sampling_seed
+    from gpu_jobs.stages.samples import sample_table
+    from storage.datasets import render_prompt
+    import pyarrow as pa
+
+    ctx = RunContext.open(cfg)
+    ctx.warm()
+    times = []
+    for k in range(1, iterations + 1):
+        t0 = time.perf_counter()
+        rows = ctx.sampler.indices(k - 1)
+        prompts = [dict(ctx.train.iloc[i].to_dict(), row=int(i)) for i in rows]
+        ids = [render_prompt(p["prompt"], ctx.tokenizer) for p in prompts]
+        out = ctx.engine.generate(ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
+        table = sample_table(out, prompts, k)
+        texts = ctx.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
+        scores, _, _ = score_batch([{"data_source": d, "solution_str": s, "ground_truth": g}
+                                    for d, s, g in zip(table.column("data_source").to_pylist(), texts,
+                                                       table.column("ground_truth").to_pylist())], cfg.reward)
+        table = table.append_column("score", pa.array(scores, pa.float32()))
+        table, _ = batch_advantages(table, cfg, ctx.kl_ctrl)
+        ctx.trainer.update(table)
+        ctx.engine.update_weights(ctx.trainer.gathered_state_dict())
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def stage_loop(cfg, iterations: int) -> list[float]:
+    from gpu_jobs import stages
+    from gpu_jobs.stages import RunContext
+
+    ctx = RunContext.open(cfg)
+    ctx.warm()
+    ctx.restore()
+    times = []
+    for k in range(1, iterations + 1):
+        t0 = time.perf_counter()
+        rollout = stages.rollout(ctx, k)
+        batch = stages.gate(ctx, k, rollout)
+        reward = stages.reward(ctx, k, batch)
+        adv = stages.advantages(ctx, k, batch, reward, stages.logprobs(ctx, k, batch), stages.values(ctx, k, batch))
+        update = stages.update(ctx, k, adv)
+        stages.sync_weights(ctx)
+        stages.commit(ctx, k, {"rollout": rollout, "gate": batch, "reward": reward, "advantages": adv,
+                               "update": update}, {})
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def flow_loop(root: str, batch: int, iterations: int, run_id: str) -> list[float]:
+    """Per-iteration wall time of the Prefect flow, read from its subflow runs' start/end."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    from flows.training import rl_training
+
+    state = rl_training(config=str(EXAMPLE), overrides=overrides(root, batch, iterations, run_id), return_state=True)
+    parent = state.state_details.flow_run_id
+
+    async def subflows():
+        async with get_client() as client:
+            return await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
+
+    runs = sorted((r for r in asyncio.run(subflows()) if r.name.startswith("iter-")), key=lambda r: r.name)
+    # Start to the start of the next iteration: includes the parent flow's per-iteration work.
+    starts = [r.start_time for r in runs] + [runs[-1].end_time]
+    return [(b - a).total_seconds() for a, b in zip(starts, starts[1:])]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--batches", default="16,64,256", help="prompts per iteration (x 8 samples)")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    from flows.config import load_run_config
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in (int(b) for b in args.batches.split(",")):
+            med = {}
+            for mode in ("memory", "stages", "flow"):
+                root, run_id = f"{tmp}/{mode}-{batch}", f"bench-{mode}-{batch}"
+                cfg = load_run_config(EXAMPLE, overrides(root, batch, args.iterations, run_id))
+                t = {"memory": lambda: memory_loop(cfg, args.iterations),
+                     "stages": lambda: stage_loop(cfg, args.iterations),
+                     "flow": lambda: flow_loop(root, batch, args.iterations, run_id)}[mode]()
+                med[mode] = statistics.median(t[1:])
+                print(f"  batch {batch:4d} {mode:7s} {med[mode]:.2f} s/iteration", file=sys.stderr, flush=True)
+            rows.append((batch, med))
+
+    print(f"\nper-iteration wall time, median of iterations 2..{args.iterations} "
+          f"(GRPO, built-in model, n=8, {time.strftime('%Y-%m-%d')})")
+    head = (f"{'prompts':>7} {'samples':>7} {'memory s':>9} {'stages s':>9} {'flow s':>8} "
+            f"{'storage+gate':>13} {'prefect':>9} {'rlmill share':>13} {'total share':>12}")
+    print(head)
+    for batch, m in rows:
+        storage, prefect = m["stages"] - m["memory"], m["flow"] - m["stages"]
+        print(f"{batch:>7} {batch * 8:>7} {m['memory']:>9.2f} {m['stages']:>9.2f} {m['flow']:>8.2f} "
+              f"{storage:>12.2f}s {prefect:>8.2f}s {storage / m['flow']:>12.1%} {(m['flow'] - m['memory']) / m['flow']:>11.1%}")
+    print("storage+gate = stages - memory (what rlmill adds: commits, manifests, GX gate, reads);"
+          " prefect = flow - stages; shares are of the flow's iteration time.")
+
+
+if __name__ == "__main__":
+    main()

@@ -152,16 +152,14 @@ class RunConfig(_Section):
                              "problems (a+b, a and b in 10..99): lower data.train_size")
         if self.overlong_buffer.enable and not 0 < self.overlong_buffer.len <= self.rollout.max_response_length:
             raise ValueError("overlong_buffer.len must be in (0, rollout.max_response_length]")
-        if self.algorithm.needs_reward_baselines:
-            raise ValueError("adv_estimator=remax needs a greedy baseline rollout per prompt, which the flow "
-                             "does not generate yet; use grpo, rloo or reinforce_plus_plus")
         if self.trainer.placement == "remote":
             if self.trainer.checkpoint_every != 1:
                 raise ValueError("placement=remote hands weights between processes through checkpoints: "
                                  "set trainer.checkpoint_every=1")
-            if self.critic is not None or self.needs_ref or self.actor.recompute_old_logprobs:
+            if self.critic is not None or self.needs_ref or self.actor.recompute_old_logprobs \
+                    or self.algorithm.needs_reward_baselines:
                 raise ValueError("placement=remote runs critic-free runs without a reference model for now: "
-                                 "drop critic / KL / actor.recompute_old_logprobs, or use placement=colocated")
+                                 "drop critic / KL / actor.recompute_old_logprobs / remax, or use placement=colocated")
         if self.rollout.engine == "vllm" and self.rollout.engine_options.dtype == "float16":
             raise ValueError("rollout.engine_options.dtype=float16 is not supported on CPU vLLM; use bfloat16")
         return self

@@ -60,20 +60,21 @@ def rl_iteration(key: str, k: int) -> dict[str, Any]:
     t = {name: task.with_options(**opts) for name, task in T.STAGE_TASKS.items()}
     remote = ctx.cfg.trainer.placement == "remote"
     rollout_uri = run_remote(ctx, k, "rollout") if remote else t["rollout"](key, k)
+    baseline_uri = t["baseline"](key, k, rollout_uri)  # ReMax only; None otherwise
     batch_uri = t["gate"](key, k, rollout_uri)
     # Scoring and log-prob/value passes are independent: run them concurrently.
     reward_f = t["reward"].submit(key, k, batch_uri)
     logprobs_f = t["logprobs"].submit(key, k, batch_uri)
     values_f = t["values"].submit(key, k, batch_uri)
     reward_uri, logprobs_uri, values_uri = reward_f.result(), logprobs_f.result(), values_f.result()
-    adv_uri = t["advantages"](key, k, batch_uri, reward_uri, logprobs_uri, values_uri)
+    adv_uri = t["advantages"](key, k, batch_uri, reward_uri, logprobs_uri, values_uri, baseline_uri)
     if remote:  # the next rollout loads checkpoint k, which the remote update committed
         update_uri, sync_s = run_remote(ctx, k, "update", [adv_uri]), 0.0
     else:
         update_uri = t["update"](key, k, adv_uri)
         sync_s = t["weight-sync"](key, k)
-    uris = {"rollout": rollout_uri, "gate": batch_uri, "reward": reward_uri, "logprobs": logprobs_uri,
-            "values": values_uri, "advantages": adv_uri, "update": update_uri}
+    uris = {"rollout": rollout_uri, "baseline": baseline_uri, "gate": batch_uri, "reward": reward_uri,
+            "logprobs": logprobs_uri, "values": values_uri, "advantages": adv_uri, "update": update_uri}
     commit_uri = t["commit"](key, k, uris, {"timing_s/weight_sync": sync_s})
     metrics = read_manifest(commit_uri, ctx.storage).metrics
     iteration_artifacts(ctx.cfg.run_id, k, metrics,

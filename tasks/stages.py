@@ -33,6 +33,11 @@ def rollout(key: str, k: int) -> str:
     return stages.rollout(context_for(key), k)
 
 
+@task(name="baseline", **_STAGE)
+def baseline(key: str, k: int, rollout_uri: str) -> str | None:
+    return stages.baseline(context_for(key), k, rollout_uri)
+
+
 @task(name="gate", **_STAGE)
 def gate(key: str, k: int, rollout_uri: str) -> str:
     return stages.gate(context_for(key), k, rollout_uri)
@@ -55,8 +60,8 @@ def values(key: str, k: int, batch_uri: str) -> str | None:
 
 @task(name="advantages", **_STAGE)
 def advantages(key: str, k: int, batch_uri: str, reward_uri: str, logprobs_uri: str | None,
-               values_uri: str | None) -> str:
-    return stages.advantages(context_for(key), k, batch_uri, reward_uri, logprobs_uri, values_uri)
+               values_uri: str | None, baseline_uri: str | None = None) -> str:
+    return stages.advantages(context_for(key), k, batch_uri, reward_uri, logprobs_uri, values_uri, baseline_uri)
 
 
 @task(name="update", **_STAGE)
@@ -80,5 +85,5 @@ def validate(key: str, k: int, weights_ref: str) -> str:
     return stages.validate(context_for(key), k)
 
 
-STAGE_TASKS = {t.name: t for t in (rollout, gate, reward, logprobs, values, advantages, update,
+STAGE_TASKS = {t.name: t for t in (rollout, baseline, gate, reward, logprobs, values, advantages, update,
                                    sync_weights, commit, validate)}

@@ -7,6 +7,7 @@ from gpu_jobs.stages.context import RunConfigMismatchError, RunContext, last_com
 from gpu_jobs.stages.iteration import (
     STAGES,
     advantages,
+    baseline,
     commit,
     gate,
     logprobs,
@@ -19,5 +20,5 @@ from gpu_jobs.stages.iteration import (
     values,
 )
 
-__all__ = ["RunContext", "RunConfigMismatchError", "last_committed", "STAGES", "rollout", "gate", "reward",
+__all__ = ["RunContext", "RunConfigMismatchError", "last_committed", "STAGES", "rollout", "baseline", "gate", "reward",
            "logprobs", "values", "advantages", "update", "replay_update", "sync_weights", "commit", "validate"]

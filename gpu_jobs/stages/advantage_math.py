@@ -73,11 +73,13 @@ def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table,
         metrics.update({m: float(v) for m, v in kl_metrics.items()})
         kl_ctrl.update(float(kl_metrics["actor/reward_kl_penalty"]), len(lengths))
 
-    vals = None
+    vals = baselines = None
     if "values" in table.column_names:
         vals = torch.as_tensor(padded(table.column("values").to_pylist(), width)[0])
+    if "reward_baseline" in table.column_names:  # ReMax: the greedy response's score per prompt
+        baselines = torch.as_tensor(np.asarray(table.column("reward_baseline").to_pylist(), dtype=np.float32))
     adv, ret = compute_advantage(algo.adv_estimator, token_level_rewards=rewards, response_mask=mask,
-                                 index=index, values=vals, **algo.advantage_kwargs())
+                                 index=index, values=vals, reward_baselines=baselines, **algo.advantage_kwargs())
     metrics.update(_metric_stats("critic/rewards", rewards.sum(-1)))
     metrics.update(_metric_stats("critic/advantages", adv, mask))
     metrics.update(_metric_stats("critic/returns", ret, mask))

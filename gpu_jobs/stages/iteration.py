@@ -21,7 +21,7 @@ from gpu_jobs.stages.context import RunContext
 from gpu_jobs.stages.samples import FLOAT_LIST, join_by_uid, padded, sample_table, unpadded
 from storage import committed, join, read_manifest, read_table, write_table
 
-STAGES = ("rollout", "gate", "reward", "logprobs", "values", "advantages", "update", "commit")
+STAGES = ("rollout", "baseline", "gate", "reward", "logprobs", "values", "advantages", "update", "commit")
 
 
 def _done(ctx: RunContext, k: int, stage: str) -> str | None:
@@ -70,6 +70,36 @@ def rollout(ctx: RunContext, k: int) -> str:
     return _commit(ctx, k, "rollout", table, [_policy_ref(ctx, k)], metrics)
 
 
+# -------------------------------------------------------------------------------- baseline (ReMax)
+def baseline(ctx: RunContext, k: int, rollout_uri: str) -> str | None:
+    """ReMax's baseline: one greedy response per prompt of the batch, scored; None for other
+    estimators. Greedy decoding of the same weights is deterministic, so a retry is identical."""
+    if not ctx.cfg.algorithm.needs_reward_baselines:
+        return None
+    if uri := _done(ctx, k, "baseline"):
+        return uri
+    from gpu_jobs.reward import score_batch
+    from storage.datasets import render_prompt
+
+    cfg = ctx.cfg
+    rows = ctx.sampler.indices(k - 1)
+    prompts = [dict(ctx.train.iloc[i].to_dict(), row=int(i)) for i in rows]
+    ids = [render_prompt(p[cfg.data.prompt_key], ctx.tokenizer, cfg.data.max_prompt_length) for p in prompts]
+    t0 = time.perf_counter()
+    table = sample_table(ctx.engine.generate(ids, 1, cfg.rollout.greedy()), prompts, k)
+    scores, _, _ = score_batch(_reward_rows(ctx, table), cfg.reward)
+    table = table.append_column("score", pa.array(scores, pa.float32()))
+    metrics = {"timing_s/baseline": time.perf_counter() - t0, "critic/baseline_score/mean": float(np.mean(scores))}
+    return _commit(ctx, k, "baseline", table, [rollout_uri], metrics)
+
+
+def _reward_rows(ctx: RunContext, table: pa.Table) -> list[dict]:
+    texts = ctx.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
+    return [{"data_source": d, "solution_str": s, "ground_truth": g, "extra_info": e}
+            for d, s, g, e in zip(table.column("data_source").to_pylist(), texts,
+                                  table.column("ground_truth").to_pylist(), table.column("extra_info").to_pylist())]
+
+
 # -------------------------------------------------------------------------------- gate
 def gate(ctx: RunContext, k: int, rollout_uri: str) -> str:
     if uri := _done(ctx, k, "gate"):
@@ -100,14 +130,11 @@ def reward(ctx: RunContext, k: int, batch_uri: str) -> str:
     table = read_table(batch_uri, columns=["uid", "data_source", "response_ids", "ground_truth", "extra_info"],
                        storage=ctx.storage)
     t0 = time.perf_counter()
-    texts = ctx.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
-    rows = [{"data_source": d, "solution_str": s, "ground_truth": g, "extra_info": e}
-            for d, s, g, e in zip(table.column("data_source").to_pylist(), texts,
-                                  table.column("ground_truth").to_pylist(), table.column("extra_info").to_pylist())]
+    rows = _reward_rows(ctx, table)
     scores, extras, metrics = score_batch(rows, ctx.cfg.reward)
     out = pa.table({"uid": table.column("uid"), "score": pa.array(scores, pa.float32()),
                     "reward_extra": pa.array([json.dumps(e, default=str) for e in extras]),
-                    "response_text": pa.array(texts)})
+                    "response_text": pa.array([r["solution_str"] for r in rows])})
     metrics = {**metrics, "timing_s/reward": time.perf_counter() - t0}
     return _commit(ctx, k, "reward", out, [batch_uri], metrics)
 
@@ -146,7 +173,8 @@ def values(ctx: RunContext, k: int, batch_uri: str) -> str | None:
 
 # -------------------------------------------------------------------------------- advantages
 def advantages(ctx: RunContext, k: int, batch_uri: str, reward_uri: str,
-               logprobs_uri: str | None = None, values_uri: str | None = None) -> str:
+               logprobs_uri: str | None = None, values_uri: str | None = None,
+               baseline_uri: str | None = None) -> str:
     if uri := _done(ctx, k, "advantages"):
         return uri
     from gpu_jobs.stages.advantage_math import batch_advantages
@@ -154,11 +182,17 @@ def advantages(ctx: RunContext, k: int, batch_uri: str, reward_uri: str,
     read = lambda u: read_table(u, storage=ctx.storage) if u else None  # noqa: E731
     table = join_by_uid(read(batch_uri), read(reward_uri).drop_columns(["response_text"]),
                         read(logprobs_uri), read(values_uri))
+    if baseline_uri:
+        base = read(baseline_uri)
+        by_group = dict(zip(base.column("group_id").to_pylist(), base.column("score").to_pylist()))
+        table = table.append_column("reward_baseline", pa.array(
+            [by_group[g] for g in table.column("group_id").to_pylist()], pa.float32()))
     t0 = time.perf_counter()
     table, metrics = batch_advantages(table, ctx.cfg, ctx.kl_ctrl)
     metrics["timing_s/adv"] = time.perf_counter() - t0
     metrics["kl_ctrl_state"] = ctx.kl_ctrl.state_dict()
-    return _commit(ctx, k, "advantages", table, [batch_uri, reward_uri, logprobs_uri, values_uri], metrics)
+    return _commit(ctx, k, "advantages", table, [batch_uri, reward_uri, logprobs_uri, values_uri, baseline_uri],
+                   metrics)
 
 
 # -------------------------------------------------------------------------------- update
@@ -265,12 +299,10 @@ def validate(ctx: RunContext, k: int) -> str:
     t0 = time.perf_counter()
     out = ctx.engine.generate(ids, 1, cfg.rollout.greedy())
     table = sample_table(out, prompts, k, tag="val")
-    texts = ctx.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
-    rows = [{"data_source": d, "solution_str": s, "ground_truth": g, "extra_info": e}
-            for d, s, g, e in zip(table.column("data_source").to_pylist(), texts,
-                                  table.column("ground_truth").to_pylist(), table.column("extra_info").to_pylist())]
+    rows = _reward_rows(ctx, table)
     scores, _, _ = score_batch(rows, cfg.reward)
-    table = table.append_column("score", pa.array(scores, pa.float32())).append_column("response_text", pa.array(texts))
+    table = table.append_column("score", pa.array(scores, pa.float32())).append_column(
+        "response_text", pa.array([r["solution_str"] for r in rows]))
     metrics = {"val/acc": float(np.mean(scores)) if scores else 0.0, "val/n": len(scores),
                "timing_s/validate": time.perf_counter() - t0, "val/weights_of_iteration": ctx.trainer_k}
     return _commit(ctx, k, "validate", table, [_done(ctx, k, "update") or ctx.model_path], metrics)
@@ -280,6 +312,6 @@ def stage_metrics(ctx: RunContext, uri: str) -> dict:
     return read_manifest(uri, ctx.storage).metrics
 
 
-__all__ = ["STAGES", "rollout", "gate", "reward", "logprobs", "values", "advantages", "update",
+__all__ = ["STAGES", "rollout", "baseline", "gate", "reward", "logprobs", "values", "advantages", "update",
            "replay_update", "sync_weights", "commit", "validate", "save_checkpoint", "sampling_seed",
            "padded", "unpadded"]

@@ -21,14 +21,15 @@ pytestmark = pytest.mark.deepspeed
 def run_iteration(ctx: RunContext, k: int) -> dict[str, str | None]:
     """The same stage order as the rl-iteration flow, called directly."""
     rollout = stages.rollout(ctx, k)
+    baseline = stages.baseline(ctx, k, rollout)
     batch = stages.gate(ctx, k, rollout)
     reward = stages.reward(ctx, k, batch)
     logprobs = stages.logprobs(ctx, k, batch)
     values = stages.values(ctx, k, batch)
-    adv = stages.advantages(ctx, k, batch, reward, logprobs, values)
+    adv = stages.advantages(ctx, k, batch, reward, logprobs, values, baseline)
     update = stages.update(ctx, k, adv)
     stages.sync_weights(ctx)
-    uris = dict(rollout=rollout, gate=batch, reward=reward, logprobs=logprobs, values=values,
+    uris = dict(rollout=rollout, baseline=baseline, gate=batch, reward=reward, logprobs=logprobs, values=values,
                 advantages=adv, update=update)
     uris["commit"] = stages.commit(ctx, k, uris, {})
     return uris
@@ -183,3 +184,17 @@ def test_colocated_iteration_with_the_vllm_engine(tiny_config):
     want = [r["response_ids"] for r in hf.generate(prompts, 1, greedy)]
     assert got == want
     assert first["commit"] != second["commit"]
+
+
+def test_remax_scores_a_greedy_baseline_per_prompt(tiny_config):
+    """ReMax: A = score - score of the greedy response to the same prompt (on every token)."""
+    from storage import read_table
+
+    ctx = open_warm(tiny_config("algorithm.adv_estimator=remax", "trainer.total_iterations=1"))
+    uris = run_iteration(ctx, 1)
+    base = read_table(uris["baseline"], storage=ctx.storage)
+    assert base.num_rows == 8 and set(base.column("sample_index").to_pylist()) == {0}  # one per prompt
+    by_group = dict(zip(base.column("group_id").to_pylist(), base.column("score").to_pylist()))
+    adv = read_table(uris["advantages"], storage=ctx.storage)
+    for g, score, a in zip(*(adv.column(c).to_pylist() for c in ("group_id", "score", "advantages"))):
+        assert a == pytest.approx([score - by_group[g]] * len(a))

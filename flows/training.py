@@ -38,17 +38,17 @@ def _with_task_options(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _samples(ctx: RunContext, batch_uri: str, reward_uri: str, n: int) -> list[dict]:
+    """The first response to each of the first `n` prompts, for the iteration's markdown artifact."""
     if n <= 0:
         return []
-    batch = read_table(batch_uri, columns=["uid", "prompt_ids", "ground_truth"], storage=ctx.storage).slice(0, 4 * n)
-    rew = {u: (t, s) for u, t, s in zip(*(read_table(reward_uri, storage=ctx.storage).column(c).to_pylist()
-                                          for c in ("uid", "response_text", "score")))}
-    out = []
-    for uid, pids, truth in zip(*(batch.column(c).to_pylist() for c in ("uid", "prompt_ids", "ground_truth"))):
-        text, score = rew.get(uid, ("", float("nan")))
-        out.append({"prompt": ctx.tokenizer.decode(pids, skip_special_tokens=True), "response": text,
-                    "truth": truth, "score": score})
-    return out[::4][:n]
+    batch = read_table(batch_uri, columns=["uid", "sample_index", "prompt_ids", "ground_truth"],
+                       storage=ctx.storage).to_pylist()
+    rewards = {r["uid"]: r for r in read_table(reward_uri, columns=["uid", "response_text", "score"],
+                                               storage=ctx.storage).to_pylist()}
+    firsts = [row for row in batch if row["sample_index"] == 0][:n]
+    return [{"prompt": ctx.tokenizer.decode(row["prompt_ids"], skip_special_tokens=True),
+             "response": rewards[row["uid"]]["response_text"], "truth": row["ground_truth"],
+             "score": rewards[row["uid"]]["score"]} for row in firsts]
 
 
 @flow(name="rl-iteration", log_prints=True)

@@ -37,12 +37,11 @@ def _check_config(path: str | None, overrides: list[str]):
 
 
 def cmd_train(args) -> None:
-    cfg = _check_config(args.config, args.overrides)  # fail before Prefect or any model starts
+    _check_config(args.config, args.overrides)  # fail before Prefect or any model starts
     from flows.training import rl_training
 
     summary = rl_training(config=args.config, overrides=args.overrides)
     _print_summary(summary)
-    del cfg
 
 
 def cmd_run(args) -> None:

@@ -19,7 +19,7 @@ from prefect.deployments import run_deployment
 
 from gpu_jobs import stages
 from gpu_jobs.stages import RunContext
-from storage import RunLayout, committed
+from storage import committed
 
 RemoteStage = Literal["rollout", "update", "validate"]
 
@@ -27,12 +27,7 @@ RemoteStage = Literal["rollout", "update", "validate"]
 @flow(name="rl-stage", log_prints=True)
 def rl_stage(root: str, run_id: str, k: int, stage: RemoteStage, inputs: list[str] | None = None) -> str:
     """Run one GPU stage of iteration k in this process, from storage only; returns its manifest URI."""
-    from flows.config import config_from_run_json
-
-    frozen = RunLayout(root, run_id).read_run_json()
-    if frozen is None:
-        raise RuntimeError(f"no run {run_id!r} under {root}: the flow writes run.json before any stage")
-    ctx = RunContext.open(config_from_run_json(frozen))
+    ctx = RunContext.from_storage(root, run_id)
     if stage == "update":
         ctx.warm(engine=False)
         ctx.restore()  # trainer state of checkpoint k-1 (checkpoint_every is 1 in remote placement)

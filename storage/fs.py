@@ -179,17 +179,23 @@ def _translate_s3_error(e: BaseException, bucket: str, endpoint: str | None) -> 
     )
 
 
+def _write_local_temp(path: str, data: bytes) -> str:
+    """Write `data` durably to a fresh temp name beside `path`; the caller links or renames it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
 def create_only(fs: fsspec.AbstractFileSystem, path: str, data: bytes, *, url: str | None = None) -> None:
     """Write `data` at `path` only if nothing is there; else raise ObjectExistsError."""
     shown = redact_url(url or path)
     exists = ObjectExistsError(f"{shown} already exists; create-only writes never overwrite it")
     if is_local(fs):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = _write_local_temp(path, data)
         try:
             os.link(tmp, path)  # atomic, and fails if the name exists: the commit point
         except FileExistsError:
@@ -229,12 +235,7 @@ def write_pointer(url: str, text: str, storage: StorageConfig | None = None) -> 
     fs, path = url_to_fs(url, storage)
     data = text.encode()
     if is_local(fs):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = _write_local_temp(path, data)
         os.replace(tmp, path)  # readers see the old or the new pointer, never half of one
     else:
         fs.pipe_file(path, data)  # one PUT: atomic on S3

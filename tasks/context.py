@@ -38,14 +38,7 @@ def context_for(key: str) -> RunContext:
     with _LOCK:
         ctx = _LIVE.get(key)
     if ctx is None:
-        from flows.config import config_from_run_json
-        from storage import RunLayout
-
-        root, run_id = key.rsplit("::", 1)
-        frozen = RunLayout(root, run_id).read_run_json()
-        if frozen is None:
-            raise RuntimeError(f"no run {run_id!r} under {root}: start it with `rlmill train` first")
-        ctx = RunContext.open(config_from_run_json(frozen))
+        ctx = RunContext.from_storage(*key.rsplit("::", 1))
         ctx.warm()
         ctx.restore()
         attach(ctx)

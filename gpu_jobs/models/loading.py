@@ -16,8 +16,6 @@ import glob
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 ALIASES = ("builtin", "smollm2")
@@ -115,25 +113,11 @@ def ensure_smollm2(cache_dir=None) -> str:
     Dequantising the GGUF takes ~30 s; the converted fp32 folder reloads in ~1 s. Built in a
     temporary sibling and renamed into place, like the built-in model.
     """
-    from gpu_jobs.models.tiny import default_cache_dir
+    from gpu_jobs.models.tiny import build_once, default_cache_dir
 
     gguf = smollm2_gguf()  # raises a clear error first if the package is missing
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / "smollm2-135m-instruct"
-    if (final / "config.json").exists():
-        return str(final)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    try:
-        _convert_gguf(gguf, tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+    return build_once(root / "smollm2-135m-instruct", lambda tmp: _convert_gguf(gguf, tmp))
 
 
 def _convert_gguf(gguf: str, out: Path) -> None:

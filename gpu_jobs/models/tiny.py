@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from gpu_jobs.models.tokenizer import build_tokenizer, char_vocab
 
@@ -200,13 +201,19 @@ def ensure_builtin_model(cache_dir: str | os.PathLike | None = None, seed: int =
     """
     recipe = WarmupRecipe(seed=seed)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"builtin-{recipe.digest()}"
+    return build_once(root / f"builtin-{recipe.digest()}", lambda tmp: _build_into(tmp, recipe))
+
+
+def build_once(final: Path, build: Callable[[Path], None]) -> str:
+    """The cached model folder `final`, built by `build(tmp)` into a temp sibling and renamed
+    into place the first time: a crash never leaves a half-written model, and two concurrent
+    builders race to the same (identical) result."""
     if (final / "config.json").exists():
         return str(final)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        _build_into(tmp, recipe)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first: theirs is identical

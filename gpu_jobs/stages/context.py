@@ -102,6 +102,18 @@ class RunContext:
         ctx.kl_ctrl = _kl_controller(cfg)
         return ctx
 
+    @classmethod
+    def from_storage(cls, root: str, run_id: str) -> "RunContext":
+        """The context of an existing run, from its run.json alone (a process that did not start
+        the run: a retried task on a fresh worker, a remote stage). Storage credentials come
+        from this process's AWS_* environment; run.json never holds them."""
+        from flows.config import config_from_run_json
+
+        frozen = RunLayout(root, run_id).read_run_json()
+        if frozen is None:
+            raise RuntimeError(f"no run {run_id!r} under {root}: start it with `rlmill train` first")
+        return cls.open(config_from_run_json(frozen))
+
     # ---------------------------------------------------------------- warm engines
     def warm(self, *, trainer: bool = True, engine: bool = True) -> None:
         """Load the trainer (and ref/critic when the algorithm needs them) and the rollout engine."""

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from gpu_jobs.stages.context import RunContext
-from gpu_jobs.stages.samples import FLOAT_LIST, join_by_uid, padded, sample_table, unpadded
+from gpu_jobs.stages.samples import FLOAT_LIST, join_by_uid, sample_table
 from storage import committed, join, read_manifest, read_table, write_table
 
 STAGES = ("rollout", "baseline", "gate", "reward", "logprobs", "values", "advantages", "update", "commit")
@@ -43,17 +43,26 @@ def _policy_ref(ctx: RunContext, k: int) -> str:
     return (_done(ctx, k - 1, "update") if k > 1 else None) or ctx.model_path
 
 
+def _prompts(ctx: RunContext, df: Any, rows: list[int], max_len: int | None) -> tuple[list[dict], list[list[int]]]:
+    """Rows of a prompt dataset (verl fields plus `row`, their index) and their token ids."""
+    from storage.datasets import render_prompt
+
+    prompts = [dict(df.iloc[i].to_dict(), row=int(i)) for i in rows]
+    return prompts, [render_prompt(p[ctx.cfg.data.prompt_key], ctx.tokenizer, max_len) for p in prompts]
+
+
+def _batch_prompts(ctx: RunContext, k: int) -> tuple[list[dict], list[list[int]]]:
+    """Iteration k's training prompts: a pure function of (seed, epoch, k)."""
+    rows = ctx.sampler.indices(k - 1)  # iterations are 1-based, the sampler's steps 0-based
+    return _prompts(ctx, ctx.train, rows, ctx.cfg.data.max_prompt_length)
+
+
 # -------------------------------------------------------------------------------- rollout
 def rollout(ctx: RunContext, k: int) -> str:
     if uri := _done(ctx, k, "rollout"):
         return uri
-    from storage.datasets import render_prompt
-
     cfg = ctx.cfg
-    rows = ctx.sampler.indices(k - 1)  # iterations are 1-based, the sampler's steps 0-based
-    prompts = [dict(ctx.train.iloc[i].to_dict(), row=int(i)) for i in rows]
-    prompt_ids = [render_prompt(p[cfg.data.prompt_key], ctx.tokenizer, cfg.data.max_prompt_length)
-                  for p in prompts]
+    prompts, prompt_ids = _batch_prompts(ctx, k)
     t0 = time.perf_counter()
     out = ctx.engine.generate(prompt_ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
     gen_s = time.perf_counter() - t0
@@ -79,12 +88,9 @@ def baseline(ctx: RunContext, k: int, rollout_uri: str) -> str | None:
     if uri := _done(ctx, k, "baseline"):
         return uri
     from gpu_jobs.reward import score_batch
-    from storage.datasets import render_prompt
 
     cfg = ctx.cfg
-    rows = ctx.sampler.indices(k - 1)
-    prompts = [dict(ctx.train.iloc[i].to_dict(), row=int(i)) for i in rows]
-    ids = [render_prompt(p[cfg.data.prompt_key], ctx.tokenizer, cfg.data.max_prompt_length) for p in prompts]
+    prompts, ids = _batch_prompts(ctx, k)
     t0 = time.perf_counter()
     table = sample_table(ctx.engine.generate(ids, 1, cfg.rollout.greedy()), prompts, k)
     scores, _, _ = score_batch(_reward_rows(ctx, table), cfg.reward)
@@ -291,11 +297,9 @@ def validate(ctx: RunContext, k: int) -> str:
     if uri := _done(ctx, k, "validate"):
         return uri
     from gpu_jobs.reward import score_batch
-    from storage.datasets import render_prompt
 
     cfg = ctx.cfg
-    prompts = [dict(ctx.val.iloc[i].to_dict(), row=int(i)) for i in range(len(ctx.val))]
-    ids = [render_prompt(p[cfg.data.prompt_key], ctx.tokenizer) for p in prompts]
+    prompts, ids = _prompts(ctx, ctx.val, list(range(len(ctx.val))), None)
     t0 = time.perf_counter()
     out = ctx.engine.generate(ids, 1, cfg.rollout.greedy())
     table = sample_table(out, prompts, k, tag="val")
@@ -313,5 +317,4 @@ def stage_metrics(ctx: RunContext, uri: str) -> dict:
 
 
 __all__ = ["STAGES", "rollout", "baseline", "gate", "reward", "logprobs", "values", "advantages", "update",
-           "replay_update", "sync_weights", "commit", "validate", "save_checkpoint", "sampling_seed",
-           "padded", "unpadded"]
+           "replay_update", "sync_weights", "commit", "validate", "save_checkpoint", "sampling_seed"]

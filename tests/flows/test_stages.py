@@ -94,8 +94,7 @@ def test_crash_between_checkpoint_and_manifest_does_not_apply_the_update_twice(t
     # Simulate a kill after checkpoint 2 was published but before update 2's manifest landed.
     fs, path = url_to_fs(uris[1]["update"], a.storage)
     fs.rm(path)
-    for later in ("commit",):
-        fs.rm(url_to_fs(uris[1][later], a.storage)[1])
+    fs.rm(url_to_fs(uris[1]["commit"], a.storage)[1])
     b = open_warm(cfg)
     assert b.trainer_k == 2  # restored from checkpoint 2, nothing replayed
     redone = stages.update(b, 2, uris[1]["advantages"])

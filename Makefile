@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv run test test-fast bench-storage bench-rollout bench-update bench-overhead server worker deploy clean
+.PHONY: venv run test test-fast bench-storage bench-rollout bench-update bench-overhead bench-e2e bench-scale chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -32,6 +32,18 @@ bench-update: venv
 
 bench-overhead: venv
 	$(PY) -m benchmarks.bench_overhead
+
+bench-e2e: venv
+	@bash scripts/ensure_venv.sh bench
+	$(PY) -m benchmarks.bench_e2e
+
+bench-scale: venv
+	$(PY) -m benchmarks.bench_scale
+
+# Faults injected into real runs; prints fault / outcome / recovered / data lost. `make test` runs
+# a reduced set (tests/chaos).
+chaos: venv
+	$(PY) -m benchmarks.chaos
 
 # Running it for real: a Prefect server, a process worker, and the deployments (README "For real").
 server: venv

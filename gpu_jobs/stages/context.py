@@ -146,18 +146,16 @@ class RunContext:
 
         Loads the newest checkpoint (weights, optimizer, RNG, data cursor) and replays the
         committed updates after it from their committed batches: updates are deterministic given
-        that state, so the weights equal those of a run that never stopped.
+        that state, so the weights equal those of a run that never stopped. A checkpoint damaged
+        after it was published (a file missing or failing its checksum) is skipped for the next
+        older one, down to the start model, with more updates replayed.
         """
         from gpu_jobs.stages.iteration import replay_update
 
         last = last_committed(self.layout, "update")
         ckpt = self.layout.latest_checkpoint()
         if ckpt is not None and ckpt > self.trainer_k:
-            log.info("resuming %s from checkpoint %d", self.cfg.run_id, ckpt)
-            self.trainer.load(self.layout.trainer(ckpt))
-            if self.critic is not None and _exists(join(self.layout.checkpoint(ckpt), "critic"), self.storage):
-                self.critic.load(join(self.layout.checkpoint(ckpt), "critic"))
-            self.trainer_k = ckpt
+            self._load_checkpoint(ckpt)
         for k in range(self.trainer_k + 1, last + 1):
             log.info("replaying committed update of iteration %d", k)
             replay_update(self, k)
@@ -166,6 +164,35 @@ class RunContext:
             if self.engine is not None:
                 self.engine.update_weights(self.trainer.gathered_state_dict())
         return self.trainer_k
+
+    def _load_checkpoint(self, newest: int) -> None:
+        """Load the newest intact checkpoint <= `newest` into the trainer (and critic)."""
+        from gpu_jobs.train.checkpoint import STATE_FILE
+        from storage import CorruptShardError
+
+        # Each load checks every file before it touches a weight; only a damaged critic after
+        # a good policy load leaves a half-loaded pair, which an older checkpoint overwrites.
+        half_loaded = False
+        for k in range(newest, self.trainer_k, -1):
+            if not _exists(join(self.layout.trainer(k), "trainer", STATE_FILE), self.storage):
+                continue  # never checkpointed there, or the save did not finish
+            critic = join(self.layout.checkpoint(k), "critic")
+            log.info("resuming %s from checkpoint %d", self.cfg.run_id, k)
+            try:
+                self.trainer.load(self.layout.trainer(k))
+                half_loaded = self.critic is not None
+                if self.critic is not None and _exists(critic, self.storage):
+                    self.critic.load(critic)
+            except CorruptShardError as e:
+                log.warning("checkpoint %d of %s is damaged (%s); trying an older one", k, self.cfg.run_id, e)
+                continue
+            self.trainer_k = k
+            return
+        if half_loaded:  # back to the start model's weights before replaying from it
+            self.trainer = self.critic = None
+            self.warm(engine=False)
+        log.warning("no intact checkpoint of %s at or below %d: replaying committed updates from the start model",
+                    self.cfg.run_id, newest)
 
     def _restore_kl_ctrl(self) -> None:
         uri = committed(self.layout.stage(self.trainer_k, "advantages"), self.storage)

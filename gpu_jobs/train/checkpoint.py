@@ -5,6 +5,10 @@ optimizer shards, ``latest``), then ``trainer_state.json`` written LAST: it list
 and carries step, data cursor, RNG states, world size and parameter shapes. A folder without it
 is an unfinished save and is not loaded.
 
+Every file's size and sha256 are recorded in trainer_state.json and checked on load: a file
+damaged after the save raises ``storage.CorruptShardError`` (naming it) instead of loading
+wrong weights, so a resume can fall back to an older checkpoint (gpu_jobs.stages.context).
+
 Same world size: ``engine.load_checkpoint`` restores weights and optimizer bit for bit.
 Different world size: ZeRO shards do not re-split, so the consolidated fp32 weights are loaded
 (``get_fp32_state_dict_from_zero_checkpoint``) and the optimizer starts fresh (logged).
@@ -13,6 +17,7 @@ Different world size: ZeRO shards do not re-split, so the consolidated fp32 weig
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import os
@@ -83,6 +88,28 @@ def _mine(rel: str, rank: int) -> bool:
     return rank == 0
 
 
+def _file_digest(path: str) -> dict[str, Any]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def _verify_file(path: str, expected: dict[str, Any] | None, shown: str) -> None:
+    """Raise CorruptShardError if the downloaded file differs from what the save recorded."""
+    from storage import CorruptShardError
+
+    if expected is None:  # checkpoints written before checksums were recorded
+        return
+    got = _file_digest(path)
+    if got["size"] != expected["size"]:
+        raise CorruptShardError(f"{shown}: size {got['size']} != {expected['size']} recorded at save (truncated or replaced)")
+    if got["sha256"] != expected["sha256"]:
+        raise CorruptShardError(f"{shown}: sha256 does not match the one recorded at save (corrupted)")
+
+
 def _local_files(root: str) -> list[str]:
     out = []
     for base, _, files in os.walk(root):
@@ -116,6 +143,7 @@ def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
                 "format": FORMAT,
                 "tag": TAG,
                 "files": files,
+                "checksums": {rel: _file_digest(os.path.join(tmp, rel)) for rel in files},
                 "world_size": module.world_size,
                 "zero_stage": module.config.zero_stage,
                 "pipeline_parallel_size": module.config.pipeline_parallel_size,
@@ -155,9 +183,16 @@ def load_engine_state(module: Any, url: str) -> dict[str, Any]:
     module.check_shapes(state["param_shapes"], url)
     tmp = tempfile.mkdtemp(prefix="rlmill-ds-load-")  # per rank: every rank reads the files it needs
     try:
+        sums = state.get("checksums", {})
         for rel in state["files"]:
             os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
-            fs.get_file(posixpath.join(dest, rel), os.path.join(tmp, rel))
+            try:
+                fs.get_file(posixpath.join(dest, rel), os.path.join(tmp, rel))
+            except FileNotFoundError:
+                from storage import CorruptShardError
+
+                raise CorruptShardError(f"{url}/trainer/{rel}: listed in {STATE_FILE} but missing") from None
+            _verify_file(os.path.join(tmp, rel), sums.get(rel), f"{url}/trainer/{rel}")
         saved = (state["world_size"], state["zero_stage"], state.get("pipeline_parallel_size", 1))
         mine = (module.world_size, module.config.zero_stage, module.config.pipeline_parallel_size)
         # ZeRO-0 data-parallel states are whole on every rank, so any world size can load them.

@@ -1,0 +1,98 @@
+"""What a chaos scenario checks after the fault: nothing committed lost, changed or duplicated.
+
+    snap = snapshot(layout)            # every committed manifest's bytes, before the fault
+    ...fault, recovery...
+    report = audit(layout, snap, iterations=3)
+    report.data_lost                   # must be 0
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage import RunLayout, join, read_manifest, read_table, url_to_fs
+from storage.tables import MANIFEST_NAME
+
+
+def committed_manifests(layout: RunLayout) -> dict[str, str]:
+    """URL -> sha256 of every committed manifest of the run (stages of every iteration)."""
+    fs, root = url_to_fs(join(layout.root, "iterations"), layout.storage)
+    out = {}
+    if not fs.exists(root):
+        return out
+    for path in fs.find(root):
+        if path.endswith("/" + MANIFEST_NAME):
+            url = join(layout.root, "iterations", path[len(root.rstrip("/")) + 1:])
+            out[url] = hashlib.sha256(fs.cat_file(path)).hexdigest()
+    return out
+
+
+def snapshot(layout: RunLayout) -> dict[str, str]:
+    return committed_manifests(layout)
+
+
+@dataclass
+class AuditReport:
+    lost: list[str] = field(default_factory=list)        # committed before, gone after
+    changed: list[str] = field(default_factory=list)     # committed before, different bytes after
+    unreadable: list[str] = field(default_factory=list)  # a listed shard missing or failing its sha256
+    missing: list[str] = field(default_factory=list)     # an iteration the finished run lacks
+    duplicated: list[str] = field(default_factory=list)  # rows committed twice within a stage
+
+    @property
+    def data_lost(self) -> int:
+        return len(self.lost) + len(self.changed) + len(self.unreadable) + len(self.missing) + len(self.duplicated)
+
+    def summary(self) -> str:
+        parts = [f"{name}: {', '.join(v[:3])}" for name, v in vars(self).items() if v]
+        return "; ".join(parts) or "intact"
+
+
+def _check_table(uri: str, layout: RunLayout, report: AuditReport) -> None:
+    try:
+        table = read_table(uri, storage=layout.storage)  # verifies every shard's size and sha256
+    except Exception as e:  # noqa: BLE001 - any failure to read committed data is a loss
+        report.unreadable.append(f"{uri} ({type(e).__name__})")
+        return
+    if "uid" in table.column_names:
+        uids = table.column("uid").to_pylist()
+        if len(set(uids)) != len(uids):
+            report.duplicated.append(uri)
+
+
+def audit(layout: RunLayout, before: dict[str, str], iterations: int | None = None,
+          damaged: set[str] = frozenset()) -> AuditReport:
+    """Compare the run's committed manifests with `before`; read back every committed table.
+
+    `damaged` lists manifests whose data the fault itself destroyed (a corrupted shard): those are
+    expected to be unreadable and are not counted as lost by rlmill.
+    """
+    report = AuditReport()
+    now = committed_manifests(layout)
+    for url, sha in before.items():
+        if url not in now:
+            report.lost.append(url)
+        elif now[url] != sha:
+            report.changed.append(url)
+    for url in sorted(now):
+        if url not in damaged:
+            _check_table(url, layout, report)
+    for k in range(1, (iterations or 0) + 1):
+        for stage in ("rollout", "gate", "reward", "advantages", "update", "commit"):
+            if join(layout.stage(k, stage), MANIFEST_NAME) not in now:
+                report.missing.append(f"iteration {k} {stage}")
+    return report
+
+
+def commit_inputs_intact(layout: RunLayout, k: int) -> bool:
+    """Iteration k's commit lists exactly the stage manifests that exist (no stale input)."""
+    m = read_manifest(layout.stage(k, "commit"), layout.storage)
+    return all(read_manifest(u, layout.storage) for u in m.inputs)
+
+
+def run_json(layout: RunLayout) -> dict[str, Any] | None:
+    fs, path = url_to_fs(layout.run_json, layout.storage)
+    return json.loads(fs.cat_file(path)) if fs.exists(path) else None

@@ -1,0 +1,112 @@
+"""Failpoints: run `rlmill` with a fault armed at one exact point of one iteration.
+
+    RLMILL_FAILPOINT=before-commit:reward:2 RLMILL_FAILPOINT_MARKER=/tmp/m \\
+        python -m benchmarks.chaos.failpoints train --config examples/grpo_arith.yaml ...
+
+When the armed point is reached the process touches the marker file and then blocks, so the
+chaos harness can SIGKILL it at exactly that point (a real kill of a real run, not an exception
+the code could catch). The points are wrappers installed before the CLI starts; nothing in
+rlmill itself knows about them.
+
+  after-commit:<stage>:<k>    a stage's manifest is written (a stage boundary)
+  before-commit:<stage>:<k>   the stage computed everything, nothing committed yet (mid-stage)
+  before-manifest:<stage>:<k> shards written, the manifest not yet (mid-commit)
+  after-train:update:<k>      the trainer applied update k in memory; no checkpoint, no manifest
+  after-checkpoint:update:<k> checkpoint k published (LATEST moved), update k's manifest not yet
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+KINDS = ("after-commit", "before-commit", "before-manifest", "after-train", "after-checkpoint")
+
+
+def parse(spec: str) -> tuple[str, str, int]:
+    """'after-commit:reward:2' -> ('after-commit', 'reward', 2); ValueError names the bad part."""
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] not in KINDS or not parts[2].isdigit():
+        raise ValueError(f"failpoint {spec!r} is not <kind>:<stage>:<iteration> with kind in {KINDS}")
+    return parts[0], parts[1], int(parts[2])
+
+
+def _hit(marker: str) -> None:
+    Path(marker).write_text(str(os.getpid()))
+    time.sleep(3600)  # the harness kills the whole process group now
+
+
+def _stage_of(url: str) -> tuple[str, int] | None:
+    """'.../iterations/3/reward' or '.../iterations/3/reward/_MANIFEST.json' -> ('reward', 3)."""
+    parts = [p for p in url.split("/") if p]
+    if parts and parts[-1] == "_MANIFEST.json":
+        parts = parts[:-1]
+    if len(parts) >= 3 and parts[-3] == "iterations" and parts[-2].isdigit():
+        return parts[-1], int(parts[-2])
+    return None
+
+
+def install(spec: str, marker: str) -> None:
+    """Wrap the one function the failpoint needs; every other call passes straight through."""
+    import gpu_jobs.stages.iteration as it
+    import storage.tables as tables
+
+    kind, stage, k = parse(spec)
+    if kind in ("after-commit", "before-commit"):
+        real_commit = it._commit
+
+        def _commit(ctx, kk, name, *a, **kw):
+            armed = (name, kk) == (stage, k)
+            if armed and kind == "before-commit":
+                _hit(marker)
+            uri = real_commit(ctx, kk, name, *a, **kw)
+            if armed:
+                _hit(marker)
+            return uri
+
+        it._commit = _commit
+    elif kind == "before-manifest":
+        real_create = tables.create_only
+
+        def create_only(fs, path, data, *, url=None):
+            if _stage_of(path) == (stage, k):
+                _hit(marker)
+            return real_create(fs, path, data, url=url)
+
+        tables.create_only = create_only
+    elif kind == "after-train":
+        real_train = it._train_on
+
+        def _train_on(ctx, kk, table):
+            metrics = real_train(ctx, kk, table)
+            if kk == k:
+                _hit(marker)
+            return metrics
+
+        it._train_on = _train_on
+    else:  # after-checkpoint
+        real_save = it.save_checkpoint
+
+        def save_checkpoint(ctx, kk, metrics):
+            real_save(ctx, kk, metrics)
+            if kk == k:
+                _hit(marker)
+
+        it.save_checkpoint = save_checkpoint
+
+
+def main(argv: list[str]) -> None:
+    spec, marker = os.environ.get("RLMILL_FAILPOINT"), os.environ.get("RLMILL_FAILPOINT_MARKER")
+    if spec:
+        if not marker:
+            sys.exit("RLMILL_FAILPOINT needs RLMILL_FAILPOINT_MARKER (the file to touch when it is hit)")
+        install(spec, marker)
+    from flows.cli import main as cli
+
+    cli(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

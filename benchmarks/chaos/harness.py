@@ -1,0 +1,132 @@
+"""The chaos harness: real `rlmill train` processes on a tiny run, killed, resumed and audited.
+
+    with Chaos.start(workdir) as chaos:      # a Prefect API for every run of the session
+        chaos.kill_at(root, "r", "after-train:update:3")
+        done = chaos.finish(root, "r")
+
+Every run is the tiny GRPO config below (3 iterations, checkpoint every 2) on one CPU thread, so
+a run that was killed and resumed must end with weights bitwise equal to the uninterrupted
+reference run: an update applied twice, skipped or computed from different data shows up there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "grpo_arith.yaml"
+ITERATIONS = 3
+TINY = ["data.train_batch_size=8", "rollout.n=4", "data.val_size=32", "data.train_size=600",
+        "actor.ppo_mini_batch_size=4", "trainer.tensorboard=false", "trainer.samples_in_artifact=2",
+        f"trainer.total_iterations={ITERATIONS}", "trainer.checkpoint_every=2", "trainer.val_every=0"]
+
+
+def overrides(root: str, run_id: str, *extra: str) -> list[str]:
+    return [f"root={root}", f"run_id={run_id}", *TINY, *extra]
+
+
+@dataclass
+class Outcome:
+    """One row of the chaos table."""
+
+    fault: str
+    outcome: str
+    recovered: bool | None  # None: nothing to recover (the input was refused before any write)
+    data_lost: int
+    weights: str = "-"      # "= reference", "differ", or "-" when the fault changes what is trained
+
+
+@dataclass
+class Chaos:
+    work: Path
+    api_url: str
+    timeout: float = 600.0
+    _reference: dict[str, Any] | None = field(default=None, repr=False)
+
+    @classmethod
+    @contextlib.contextmanager
+    def start(cls, work: Path):
+        """A Prefect API (test harness: a local server on a temporary database) for all runs."""
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+        from prefect.settings import PREFECT_API_URL
+        from prefect.testing.utilities import prefect_test_harness
+
+        with prefect_test_harness(server_startup_timeout=180):
+            yield cls(Path(work), PREFECT_API_URL.value())
+
+    # ------------------------------------------------------------------ child processes
+    def env(self, failpoint: str | None = None, marker: Path | None = None) -> dict[str, str]:
+        from gpu_jobs.train.dist import child_env
+
+        # One thread: killed-and-resumed and uninterrupted runs must do the same float arithmetic.
+        env = {**child_env(), "PREFECT_API_URL": self.api_url, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        env.pop("RLMILL_FAILPOINT", None)
+        if failpoint:
+            env.update(RLMILL_FAILPOINT=failpoint, RLMILL_FAILPOINT_MARKER=str(marker))
+        return env
+
+    def cmd(self, root: str, run_id: str, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "benchmarks.chaos.failpoints", "train", "--config", str(EXAMPLE),
+                *overrides(root, run_id, *extra)]
+
+    def kill_at(self, root: str, run_id: str, failpoint: str) -> None:
+        """Run until `failpoint` is reached, then SIGKILL the run's whole process group."""
+        marker = self.work / f"marker-{time.monotonic_ns()}"
+        proc = subprocess.Popen(self.cmd(root, run_id), cwd=REPO, env=self.env(failpoint, marker),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        try:
+            while not marker.exists():
+                if proc.poll() is not None:
+                    out = proc.stdout.read().decode(errors="replace")[-3000:]
+                    raise RuntimeError(f"run exited ({proc.returncode}) before reaching {failpoint}:\n{out}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{failpoint} not reached within {self.timeout:.0f} s")
+                time.sleep(0.05)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+    def finish(self, root: str, run_id: str, *extra: str) -> subprocess.CompletedProcess:
+        """Run (or resume) to the end; returns the completed process (check .returncode)."""
+        return subprocess.run(self.cmd(root, run_id, *extra), cwd=REPO, env=self.env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=self.timeout)
+
+    # ------------------------------------------------------------------ results
+    def reference(self) -> dict[str, Any]:
+        """Final weights of the uninterrupted run (computed once per session)."""
+        if self._reference is None:
+            root = str(self.work / "reference")
+            done = self.finish(root, "r")
+            if done.returncode:
+                raise RuntimeError(f"the uninterrupted reference run failed:\n{done.stdout[-3000:]}")
+            self._reference = final_weights(root, "r")
+        return self._reference
+
+    def same_as_reference(self, root: str, run_id: str, storage: Any = None) -> str:
+        import torch
+
+        ref, got = self.reference(), final_weights(root, run_id, storage)
+        same = ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
+        return "= reference" if same else "differ"
+
+
+def final_weights(root: str, run_id: str, storage: Any = None) -> dict[str, Any]:
+    from storage import RunLayout, load_state_dict
+
+    return load_state_dict(RunLayout(root, run_id, storage).policy(ITERATIONS), storage)
+
+
+def layout(root: str, run_id: str, storage: Any = None):
+    from storage import RunLayout
+
+    return RunLayout(root, run_id, storage)

@@ -1,0 +1,354 @@
+"""The faults `make chaos` injects, each a function `(Chaos) -> Outcome`, in one registry.
+
+Every scenario runs the tiny GRPO run of `harness.py` and checks "completes, and nothing
+committed is lost or duplicated" with `audit.py`; faults in the *input* (dataset, config) must
+instead be refused before anything is written. `QUICK` is the reduced set `make test` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from pathlib import Path
+from typing import Callable
+
+from .audit import audit, committed_manifests, snapshot
+from .harness import EXAMPLE, ITERATIONS, Chaos, Outcome, layout, overrides
+
+SCENARIOS: dict[str, tuple[str, Callable[[Chaos], Outcome]]] = {}
+QUICK = ("sigkill-chain", "corrupt-checkpoint", "s3-outage", "reward-faults-mixed", "bad-dataset", "bad-config")
+
+
+def scenario(name: str, fault: str):
+    def register(fn: Callable[[Chaos], Outcome]) -> Callable[[Chaos], Outcome]:
+        SCENARIOS[name] = (fault, fn)
+        return fn
+
+    return register
+
+
+def _tail(text: str, n: int = 1) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return " | ".join(lines[-n:])[:160]
+
+
+# ------------------------------------------------------------------------------ SIGKILL
+def _kill_then_resume(chaos: Chaos, name: str, fault: str, points: list[str]) -> Outcome:
+    root = str(chaos.work / name)
+    lay, before = layout(root, "r"), {}
+    for point in points:
+        chaos.kill_at(root, "r", point)
+        before.update(snapshot(lay))  # everything committed so far must survive every resume
+    done = chaos.finish(root, "r")
+    report = audit(lay, before, ITERATIONS)
+    ok = done.returncode == 0
+    outcome = (f"killed {len(points)}x ({len(before)} manifests committed); resumed and completed" if ok
+               else f"resume failed: {_tail(done.stdout)}")
+    if report.data_lost:
+        outcome += f"; {report.summary()}"
+    return Outcome(fault, outcome, ok and not report.data_lost, report.data_lost,
+                   chaos.same_as_reference(root, "r") if ok else "-")
+
+
+KILL_POINTS = {
+    "kill-after-rollout": ("SIGKILL after rollout committed (iter 1)", "after-commit:rollout:1"),
+    "kill-after-gate": ("SIGKILL after gate committed (iter 1)", "after-commit:gate:1"),
+    "kill-after-reward": ("SIGKILL after reward committed (iter 1)", "after-commit:reward:1"),
+    "kill-after-advantages": ("SIGKILL after advantages committed (iter 3)", "after-commit:advantages:3"),
+    "kill-after-update": ("SIGKILL after update committed, no checkpoint (iter 1)", "after-commit:update:1"),
+    "kill-after-checkpoint": ("SIGKILL after checkpoint 2, before update 2's manifest", "after-checkpoint:update:2"),
+    "kill-after-iteration": ("SIGKILL after iteration 2 committed", "after-commit:commit:2"),
+    "kill-mid-rollout": ("SIGKILL mid-rollout: responses generated, not committed (iter 3)", "before-commit:rollout:3"),
+    "kill-mid-reward": ("SIGKILL mid-reward: scores computed, not committed (iter 2)", "before-commit:reward:2"),
+    "kill-mid-update": ("SIGKILL mid-update: weights changed in memory only (iter 3)", "after-train:update:3"),
+    "kill-mid-commit": ("SIGKILL mid-commit: shards written, manifest not (iter 2 advantages)",
+                        "before-manifest:advantages:2"),
+}
+for _name, (_fault, _point) in KILL_POINTS.items():
+    scenario(_name, _fault)(lambda chaos, n=_name, f=_fault, p=_point: _kill_then_resume(chaos, n, f, [p]))
+
+
+@scenario("sigkill-chain", "SIGKILL mid-rollout (1), mid-commit (2), mid-update (3), then resume")
+def sigkill_chain(chaos: Chaos) -> Outcome:
+    return _kill_then_resume(chaos, "sigkill-chain", SCENARIOS["sigkill-chain"][0],
+                             ["before-commit:rollout:1", "before-manifest:reward:2", "after-train:update:3"])
+
+
+# ------------------------------------------------------------------------------ corruption
+def _flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 8] = bytes(b ^ 0xFF for b in data[mid:mid + 8])
+    path.write_bytes(bytes(data))
+
+
+@scenario("corrupt-checkpoint", "checkpoint file corrupted after commit, then resume")
+def corrupt_checkpoint(chaos: Chaos) -> Outcome:
+    root = str(chaos.work / "corrupt-checkpoint")
+    lay = layout(root, "r")
+    chaos.kill_at(root, "r", "after-commit:advantages:3")
+    before = snapshot(lay)
+    files = [p for p in Path(lay.trainer(2).removeprefix("file://")).rglob("*") if p.is_file()
+             and p.name != "trainer_state.json"]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    _flip_bytes(victim)
+    done = chaos.finish(root, "r")
+    report = audit(lay, before, ITERATIONS)
+    ok = done.returncode == 0
+    detected = "is damaged" in done.stdout
+    outcome = (f"{victim.name} of checkpoint 2 {'detected by sha256' if detected else 'NOT detected'}; "
+               f"replayed updates 1-2 from the start model; completed" if ok else f"failed: {_tail(done.stdout)}")
+    return Outcome(SCENARIOS["corrupt-checkpoint"][0], outcome, ok and detected and not report.data_lost,
+                   report.data_lost, chaos.same_as_reference(root, "r") if ok else "-")
+
+
+def _first_shard(lay, k: int, stage: str) -> tuple[str, Path]:
+    folder = Path(lay.stage(k, stage).removeprefix("file://"))
+    return f"{lay.stage(k, stage)}/_MANIFEST.json", next(folder.glob("part-*.parquet"))
+
+
+@scenario("corrupt-past-shard", "Parquet shard of a finished iteration corrupted, then resume")
+def corrupt_past_shard(chaos: Chaos) -> Outcome:
+    root = str(chaos.work / "corrupt-past")
+    lay = layout(root, "r")
+    chaos.kill_at(root, "r", "after-commit:advantages:3")
+    before = snapshot(lay)
+    manifest, shard = _first_shard(lay, 1, "rollout")
+    _flip_bytes(shard)
+    done = chaos.finish(root, "r")
+    report = audit(lay, before, ITERATIONS, damaged={manifest})
+    from storage import CorruptShardError, read_table
+
+    try:
+        read_table(manifest)
+        named = False
+    except CorruptShardError as e:
+        named = shard.name in str(e)
+    ok = done.returncode == 0
+    outcome = (f"completed (the run never rereads it); reading it raises CorruptShardError "
+               f"{'naming the shard' if named else 'WITHOUT the name'}" if ok else f"failed: {_tail(done.stdout)}")
+    return Outcome(SCENARIOS["corrupt-past-shard"][0], outcome, ok and named, report.data_lost,
+                   chaos.same_as_reference(root, "r") if ok else "-")
+
+
+@scenario("corrupt-needed-shard", "Parquet shard the next stage needs corrupted (iter 3 advantages)")
+def corrupt_needed_shard(chaos: Chaos) -> Outcome:
+    root = str(chaos.work / "corrupt-needed")
+    lay = layout(root, "r")
+    chaos.kill_at(root, "r", "after-commit:advantages:3")
+    before = snapshot(lay)
+    manifest, shard = _first_shard(lay, 3, "advantages")
+    _flip_bytes(shard)
+    done = chaos.finish(root, "r")
+    report = audit(lay, before, 2, damaged={manifest})
+    refused = done.returncode != 0 and "CorruptShardError" in done.stdout and shard.name in done.stdout
+    trained = committed_manifests(lay).get(f"{lay.stage(3, 'update')}/_MANIFEST.json") is not None
+    outcome = ("refused to train on it: CorruptShardError names the shard; iterations 1-2 intact"
+               if refused and not trained else f"NOT refused (update 3 committed={trained}): {_tail(done.stdout)}")
+    # Not recoverable by design: the only copy is damaged and rlmill never rewrites a commit.
+    return Outcome(SCENARIOS["corrupt-needed-shard"][0], outcome, False, report.data_lost)
+
+
+# ------------------------------------------------------------------------------ object storage
+def _train_in_process(*args: str) -> Exception | None:
+    """One rl-training flow run in this process; the exception it ended with, or None."""
+    from flows.training import rl_training
+
+    try:
+        rl_training(config=str(EXAMPLE), overrides=list(args))
+    except Exception as e:  # noqa: BLE001 - the scenario reports it
+        return e
+    return None
+
+
+@contextlib.contextmanager
+def _moto():
+    """An in-process S3 endpoint that can be stopped and started again with its buckets kept."""
+    from moto.server import ThreadedMotoServer
+
+    from storage.testing import free_port
+
+    port = free_port()
+    box = {"server": ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)}
+    box["server"].start()
+
+    def restart() -> None:
+        box["server"] = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        box["server"].start()
+
+    try:
+        yield f"http://127.0.0.1:{port}", box, restart
+    finally:
+        box["server"].stop()
+
+
+def _s3_outage(chaos: Chaos, name: str, seconds: float) -> Outcome:
+    import s3fs
+
+    import storage.tables as tables
+    from storage import StorageConfig
+
+    fault = SCENARIOS[name][0]
+    with _moto() as (endpoint, box, restart):
+        s3fs.S3FileSystem(key="chaos", secret="chaos", client_kwargs={"endpoint_url": endpoint}).mkdir("chaos-runs")
+        creds = [f"storage.endpoint_url={endpoint}", "storage.key=chaos", "storage.secret=chaos"]
+        root, real, fired = "s3://chaos-runs/" + name, tables.create_only, threading.Event()
+
+        def create_only(fs, path, data, *, url=None):
+            # The outage starts while iteration 2's reward manifest (a commit point) is written.
+            if path.endswith("iterations/2/reward/_MANIFEST.json") and not fired.is_set():
+                fired.set()
+                box["server"].stop()
+                threading.Timer(seconds, restart).start()
+            return real(fs, path, data, url=url)
+
+        tables.create_only = create_only
+        try:
+            err = _train_in_process(*overrides(root, "r", *creds))
+            attempts = 1
+            while err is not None and attempts < 3:  # what an operator (or a Prefect automation) does
+                attempts += 1
+                err = _train_in_process(*overrides(root, "r", *creds))
+        finally:
+            tables.create_only = real
+        lay = layout(root, "r", StorageConfig(endpoint_url=endpoint, key="chaos", secret="chaos"))
+        report = audit(lay, {}, ITERATIONS)
+        weights = chaos.same_as_reference(root, "r", lay.storage) if err is None else "-"
+    if err is not None:
+        outcome = f"failed {attempts}x: {type(err).__name__}: {str(err)[:100]}"
+    elif attempts == 1:
+        outcome = f"endpoint down {seconds:.0f} s during a manifest write; retries absorbed it; completed"
+    else:
+        outcome = f"endpoint down {seconds:.0f} s during a manifest write; run failed, rerun resumed and completed"
+    return Outcome(fault, outcome, err is None and not report.data_lost, report.data_lost, weights)
+
+
+scenario("s3-outage", "S3 endpoint stopped 4 s during a commit, then restarted")(
+    lambda chaos: _s3_outage(chaos, "s3-outage", 4.0))
+scenario("s3-outage-long", "S3 endpoint stopped 40 s during a commit, then restarted")(
+    lambda chaos: _s3_outage(chaos, "s3-outage-long", 40.0))
+
+
+# ------------------------------------------------------------------------------ reward function
+FAULTY_REWARD = '''
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Exact match, except every third prompt, where it misbehaves: {mode}."""
+    i = int((extra_info or {{}}).get("index", 0))
+    mode = "{mode}"
+    if mode == "mixed":  # one run that meets every fault: quick enough for `make test`
+        mode = {{0: "raises", 1: "nan", 2: "string"}}.get(i % 4, "hangs" if i % 16 == 3 else "")
+    elif i % 3:
+        mode = ""
+    if mode:
+        if mode == "raises":
+            raise ValueError("injected failure")
+        if mode == "hangs":
+            time.sleep(3600)
+        if mode == "nan":
+            return float("nan")
+        if mode == "string":
+            return "high"
+    return 1.0 if solution_str.strip() == ground_truth else 0.0
+'''
+
+
+def _reward_faults(chaos: Chaos, name: str, modes: list[str]) -> Outcome:
+    counts, errors, lost = {}, [], 0
+    for mode in modes:
+        path = chaos.work / f"reward_{mode}.py"
+        path.write_text(FAULTY_REWARD.format(mode=mode))
+        root = str(chaos.work / f"{name}-{mode}")
+        err = _train_in_process(*overrides(root, "r", f"reward.custom_reward_function.path={path}",
+                                           "reward.timeout_s=2", "reward.num_workers=2"))
+        lay = layout(root, "r")
+        report = audit(lay, {}, ITERATIONS)
+        lost += report.data_lost
+        if err is not None or report.data_lost:
+            errors.append(f"{mode}: {err or report.summary()}")
+            continue
+        from storage import read_manifest
+
+        m = [read_manifest(lay.stage(k, "reward")).metrics for k in range(1, ITERATIONS + 1)]
+        counts[mode] = (int(sum(x["reward/errors"] for x in m)), int(sum(x["reward/n"] for x in m)))
+    outcome = ("completed; bad samples scored on_error and counted: "
+               + ", ".join(f"{mode} {e}/{n}" for mode, (e, n) in counts.items()))
+    ok = not errors and all(e > 0 for e, _ in counts.values())
+    return Outcome(SCENARIOS[name][0], outcome if not errors else "; ".join(errors)[:200], ok, lost)
+
+
+scenario("reward-faults", "reward function raises / hangs / returns NaN / returns a string (a run each)")(
+    lambda chaos: _reward_faults(chaos, "reward-faults", ["raises", "hangs", "nan", "string"]))
+scenario("reward-faults-mixed", "reward function raising, hanging, NaN and string in one run")(
+    lambda chaos: _reward_faults(chaos, "reward-faults-mixed", ["mixed"]))
+
+
+# ------------------------------------------------------------------------------ bad input
+def _nothing_written(root: str, run_id: str) -> bool:
+    run = Path(root) / "runs" / run_id
+    return not (run / "run.json").exists() and not (run / "iterations").exists()
+
+
+def _refused(chaos: Chaos, name: str, cases: dict[str, list[str]], expect: dict[str, str]) -> Outcome:
+    """Each case must fail with a message containing `expect[case]`, with nothing written."""
+    from flows.config import load_run_config
+
+    results, bad = [], []
+    for case, extra in cases.items():
+        root = str(chaos.work / f"{name}-{case}")
+        try:
+            load_run_config(EXAMPLE, overrides(root, "r", *extra))  # what `rlmill train` checks first
+            err = _train_in_process(*overrides(root, "r", *extra))
+        except Exception as e:  # noqa: BLE001
+            err = e
+        msg = str(err or "")
+        if err is None or expect[case].lower() not in msg.lower() or not _nothing_written(root, "r"):
+            bad.append(f"{case}: {'accepted' if err is None else msg[:120]}")
+        else:
+            results.append(case)
+    outcome = (f"all {len(results)} refused before any write, each naming the problem ({', '.join(results)})"
+               if not bad else "; ".join(bad)[:200])
+    return Outcome(SCENARIOS[name][0], outcome, None if not bad else False, 0)
+
+
+def _write_dataset(path: Path, rows: list[dict]) -> str:
+    import pandas as pd
+
+    pd.DataFrame(rows).to_parquet(path)
+    return str(path)
+
+
+def _row(i: int, content="12+34=", **changes) -> dict:
+    row = {"data_source": "rlmill/arith", "prompt": [{"role": "user", "content": content}], "ability": "math",
+           "reward_model": {"style": "rule", "ground_truth": "46"}, "extra_info": {"split": "train", "index": i}}
+    row.update(changes)
+    return {k: v for k, v in row.items() if v is not None}
+
+
+@scenario("bad-dataset", "dataset with missing fields, empty prompts, over-long prompts, wrong types")
+def bad_dataset(chaos: Chaos) -> Outcome:
+    work = chaos.work
+    files = {
+        "missing-field": _write_dataset(work / "missing.parquet", [_row(i, reward_model=None) for i in range(40)]),
+        "empty-prompt": _write_dataset(work / "empty.parquet", [_row(i, content="" if i == 7 else "1+2=")
+                                                                 for i in range(40)]),
+        "over-long": _write_dataset(work / "long.parquet", [_row(i, content="1+" * 600 + "2=" if i == 3 else "1+2=")
+                                                            for i in range(40)]),
+        "wrong-type": _write_dataset(work / "types.parquet", [_row(i, prompt=i) for i in range(40)]),
+    }
+    cases = {case: [f"data.train_files=[{f}]", f"data.val_files=[{f}]", "data.max_prompt_length=64"]
+             for case, f in files.items()}
+    expect = {"missing-field": "reward_model", "empty-prompt": "empty", "over-long": "long",
+              "wrong-type": "prompt"}
+    return _refused(chaos, "bad-dataset", cases, expect)
+
+
+@scenario("bad-config", "config with unknown keys or out-of-range values")
+def bad_config(chaos: Chaos) -> Outcome:
+    cases = {"unknown-key": ["actor.lrr=1e-4"], "out-of-range": ["rollout.n=0"], "wrong-type": ["actor.lr=fast"],
+             "impossible-combination": ["actor.ppo_mini_batch_size=999"]}
+    expect = {"unknown-key": "lrr", "out-of-range": "rollout.n", "wrong-type": "actor.lr",
+              "impossible-combination": "ppo_mini_batch_size"}
+    return _refused(chaos, "bad-config", cases, expect)

@@ -9,11 +9,9 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
-from typing import Any
 
-from storage import RunLayout, join, read_manifest, read_table, url_to_fs
+from storage import RunLayout, join, read_table, url_to_fs
 from storage.tables import MANIFEST_NAME
 
 
@@ -85,14 +83,3 @@ def audit(layout: RunLayout, before: dict[str, str], iterations: int | None = No
             if join(layout.stage(k, stage), MANIFEST_NAME) not in now:
                 report.missing.append(f"iteration {k} {stage}")
     return report
-
-
-def commit_inputs_intact(layout: RunLayout, k: int) -> bool:
-    """Iteration k's commit lists exactly the stage manifests that exist (no stale input)."""
-    m = read_manifest(layout.stage(k, "commit"), layout.storage)
-    return all(read_manifest(u, layout.storage) for u in m.inputs)
-
-
-def run_json(layout: RunLayout) -> dict[str, Any] | None:
-    fs, path = url_to_fs(layout.run_json, layout.storage)
-    return json.loads(fs.cat_file(path)) if fs.exists(path) else None

@@ -8,7 +8,6 @@ instead be refused before anything is written. `QUICK` is the reduced set `make 
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from pathlib import Path
 from typing import Callable
@@ -165,9 +164,13 @@ def _train_in_process(*args: str) -> Exception | None:
 @contextlib.contextmanager
 def _moto():
     """An in-process S3 endpoint that can be stopped and started again with its buckets kept."""
+    import logging
+
     from moto.server import ThreadedMotoServer
 
     from storage.testing import free_port
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
     port = free_port()
     box = {"server": ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)}

@@ -157,7 +157,8 @@ class PolicyTrainer(_CausalLM):
             rows, lambda mb: self._loss(mb, loss_fn), c.policy_loss.loss_agg_mode, role="actor",
             prep_seconds=old_seconds,
         )
-        metrics["timing_s/old_log_prob"] = old_seconds
+        if c.recompute_old_logprobs:  # else a 0 here would overwrite the logprobs stage's own time
+            metrics["timing_s/old_log_prob"] = old_seconds
         return metrics
 
     def _loss(self, mb: dict[str, Any], loss_fn: Any) -> tuple[Any, dict[str, Any]]:

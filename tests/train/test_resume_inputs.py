@@ -70,6 +70,29 @@ def test_checkpoint_of_another_model_is_rejected_before_loading(tiny_model, help
     assert _equal(trainer.gathered_state_dict(), before)
 
 
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_checkpoint_file_damaged_after_save_is_named_and_nothing_loads(tiny_model, helpers, tmp_path, damage):
+    from storage import CorruptShardError
+
+    saved = PolicyTrainer(tiny_model, CFG)
+    saved.update(helpers.make_batch(seed=5, prompts=4, n=2))
+    saved.save(str(tmp_path / "ckpt"))
+    victim = max((p for p in (tmp_path / "ckpt" / "trainer").rglob("*.pt")), key=lambda p: p.stat().st_size)
+    data = victim.read_bytes()
+    if damage == "flip":
+        mid = len(data) // 2
+        victim.write_bytes(data[:mid] + bytes(b ^ 0xFF for b in data[mid:mid + 4]) + data[mid + 4:])
+    elif damage == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    else:
+        victim.unlink()
+    trainer = PolicyTrainer(tiny_model, CFG)
+    before = trainer.gathered_state_dict()
+    with pytest.raises(CorruptShardError, match=victim.name):
+        trainer.load(str(tmp_path / "ckpt"))
+    assert _equal(trainer.gathered_state_dict(), before) and trainer.step == 0
+
+
 # ---- bad inputs ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kl_trainer(tiny_model):

@@ -36,11 +36,29 @@ def _check_config(path: str | None, overrides: list[str]):
         sys.exit(f"rlmill: {exc}")
 
 
+# Prefect stores a flow run's parameters in its API (and shows them in the UI), so credentials
+# given on the command line travel to the flow as the environment botocore reads instead.
+SECRET_OVERRIDES = {"storage.key": "AWS_ACCESS_KEY_ID", "storage.secret": "AWS_SECRET_ACCESS_KEY",
+                    "storage.token": "AWS_SESSION_TOKEN"}
+
+
+def _secrets_to_env(overrides: list[str]) -> list[str]:
+    """Move `storage.key/secret/token=...` overrides into AWS_* variables; return the others."""
+    kept = []
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        if sep and key.strip() in SECRET_OVERRIDES:
+            os.environ[SECRET_OVERRIDES[key.strip()]] = value
+        else:
+            kept.append(text)
+    return kept
+
+
 def cmd_train(args) -> None:
     _check_config(args.config, args.overrides)  # fail before Prefect or any model starts
     from flows.training import rl_training
 
-    summary = rl_training(config=args.config, overrides=args.overrides)
+    summary = rl_training(config=args.config, overrides=_secrets_to_env(args.overrides))
     _print_summary(summary)
 
 
@@ -55,7 +73,7 @@ def cmd_run(args) -> None:
     from flows.training import rl_training
 
     print(f"rlmill: GRPO on the built-in arithmetic task, config {DEFAULT_CONFIG.name}, run {run_id}")
-    summary = rl_training(config=str(DEFAULT_CONFIG), overrides=overrides)
+    summary = rl_training(config=str(DEFAULT_CONFIG), overrides=_secrets_to_env(overrides))
     _print_summary(summary)
 
 
@@ -73,6 +91,28 @@ def _print_summary(summary: dict) -> None:
         print(f"{label:<{width}} {100 * acc:6.1f} %  ({100 * (acc - before):+.1f})")
     print(f"{'training wall time (s)':<{width}} {summary['train seconds (this process)']}")
     print(f"{'curves':<{width}} {summary['curves']}")
+
+
+def cmd_verify(args) -> None:
+    """Read back every committed table and checkpoint of the run; --repair sets aside what can be
+    recomputed. Exits 1 while damage that needs the user remains."""
+    from gpu_jobs.stages.verify import set_aside, verify_run
+    from storage import RunLayout
+
+    cfg = _check_config(args.config, args.overrides)
+    layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
+    found = verify_run(layout)
+    if not found:
+        print(f"run {cfg.run_id}: every committed table and checkpoint is intact")
+        return
+    for d in found:
+        print(f"DAMAGED {d.what}: {d.error}\n  -> {d.action}")
+        if args.repair and d.repairable:
+            print(f"  set aside as {set_aside(layout, d)}; `rlmill train` recomputes it")
+    if any(not d.repairable and not d.what.startswith("checkpoint") for d in found):
+        sys.exit(1)
+    if not args.repair and any(d.repairable for d in found):
+        sys.exit("rlmill: run `rlmill verify --repair` with the same config to set the damaged stages aside")
 
 
 def cmd_data_make(args) -> None:
@@ -103,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="YAML run config (see examples/)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8")
     train.set_defaults(fn=cmd_train)
+
+    verify = sub.add_parser("verify", help="check every committed table and checkpoint of a run (--repair)")
+    verify.add_argument("--config", default=None, help="the run's YAML config")
+    verify.add_argument("--repair", action="store_true",
+                        help="set aside damaged stages of the iteration in flight so `train` recomputes them")
+    verify.add_argument("overrides", nargs="*")
+    verify.set_defaults(fn=cmd_verify)
 
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     make = data.add_parser("make", help="write a built-in dataset as verl-format train/test Parquet")

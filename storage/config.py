@@ -25,7 +25,8 @@ class StorageConfig(BaseModel):
         (False, 's')
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Pydantic echoes a rejected input in its error text; here that input may be a secret.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     endpoint_url: str | None = Field(
         None,
@@ -56,6 +57,10 @@ class StorageConfig(BaseModel):
     @field_validator("endpoint_url")
     @classmethod
     def _endpoint_has_scheme(cls, v: str | None) -> str | None:
+        # Checked first, and the value is not echoed: 'user:secret@host' must not reach a log.
+        if v is not None and "@" in v:
+            raise ValueError("endpoint_url must not hold credentials ('user:secret@host'): "
+                             "set storage.key/storage.secret or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
         if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError(
                 f"endpoint_url {v!r} must start with http:// or https:// "

@@ -65,13 +65,36 @@ def is_s3(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """The URL without any `user:password@` part, safe to log or store in a manifest."""
+    """The URL without any `user:password@` part, safe to log or store in a manifest.
+
+    >>> redact_url("s3://KEY:se/cret@bucket/x"), redact_url("s3://bucket/a@b")
+    ('s3://bucket/x', 's3://bucket/a@b')
+    """
     if "://" not in url:
         return url
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    scheme, rest = url.split("://", 1)
+    try:
+        parts = urlsplit(url)
+        netloc, port_ok = parts.netloc, _port_ok(parts)
+    except ValueError:  # e.g. an unbalanced '[' inside a password
+        netloc, port_ok = "", False
+    if "@" in netloc:
+        return urlunsplit(parts._replace(netloc=netloc.rsplit("@", 1)[1]))
+    # A password holding '/', '?' or '#' (AWS secrets often hold '/') ends urlsplit's netloc
+    # early: "s3://KEY:se/cret@bucket/x" parses as host "KEY", port "se". A port that is not a
+    # number, or any ':' in an S3 bucket name (never legal), means credentials: drop everything
+    # up to the first '@'.
+    if (not port_ok or (scheme.lower() in _S3_SCHEMES and ":" in netloc)) and "@" in rest:
+        return f"{scheme}://{rest.split('@', 1)[1]}"
+    return url
+
+
+def _port_ok(parts) -> bool:
+    try:
+        parts.port
+    except ValueError:
+        return False
+    return True
 
 
 def join(url: str, *parts: str) -> str:
@@ -117,7 +140,7 @@ def url_to_fs(url: str, storage: StorageConfig | None = None) -> tuple[fsspec.Ab
 
 
 def _s3_fs(url: str, storage: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str]:
-    if "@" in urlsplit(url).netloc:
+    if redact_url(url) != url:
         raise UnsupportedURLError(
             f"credentials inside the URL {redact_url(url)!r} are not accepted: "
             "put them in StorageConfig or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
@@ -129,7 +152,7 @@ def _s3_fs(url: str, storage: StorageConfig) -> tuple[fsspec.AbstractFileSystem,
     path = fs._strip_protocol(url)
     bucket = path.split("/", 1)[0]
     if not bucket:
-        raise UnsupportedURLError(f"S3 URL {url!r} has no bucket: use s3://<bucket>/<prefix>")
+        raise UnsupportedURLError(f"S3 URL {redact_url(url)!r} has no bucket: use s3://<bucket>/<prefix>")
     if storage.check_bucket:
         _check_bucket_once(fs, bucket, opts)
     return fs, path

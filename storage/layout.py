@@ -21,7 +21,7 @@ from .config import StorageConfig
 from .errors import InvalidNameError
 from .fs import join, read_pointer, url_to_fs, write_once, write_pointer
 
-__all__ = ["RunLayout", "ModelLayout", "check_name"]
+__all__ = ["RunLayout", "ModelLayout", "check_name", "check_root"]
 
 # Letters, digits, '.', '_', '-'; must start with a letter or digit (so no '.', '..', hidden
 # files or option-looking names) and is at most 128 characters.
@@ -40,6 +40,18 @@ def check_name(name: Any, what: str = "name") -> str:
             "starting with a letter or digit, without '..' or '/'"
         )
     return name
+
+
+def check_root(root_url: Any) -> str:
+    """Return `root_url` if it can hold runs, else raise InvalidNameError.
+
+    An empty root would put runs at `/runs/...` (join("", "runs") is "/runs"), and a control
+    character (NUL, newline) is never part of a real folder or bucket name.
+    """
+    if not isinstance(root_url, str) or not root_url.strip() or any(ord(c) < 32 for c in root_url):
+        raise InvalidNameError(f"invalid storage root {root_url!r}: use a folder, file://, memory:// or "
+                               "s3://bucket/prefix URL without control characters")
+    return root_url
 
 
 def _check_index(k: Any, what: str = "iteration") -> int:
@@ -65,7 +77,7 @@ class RunLayout:
     """
 
     def __init__(self, root_url: str, run_id: str, storage: StorageConfig | None = None):
-        self.root_url = root_url
+        self.root_url = check_root(root_url)
         self.run_id = check_name(run_id, "run id")
         self.storage = storage
         self.root = join(root_url, "runs", self.run_id)
@@ -134,7 +146,7 @@ class ModelLayout:
     """
 
     def __init__(self, root_url: str, name: str, storage: StorageConfig | None = None):
-        self.root_url = root_url
+        self.root_url = check_root(root_url)
         self.name = check_name(name, "model name")
         self.storage = storage
         self.root = join(root_url, "models", self.name)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = ["CustomRewardFunctionConfig", "RewardConfig"]
 
@@ -26,6 +27,29 @@ class CustomRewardFunctionConfig(BaseModel):
     reward_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments passed to every call of the function."
     )
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_a_python_file(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # Only this path is ever executed, so a typo must fail here, before any work, not as a
+        # broken worker pool mid-run. A config rebuilt from run.json (validation context
+        # {"check_files": False}) was checked when the run was created and may run on another
+        # machine, so only the suffix is checked then; s3:// files are fetched when loaded.
+        if v is None:
+            return v
+        if not v.endswith(".py"):
+            raise ValueError(f"{v!r} is not a Python file: name a .py file defining the reward function")
+        local = "://" not in v or v.startswith("file://")
+        if local and (info.context or {}).get("check_files", True) and not os.path.isfile(v.removeprefix("file://")):
+            raise ValueError(f"reward function file {v!r} does not exist (relative paths start at {os.getcwd()})")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_an_identifier(cls, v: str) -> str:
+        if not v.isidentifier():
+            raise ValueError(f"name {v!r} is not a Python function name")
+        return v
 
 
 class RewardConfig(BaseModel):

@@ -8,12 +8,11 @@ Every field is validated before any work starts; errors name the dotted key and 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.overrides import apply_overrides
 from gpu_jobs.algos.config import AlgorithmConfig, OverlongBufferConfig
@@ -22,10 +21,11 @@ from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig
 from gpu_jobs.train.config import CriticConfig, TrainerConfig
 from storage.config import StorageConfig
 from storage.datasets import DatasetConfig
+from storage.fs import redact_url
+from storage.layout import check_name, check_root
 from storage.quality import GateConfig
 
 ARITH_PROBLEMS = 90 * 90
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class ConfigError(ValueError):
@@ -33,7 +33,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A rejected input may hold storage secrets: pydantic must not echo it in its error text.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
 
 class ModelConfig(_Section):
@@ -56,6 +57,17 @@ class DataConfig(DatasetConfig):
     train_batch_size: int = Field(16, ge=1, description="Prompts per iteration (verl data.train_batch_size).")
     seed: int = Field(0, description="Seed of prompt sampling: batch k is a pure function of (seed, epoch, k).")
 
+    @field_validator("generate")
+    @classmethod
+    def _generate_names_one_folder(cls, v: str | None) -> str | None:
+        # The name becomes a folder under <root>/datasets: 'rg:../../x' must not climb out of it.
+        try:
+            check_name(v.replace(":", "-"), "data.generate") if v is not None else None
+        except ValueError:
+            raise ValueError(f"data.generate {v!r} must be 'arith', 'gsm_symbolic' or 'rg:<task>' with a task "
+                             "name of letters, digits, '.', '_' or '-'") from None
+        return v
+
 
 class RolloutStageConfig(_Section):
     engine: Literal["hf", "vllm"] = Field("hf", description="Rollout backend: 'hf' (transformers) or 'vllm'.")
@@ -64,11 +76,15 @@ class RolloutStageConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 = off.")
     max_response_length: int = Field(8, ge=1, description="Most tokens generated per response.")
+    ignore_eos: bool = Field(
+        False, description="Keep sampling past EOS to max_response_length (verl rollout.ignore_eos): "
+        "fixes response length for benchmarks; not for training. Greedy decoding (validation) still stops.")
     engine_options: RolloutConfig = Field(default_factory=RolloutConfig, description="Backend settings.")
 
     def sampling(self, seed: int) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_response_length=self.max_response_length, seed=seed)
+                              max_response_length=self.max_response_length, seed=seed,
+                              ignore_eos=self.ignore_eos)
 
     def greedy(self) -> SamplingConfig:
         return SamplingConfig(temperature=0.0, max_response_length=self.max_response_length, seed=0)
@@ -123,6 +139,25 @@ class RunConfig(_Section):
     trainer: LoopConfig = Field(default_factory=LoopConfig, description="The iteration loop.")
     tasks: TaskConfig = Field(default_factory=TaskConfig, description="Prefect task settings.")
 
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_is_one_folder(cls, v: str) -> str:
+        return check_name(v, "run_id")
+
+    @field_validator("root")
+    @classmethod
+    def _root_is_usable(cls, v: str) -> str:
+        return check_root(v)
+
+    @model_validator(mode="after")
+    def _no_credentials_in_urls(self) -> "RunConfig":
+        # Every URL is logged, shown in artifacts or frozen into run.json; the value is not echoed.
+        for key, value in _string_leaves(self.model_dump()):
+            if "://" in value and redact_url(value) != value:
+                raise ValueError(f"{key} holds credentials ('user:secret@' in the URL): set storage.key/"
+                                 "storage.secret or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY instead")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _grpo_by_default(cls, data: Any) -> Any:
@@ -135,8 +170,6 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
-        if not RUN_ID_RE.match(self.run_id):
-            raise ValueError(f"run_id {self.run_id!r} must be letters, digits, '_', '.', '-' (no '/' or '..')")
         if self.algorithm.adv_estimator == "gae" and self.critic is None:
             raise ValueError("algorithm.adv_estimator=gae needs a critic: set critic: {} (or critic.lr=...)")
         if self.actor.ppo_mini_batch_size > self.data.train_batch_size:
@@ -169,6 +202,18 @@ class RunConfig(_Section):
         return self.algorithm.use_kl_in_reward or self.actor.kl_loss.use_kl_loss
 
 
+def _string_leaves(node: Any, prefix: str = ""):
+    """(dotted key, value) of every str in a nested dict/list dump."""
+    if isinstance(node, str):
+        yield prefix, node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _string_leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _string_leaves(v, f"{prefix}[{i}]")
+
+
 def _format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
@@ -180,9 +225,10 @@ def _format_validation_error(exc: ValidationError) -> str:
     return "invalid run config:\n" + "\n".join(lines)
 
 
-def build_run_config(data: dict[str, Any]) -> RunConfig:
+def build_run_config(data: dict[str, Any], check_files: bool = True) -> RunConfig:
+    """Validate `data`; check_files=False skips checks that local files exist (see config_from_run_json)."""
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context={"check_files": check_files})
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc)) from None
 
@@ -207,7 +253,8 @@ def config_from_run_json(frozen: dict[str, Any]) -> RunConfig:
     credentials come from this process's environment (AWS_* variables), as on a cluster."""
     data = dict(frozen["config"])
     data["storage"] = {k: v for k, v in data.get("storage", {}).items() if k not in ("key", "secret", "token")}
-    return build_run_config(data)
+    # The files were checked when the run was created, maybe on another machine.
+    return build_run_config(data, check_files=False)
 
 
 def frozen_config(cfg: RunConfig) -> dict[str, Any]:

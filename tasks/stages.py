@@ -2,8 +2,10 @@
 
 Each task takes the run key and the iteration (plus the URIs of its committed inputs) and
 returns the URI of the manifest it committed. The cache key is (run uid, iteration, stage,
-input URIs) — never the flow run id, so a resumed flow run reuses what committed. Stages are
-idempotent on their own (they return an existing manifest), so a retry is always harmless.
+input URIs, whether the stage is committed now) — never the flow run id, so a resumed flow run
+reuses what committed, and a stage `rlmill verify --repair` uncommitted runs again instead of
+returning its old URI from Prefect's cache. Stages are idempotent on their own (they return an
+existing manifest), so a retry is always harmless.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from prefect import task
 from prefect.context import TaskRunContext
 
 from gpu_jobs import stages
+from storage import committed
 from tasks.context import context_for
 
 
@@ -22,7 +25,9 @@ def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     ctx = context_for(parameters["key"])
     inputs = [str(v) for name, v in sorted(parameters.items()) if name not in ("key", "k")]
     digest = hashlib.sha256("\0".join(inputs).encode()).hexdigest()[:16]
-    return f"rlmill-{ctx.run_uid}-{parameters['k']}-{context.task.name}-{digest}"
+    name, k = context.task.name, parameters["k"]
+    state = "done" if committed(ctx.layout.stage(k, name), ctx.storage) else "todo"
+    return f"rlmill-{ctx.run_uid}-{k}-{name}-{digest}-{state}"
 
 
 _STAGE = dict(cache_key_fn=stage_cache_key, persist_result=True, retries=2, retry_delay_seconds=0)

@@ -22,7 +22,8 @@ def committed_manifests(layout: RunLayout) -> dict[str, str]:
     if not fs.exists(root):
         return out
     for path in fs.find(root):
-        if path.endswith("/" + MANIFEST_NAME):
+        # A stage set aside by `rlmill verify --repair` keeps its damaged copy in <stage>.damaged-*.
+        if path.endswith("/" + MANIFEST_NAME) and ".damaged-" not in path:
             url = join(layout.root, "iterations", path[len(root.rstrip("/")) + 1:])
             out[url] = hashlib.sha256(fs.cat_file(path)).hexdigest()
     return out
@@ -71,6 +72,8 @@ def audit(layout: RunLayout, before: dict[str, str], iterations: int | None = No
     report = AuditReport()
     now = committed_manifests(layout)
     for url, sha in before.items():
+        if url in damaged:  # destroyed by the fault itself; recomputed or reported, not lost by rlmill
+            continue
         if url not in now:
             report.lost.append(url)
         elif now[url] != sha:

@@ -101,6 +101,13 @@ class Chaos:
         return subprocess.run(self.cmd(root, run_id, *extra), cwd=REPO, env=self.env(), text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=self.timeout)
 
+    def verify(self, root: str, run_id: str, *flags: str) -> subprocess.CompletedProcess:
+        """`rlmill verify` on the run (its exit code says whether damage needing the user remains)."""
+        cmd = [sys.executable, "-m", "flows.cli", "verify", *flags, "--config", str(EXAMPLE),
+               *overrides(root, run_id)]
+        return subprocess.run(cmd, cwd=REPO, env=self.env(), text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=self.timeout)
+
     # ------------------------------------------------------------------ results
     def reference(self) -> dict[str, Any]:
         """Final weights of the uninterrupted run (computed once per session)."""

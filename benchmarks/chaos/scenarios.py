@@ -139,14 +139,17 @@ def corrupt_needed_shard(chaos: Chaos) -> Outcome:
     before = snapshot(lay)
     manifest, shard = _first_shard(lay, 3, "advantages")
     _flip_bytes(shard)
+    first = chaos.finish(root, "r")
+    refused = first.returncode != 0 and "CorruptShardError" in first.stdout and shard.name in first.stdout
+    repair = chaos.verify(root, "r", "--repair")
     done = chaos.finish(root, "r")
-    report = audit(lay, before, 2, damaged={manifest})
-    refused = done.returncode != 0 and "CorruptShardError" in done.stdout and shard.name in done.stdout
-    trained = committed_manifests(lay).get(f"{lay.stage(3, 'update')}/_MANIFEST.json") is not None
-    outcome = ("refused to train on it: CorruptShardError names the shard; iterations 1-2 intact"
-               if refused and not trained else f"NOT refused (update 3 committed={trained}): {_tail(done.stdout)}")
-    # Not recoverable by design: the only copy is damaged and rlmill never rewrites a commit.
-    return Outcome(SCENARIOS["corrupt-needed-shard"][0], outcome, False, report.data_lost)
+    report = audit(lay, before, ITERATIONS, damaged={manifest})
+    ok = done.returncode == 0 and refused and "set aside" in repair.stdout
+    outcome = ("training refused it (CorruptShardError names the shard); `rlmill verify --repair` set it "
+               "aside; resume recomputed it and completed" if ok else
+               f"refused={refused}; repair: {_tail(repair.stdout)}; resume: {_tail(done.stdout)}")
+    return Outcome(SCENARIOS["corrupt-needed-shard"][0], outcome, ok and not report.data_lost, report.data_lost,
+                   chaos.same_as_reference(root, "r") if done.returncode == 0 else "-")
 
 
 # ------------------------------------------------------------------------------ object storage

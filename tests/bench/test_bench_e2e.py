@@ -1,0 +1,127 @@
+"""`make bench-e2e`'s pure parts (configs, token counts, clocks, table), the shared evaluation, the
+prompts TRL gets, and one tiny real TRL run when TRL is installed.
+
+    .venv/bin/python -m pytest -q tests/bench/test_bench_e2e.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import bench_e2e as be
+
+torch.set_num_threads(1)  # 2 cores shared with other jobs
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpu_jobs.models import ensure_builtin_model
+
+    path = ensure_builtin_model()
+    return path, AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def test_both_sides_get_the_same_batch_sizes_lr_and_loss(tmp_path):
+    w = be.Workload(prompts=32, lr=3e-5, mini_batches=4)
+    cfg = be.rlmill_config(w, str(tmp_path), "r", iterations=5, checkpoint_every=5)
+    assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.rollout.max_response_length) == (32, 8, 6)
+    assert cfg.actor.ppo_mini_batch_size == 8 and cfg.actor.ppo_epochs == 1 and cfg.actor.lr == 3e-5
+    assert not cfg.needs_ref and cfg.actor.policy_loss.loss_agg_mode == "token-mean"
+    args = be.trl_args(w, cfg, max_steps=5, output_dir=str(tmp_path))
+    # TRL counts completions: one optimizer step = 8 prompts x 8 samples = rlmill's mini-batch;
+    # one generation batch = 4 such steps = rlmill's iteration.
+    assert args["per_device_train_batch_size"] == 64 and args["steps_per_generation"] == 4
+    assert args["gradient_accumulation_steps"] == 1 and args["max_steps"] == 20
+    assert (args["learning_rate"], args["weight_decay"], args["max_grad_norm"]) == (3e-5, 0.01, 1.0)
+    assert (args["beta"], args["loss_type"], args["num_generations"], args["max_completion_length"]) == (0.0, "bnpo", 8, 6)
+    assert args["use_cpu"] and not args["bf16"] and args["save_strategy"] == "no" and not args["shuffle_dataset"]
+    with pytest.raises(ValueError, match="multiple of --mini-batches"):
+        be.Workload(prompts=30, mini_batches=4)
+
+
+def test_token_counts_and_step_summary():
+    # 3 responses of 2, 3, 1 tokens after prompts of 6 tokens: 6 generated, 18 + 6 trained.
+    assert be.token_counts([6, 6, 6], [2, 3, 1]) == (6, 24)
+    s = be.summarize([9.0, 2.0, 4.0, 3.0], [100, 60, 60, 60], [300, 200, 200, 200])
+    # The first step is warm-up: median of 2, 4, 3 is 3 s; 60 tokens per step / 3 s.
+    assert s == {"s_step": 3.0, "gen_tps": 20.0, "train_tps": 200 / 3}
+
+
+def test_first_crossing_starts_the_clock_after_the_first_step():
+    assert be.first_crossing([10.0, 2.0, 2.0, 2.0], 3.0) == (3, 4.0)
+    assert be.first_crossing([10.0, 2.0, 2.0], 4.0) == (3, 4.0)  # reaching the budget exactly stops
+    assert be.first_crossing([1.0, 1.0], 60.0) == (2, 1.0)  # never crossed: the last step
+    assert be.budget_steps(60.0, 2.0, 1.3) == 41
+
+
+def test_table_ratios_are_row_over_trl_and_missing_values_show_as_dashes():
+    results = {"rlmill-flow": {"s_step": 1.0, "gen_tps": 300.0, "train_tps": 900.0, "acc_after": 0.5,
+                               "steps": 30, "train_seconds": 60.5},
+               "rlmill-vllm": {},
+               "trl": {"s_step": 2.0, "gen_tps": 100.0, "train_tps": 600.0, "acc_after": 0.4,
+                       "steps": 15, "train_seconds": 61.0}}
+    lines = be.format_table(results, 0.4)
+    flow = lines[2].split()
+    assert flow[0] == "rlmill-flow" and flow[-4:] == ["0.50x", "3.00x", "1.50x", "1.25x"]
+    assert "50.0 %" in lines[2] and "40.0 %" in lines[2]
+    assert lines[3].split()[0] == "rlmill-vllm" and lines[3].count("-") >= 10
+    assert lines[4].split()[-4:] == ["1.00x"] * 4
+    goals = be.goal_lines(results)
+    assert goals == ["  rlmill-flow: train tok/s 1.50x TRL (goal >= 1.5x: met); acc after 50.0 % vs TRL 40.0 % (met)"]
+
+
+def test_shared_evaluation_agrees_with_rlmill_engine_and_can_fail(builtin, tmp_path):
+    from gpu_jobs.models import greedy_exact_match
+
+    _, model, tok = builtin
+    _, test = be.arith_splits(be.rlmill_config(be.Workload()), str(tmp_path / "data"))
+    problems = be.heldout_problems(test, tok, 24)
+    assert problems[0][0] == test["prompt"][0][0]["content"]  # "a+b=": the template adds nothing
+    acc = be.greedy_accuracy(model, tok, problems, max_new_tokens=6, batch_size=10)
+    # Plain `generate` and rlmill's own decode loop: two implementations, one greedy answer.
+    assert acc == greedy_exact_match(model, tok, problems)
+    assert 0.0 < acc < 1.0
+    assert be.greedy_accuracy(model, tok, [(p, "x" + t) for p, t in problems], max_new_tokens=6) == 0.0
+
+
+def test_trl_gets_exactly_the_prompts_of_rlmill_iterations(builtin, tmp_path):
+    from gpu_jobs.stages import RunContext
+    from storage.datasets import render_prompt
+
+    _, _, tok = builtin
+    w = be.Workload(prompts=4)
+    cfg = be.rlmill_config(w, str(tmp_path / "run"), "r")
+    train, _ = be.arith_splits(cfg, str(tmp_path / "data"))
+    rows = be.trl_rows(cfg, train, tok, steps=3)
+    ctx = RunContext.open(cfg)  # what the rollout stage samples from, after the prompt gate
+    expected = [ctx.train.iloc[i] for k in range(3) for i in ctx.sampler.indices(k)]
+    assert rows["ground_truth"] == [r["reward_model"]["ground_truth"] for r in expected]
+    # TRL tokenizes a plain-string prompt with processing_class(text=...): same ids as rlmill's.
+    assert [tok(text=p)["input_ids"] for p in rows["prompt"]] == [render_prompt(r["prompt"], tok) for r in expected]
+    assert len(set(rows["prompt"])) == 12
+
+
+@pytest.mark.slow
+def test_trl_smoke_counts_tokens_and_stops_on_the_clock(builtin, tmp_path):
+    pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+
+    path, start, tok = builtin
+    w = be.Workload(prompts=2)
+    spec = {"workload": be.asdict(w), "model_path": path, "data_dir": str(tmp_path / "data"),
+            "root": str(tmp_path / "trl"), "steps": 6, "budget": 1e-3, "heldout": 8}
+    out = be.run_trl(spec)
+    # A budget of ~0 stops after step 2 (the clock starts after step 1), not at the cap of 6.
+    assert out["steps"] == 2 and len(out["step_seconds"]) == 2 and out["train_seconds"] > 0
+    assert len(out["gen_tokens"]) == 2 and all(16 <= g <= 16 * 6 for g in out["gen_tokens"])
+    # Prompts are 6 characters: 16 completions add 96 prompt tokens; TRL's own count agrees.
+    assert [t - g for t, g in zip(out["train_tokens"], out["gen_tokens"])] == [96, 96]
+    assert sum(out["train_tokens"]) == out["num_input_tokens_seen"]
+    # The trained weights are saved for the shared evaluation, and they moved.
+    trained = AutoModelForCausalLM.from_pretrained(out["weights"]).state_dict()
+    assert any(not torch.equal(v, start.state_dict()[k]) for k, v in trained.items())
+    problems = be.heldout_problems(be.arith_splits(be.rlmill_config(w), spec["data_dir"])[1], tok, 8)
+    assert be.evaluate_folder(out["weights"], tok, problems, 6) in {i / 8 for i in range(9)}

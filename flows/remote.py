@@ -49,6 +49,7 @@ def run_remote(ctx: RunContext, k: int, stage: RemoteStage, inputs: list[str] = 
         name=ctx.cfg.trainer.stage_deployment,
         parameters={"root": ctx.cfg.root, "run_id": ctx.cfg.run_id, "k": k, "stage": stage, "inputs": list(inputs)},
         flow_run_name=f"{stage}-{k:04d}",
+        tags=["rlmill", f"run:{ctx.cfg.run_id}"],  # explicit: the iteration's tasks run untagged
         timeout=None,
     )
     uri = committed(dest, ctx.storage)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow, get_run_logger, tags
@@ -69,6 +70,22 @@ def _samples(ctx: RunContext, batch_uri: str, reward_uri: str, n: int) -> list[d
 def rl_iteration(key: str, k: int) -> dict[str, Any]:
     """One RL iteration: rollout -> gate -> {reward, log-probs, values} -> advantages -> update
     -> weight sync -> commit. Returns the iteration's merged metrics."""
+    with _untagged_tasks():
+        return _iteration(key, k)
+
+
+@contextmanager
+def _untagged_tasks():
+    """Task runs created inside carry no tags. Prefect acquires a concurrency slot per tag of a
+    task run (an API round trip each, ~40 ms); the flow runs keep the `rlmill`/`run:<id>` tags,
+    which is what the UI filters on."""
+    from prefect.context import TagsContext
+
+    with TagsContext(current_tags=set()):
+        yield
+
+
+def _iteration(key: str, k: int) -> dict[str, Any]:
     ctx = context_for(key)
     opts = _with_task_options(ctx.cfg)
     t = {name: task.with_options(**opts) for name, task in T.STAGE_TASKS.items()}
@@ -101,7 +118,8 @@ def _validate(ctx: RunContext, key: str, k: int) -> float:
         uri = run_remote(ctx, k, "validate")
     else:
         ref = ctx.layout.stage(k, "update") if k else ctx.model_path
-        uri = T.validate.with_options(**_with_task_options(ctx.cfg))(key, k, ref)
+        with _untagged_tasks():
+            uri = T.validate.with_options(**_with_task_options(ctx.cfg))(key, k, ref)
     return float(read_manifest(uri, ctx.storage).metrics["val/acc"])
 
 

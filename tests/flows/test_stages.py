@@ -63,6 +63,10 @@ def test_iteration_commits_each_stage_once(tiny_config):
     for name in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "response_length/mean",
                  "timing_s/gen", "timing_s/update_actor", "perf/throughput"):
         assert name in metrics, name
+    # The step time sums the stage timers once: nested ones (update_actor/forward) are parts.
+    top = [v for m, v in metrics.items() if m.startswith("timing_s/") and m.count("/") == 1 and m != "timing_s/step"]
+    assert metrics["timing_s/step"] == pytest.approx(sum(top))
+    assert "timing_s/update_actor/forward" in metrics
     # The batch is 8 prompts x 4 samples, grouped by prompt.
     adv = read_manifest(first["advantages"], ctx.storage)
     assert adv.num_rows == 32

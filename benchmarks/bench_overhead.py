@@ -9,7 +9,8 @@ The same GRPO iterations (built-in model and task, same seeds) three ways, side 
           manifests, the great-expectations gate, reads back by URI;
   flow    the rl-training Prefect flow (one subflow per iteration, tasks, artifacts) on an
           ephemeral Prefect API: adds Prefect's own cost (~1.1 s per subflow, PLATFORM.md).
-Per-iteration wall time is the median over iterations 2..N (the first warms caches). Not a test:
+Per-iteration wall time is the median over iterations 2..N (the first warms caches) of
+--repeats runs of each mode, run in alternating order. Not a test:
 numbers depend on the machine and its load; the ratios within one run are what to compare.
 """
 
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--batches", default="16,64,256", help="prompts per iteration (x 8 samples)")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating the order")
     args = p.parse_args(argv)
     import torch
 
@@ -126,21 +128,26 @@ def main(argv: list[str] | None = None) -> None:
     from flows.config import load_run_config
 
     rows = []
+    modes = ("memory", "stages", "flow")
     with tempfile.TemporaryDirectory() as tmp:
         for batch in (int(b) for b in args.batches.split(",")):
-            med = {}
-            for mode in ("memory", "stages", "flow"):
-                root, run_id = f"{tmp}/{mode}-{batch}", f"bench-{mode}-{batch}"
-                cfg = load_run_config(EXAMPLE, overrides(root, batch, args.iterations, run_id))
-                t = {"memory": lambda: memory_loop(cfg, args.iterations),
-                     "stages": lambda: stage_loop(cfg, args.iterations),
-                     "flow": lambda: flow_loop(root, batch, args.iterations, run_id)}[mode]()
-                med[mode] = statistics.median(t[1:])
-                print(f"  batch {batch:4d} {mode:7s} {med[mode]:.2f} s/iteration", file=sys.stderr, flush=True)
-            rows.append((batch, med))
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            for r in range(args.repeats):
+                # A/B/C then C/B/A: a slow spell on the shared box hits every mode alike.
+                for mode in modes if r % 2 == 0 else modes[::-1]:
+                    root, run_id = f"{tmp}/{mode}-{batch}-{r}", f"bench-{mode}-{batch}-{r}"
+                    cfg = load_run_config(EXAMPLE, overrides(root, batch, args.iterations, run_id))
+                    t = {"memory": lambda: memory_loop(cfg, args.iterations),
+                         "stages": lambda: stage_loop(cfg, args.iterations),
+                         "flow": lambda: flow_loop(root, batch, args.iterations, run_id)}[mode]()
+                    times[mode] += t[1:]
+                    print(f"  batch {batch:4d} {mode:7s} run {r + 1}: {statistics.median(t[1:]):.2f} s/iteration",
+                          file=sys.stderr, flush=True)
+            rows.append((batch, {m: statistics.median(v) for m, v in times.items()}))
 
-    print(f"\nper-iteration wall time, median of iterations 2..{args.iterations} "
-          f"(GRPO, built-in model, n=8, {time.strftime('%Y-%m-%d')})")
+    print(f"\nper-iteration wall time, median of iterations 2..{args.iterations} of {args.repeats} alternating "
+          f"run(s) per mode (GRPO, built-in model, n=8, {time.strftime('%Y-%m-%d')}, load average "
+          f"{os.getloadavg()[0]:.1f})")
     head = (f"{'prompts':>7} {'samples':>7} {'memory s':>9} {'stages s':>9} {'flow s':>8} "
             f"{'storage+gate':>13} {'prefect':>9} {'rlmill share':>13} {'total share':>12}")
     print(head)

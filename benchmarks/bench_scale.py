@@ -23,8 +23,8 @@ SamplingParams.ignore_eos; the hf engine honours it too), so every response is e
 max_response_length tokens; the prompts and samples sweeps keep natural stopping (the real
 workload). The "resp tok" column is the measured mean either way.
 
-Prefect is not run per point: its cost per iteration is a constant (~1.1 s per subflow run,
-PLATFORM.md; `make bench-overhead` measures it side by side with this same stage loop), which does
+Prefect is not run per point: its cost per iteration is a constant (one subflow run and its task
+runs; `make bench-overhead` measures it side by side with this same stage loop), which does
 not grow with any of these axes; running the flow for every point would only add that constant
 and a server start. Not a test: numbers depend on the machine and its load; compare the ratios
 within one run.
@@ -44,7 +44,6 @@ os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_arith.yaml"
-PREFECT_SUBFLOW_S = 1.1  # PLATFORM.md: one subflow run per iteration, whatever its size
 AXES = {"prompts": "data.train_batch_size", "samples": "rollout.n", "length": "rollout.max_response_length"}
 BASE = {"prompts": 32, "samples": 8, "length": 16}
 # (column, metric): the stages' own timers from the iteration's manifest; timing_s/commit is timed here.
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         forced = " (rollout.ignore_eos: every response is max_response_length tokens)" if sweep == "length" else ""
         print(f"\n{sweep} ({AXES[sweep]}) doubling{forced}:\n{format_table(sweep, tables[sweep])}")
     print(f"\nother = wall - the split (reads by URI, shard and manifest writes); tok/s = samples x resp tok / wall; "
-          f"the Prefect flow adds a constant ~{PREFECT_SUBFLOW_S} s per iteration (one subflow run, PLATFORM.md; "
+          "the Prefect flow adds a constant per iteration (one subflow run and its task runs; "
           "`make bench-overhead` measures it).")
 
 

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     for sweep in sweeps:
         forced = " (rollout.ignore_eos: every response is max_response_length tokens)" if sweep == "length" else ""
         print(f"\n{sweep} ({AXES[sweep]}) doubling{forced}:\n{format_table(sweep, tables[sweep])}")
-    print(f"\nother = wall - the split (reads by URI, shard and manifest writes); tok/s = samples x resp tok / wall; "
+    print("\nother = wall - the split (reads by URI, shard and manifest writes); tok/s = samples x resp tok / wall; "
           "the Prefect flow adds a constant per iteration (one subflow run and its task runs; "
           "`make bench-overhead` measures it).")
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
-from .audit import audit, committed_manifests, snapshot
+from .audit import audit, snapshot
 from .harness import EXAMPLE, ITERATIONS, Chaos, Outcome, layout, overrides
 
 SCENARIOS: dict[str, tuple[str, Callable[[Chaos], Outcome]]] = {}
@@ -197,9 +198,11 @@ def _s3_outage(chaos: Chaos, name: str, seconds: float) -> Outcome:
 
     fault = SCENARIOS[name][0]
     with _moto() as (endpoint, box, restart):
-        s3fs.S3FileSystem(key="chaos", secret="chaos", client_kwargs={"endpoint_url": endpoint}).mkdir("chaos-runs")
+        # moto's backend is per process: every scenario gets its own bucket.
+        bucket = f"chaos-{name}-{threading.get_ident() % 10_000}-{int(time.time())}"
+        s3fs.S3FileSystem(key="chaos", secret="chaos", client_kwargs={"endpoint_url": endpoint}).mkdir(bucket)
         creds = [f"storage.endpoint_url={endpoint}", "storage.key=chaos", "storage.secret=chaos"]
-        root, real, fired = "s3://chaos-runs/" + name, tables.create_only, threading.Event()
+        root, real, fired = f"s3://{bucket}/runs", tables.create_only, threading.Event()
 
         def create_only(fs, path, data, *, url=None):
             # The outage starts while iteration 2's reward manifest (a commit point) is written.

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(tiny GRPO run: 3 iterations of 8 prompts x 4, checkpoint every 2; "
           f"`python -m benchmarks.chaos{' --quick' if args.quick else ''}`)\n")
     print(format_table(rows))
-    failed = [r for r in rows if r.data_lost != 0 or r.weights == "differ"]
+    failed = [r for r in rows if r.data_lost != 0 or r.weights == "differ" or r.recovered is False]
     return 1 if failed else 0
 
 

@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import pytest
 
+import subprocess
+import sys
+from pathlib import Path
+
 from benchmarks.chaos.__main__ import format_table
 from benchmarks.chaos.failpoints import _stage_of, parse
-from benchmarks.chaos.harness import Chaos, Outcome
-from benchmarks.chaos.scenarios import QUICK, SCENARIOS
+from benchmarks.chaos.harness import Outcome
+from benchmarks.chaos.scenarios import QUICK
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_failpoint_specs_parse_and_bad_ones_are_named():
@@ -39,24 +45,20 @@ def test_table_shows_refused_input_as_dash_and_failures_as_no():
     assert "| f3 | broken | no | 2 | - |" in table
 
 
-@pytest.fixture(scope="module")
-def chaos(tmp_path_factory):
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # in-process runs are compared bitwise with the one-thread reference
-    with Chaos.start(tmp_path_factory.mktemp("chaos")) as c:
-        yield c
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 @pytest.mark.prefect
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("name", QUICK)
-def test_the_run_survives(chaos, name):
-    fault, fn = SCENARIOS[name]
-    row = fn(chaos)
-    assert row.data_lost == 0, row
-    assert row.recovered in (True, None), row  # None: bad input refused before any write
-    assert row.weights in ("= reference", "-"), row
+def test_every_run_survives_its_fault():
+    # Its own process: the in-process S3 endpoint imports Flask, whose context proxies break
+    # vLLM's kernel registration in any later test of the same process; the harness also pins
+    # torch to one thread for the bitwise comparisons.
+    from gpu_jobs.train.dist import child_env
+
+    done = subprocess.run([sys.executable, "-m", "benchmarks.chaos", "--quick"], cwd=REPO, env={**child_env(),
+                          "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=1800)
+    table = [ln for ln in done.stdout.splitlines() if ln.startswith("| ") and not ln.startswith("| fault")]
+    assert done.returncode == 0 and len(table) == len(QUICK), done.stdout[-4000:]
+    for row in table:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] in ("yes", "-") and cells[3] == "0" and cells[4] in ("= reference", "-"), row

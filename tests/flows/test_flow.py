@@ -16,9 +16,10 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prefect_api():
-    """One Prefect API for the whole session (~10-20 s to start); yields its URL."""
+    """One Prefect API for this module (~10-20 s to start); yields its URL. Module scope: a
+    session-wide harness would still be the current API when other modules start their own."""
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness

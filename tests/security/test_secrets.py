@@ -226,15 +226,15 @@ async def _all_pages(read, **kwargs) -> list:
         offset += 200
 
 
-def _prefect_records() -> dict[str, str]:
-    """Every flow run, task run, log and artifact the Prefect API stored, as JSON text."""
-    from prefect.client.orchestration import get_client
+def _prefect_records(api_url: str) -> dict[str, str]:
+    """Every flow run, task run, log and artifact the Prefect API at `api_url` stored, as JSON."""
+    from prefect.client.orchestration import PrefectClient
     from prefect.logging.handlers import APILogWorker
 
     APILogWorker.drain_all()  # logs reach the API from a background worker
 
     async def read():
-        async with get_client() as client:
+        async with PrefectClient(api_url) as client:
             return {kind: await _all_pages(getattr(client, f"read_{kind}"))
                     for kind in ("flow_runs", "task_runs", "logs", "artifacts")}
 
@@ -298,7 +298,7 @@ def test_a_real_run_on_s3_leaks_no_credentials(prefect_api, secrets, s3_endpoint
     objects = {f"s3://{p}": fs.cat_file(p) for p in fs.find(bucket)}
     # TensorBoard events of an s3:// root go to $XDG_CACHE_HOME/rlmill/tensorboard/<run_id>.
     local = _local_files(tmp_path / "xdg", tmp_path / "results", tmp_path / "locks")
-    prefect = _prefect_records()
+    prefect = _prefect_records(prefect_api)
     # Positive controls: each place searched below really holds what the run wrote there.
     assert any(k.endswith(f"runs/{run_id}/run.json") for k in objects)
     assert any(k.endswith("/_MANIFEST.json") for k in objects) and any(k.endswith("policy/config.json") for k in objects)
@@ -324,7 +324,7 @@ def test_a_run_that_fails_on_storage_leaks_no_credentials(prefect_api, secrets, 
     missing = f"s3://rlmill-no-such-{uuid.uuid4().hex[:8]}/rl"
     with pytest.raises(BucketNotFoundError) as e:
         rl_training(config=str(config), overrides=tiny(missing, "run_id=sec-fail"), iterations=1)
-    prefect = _prefect_records()
+    prefect = _prefect_records(prefect_api)
     assert "BucketNotFoundError" in prefect["prefect logs"]  # the failure was logged, with its traceback
     assert "does not exist" in _formatted(log_records)  # ...and went through this process's loggers
     haystacks = {"exception": _full_error(e.value), **prefect, "log records": _formatted(log_records)}
@@ -351,4 +351,4 @@ def test_credentials_passed_as_cli_overrides_stay_out_of_prefect(prefect_api, se
         main(["train", "--config", str(example_path), *tiny(missing, "run_id=sec-params", *creds),
               "trainer.total_iterations=1"])
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == secrets.secret
-    assert _leaks(_prefect_records(), secrets.all()) == []
+    assert _leaks(_prefect_records(prefect_api), secrets.all()) == []

@@ -88,12 +88,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _quiet_env() -> None:
+    """The benchmark's own processes only (not at import: a test importing this module must not
+    change the environment of everything it starts later)."""
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_arith.yaml"
 ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")
@@ -547,6 +552,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> None:
+    _quiet_env()  # before Prefect is imported: its settings read the environment once
     args = parse_args(argv)
     if args.worker:
         return worker_main(args.worker)

@@ -116,6 +116,27 @@ class LoopConfig(_Section):
         return self
 
 
+class AgreementConfig(_Section):
+    """The trainer/rollout agreement probe (gpu_jobs/stages/agreement.py)."""
+
+    max_probs_diff_mean: float | None = Field(
+        None, ge=0, description="Fail the iteration, before its update commits, when the mean "
+        "|p_rollout - p_trainer| over the probed tokens (training/rollout_probs_diff_mean) passes this. "
+        "None = 1e-3 when both engines run fp32 and 1e-2 with bf16; with top_k/top_p sampling the "
+        "rollout's log-probs are of the filtered distribution, so None then only reports. "
+        "Set a large value to report without failing.")
+    rows: int = Field(64, ge=0, description="Responses of each batch the trainer re-scores for the probe when the "
+                      "logprobs stage did not already (0 = all). Also checked at run start and after a resume.")
+
+    def threshold(self, rollout: "RolloutStageConfig", actor: TrainerConfig) -> float | None:
+        if self.max_probs_diff_mean is not None:
+            return self.max_probs_diff_mean
+        if rollout.top_k > 0 or rollout.top_p < 1.0:
+            return None
+        fp32 = actor.dtype == "fp32" and (rollout.engine == "hf" or rollout.engine_options.dtype == "float32")
+        return 1e-3 if fp32 else 1e-2
+
+
 class TaskConfig(_Section):
     retries: int = Field(2, ge=0, description="Prefect retries of each stage task (stages are idempotent).")
     retry_delay_seconds: float = Field(0.0, ge=0, description="Delay between retries.")
@@ -137,6 +158,8 @@ class RunConfig(_Section):
     actor: TrainerConfig = Field(default_factory=TrainerConfig, description="Policy update (DeepSpeed).")
     critic: CriticConfig | None = Field(None, description="Value model for PPO/GAE; None = no critic.")
     trainer: LoopConfig = Field(default_factory=LoopConfig, description="The iteration loop.")
+    agreement: AgreementConfig = Field(default_factory=AgreementConfig,
+                                       description="Trainer/rollout log-prob agreement probe.")
     tasks: TaskConfig = Field(default_factory=TaskConfig, description="Prefect task settings.")
 
     @field_validator("run_id")
@@ -168,8 +191,31 @@ class RunConfig(_Section):
                 data = {**data, "algorithm": {**(algo or {}), "adv_estimator": "grpo"}}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_temperature(cls, data: Any) -> Any:
+        # The trainer must score tokens under the distribution they were sampled from; a second
+        # field to keep equal by hand is how the PPO ratio silently stops being 1 on step one.
+        if isinstance(data, dict) and isinstance(data.get("actor"), dict) and "temperature" in data["actor"]:
+            raise ValueError("actor.temperature is not a setting: the trainer divides logits by "
+                             "rollout.temperature (verl's way); set rollout.temperature only")
+        return data
+
+    @model_validator(mode="after")
+    def _trainer_uses_rollout_temperature(self) -> "RunConfig":
+        if self.rollout.temperature > 0 and self.actor.temperature != self.rollout.temperature:
+            self.actor = self.actor.model_copy(update={"temperature": self.rollout.temperature})
+        return self
+
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
+        if self.rollout.temperature == 0:
+            raise ValueError("rollout.temperature=0 samples greedily: every response of a group is the same and "
+                             "the update has nothing to compare; use a temperature > 0 (validation is greedy anyway)")
+        if self.actor.pipeline_parallel_size > 1:
+            raise ValueError("actor.pipeline_parallel_size > 1 is not wired into runs yet: the pipeline trainer "
+                             "runs on its own (`python -m gpu_jobs.train`, README 'More than one rank'); "
+                             "set actor.pipeline_parallel_size=1")
         if self.algorithm.adv_estimator == "gae" and self.critic is None:
             raise ValueError("algorithm.adv_estimator=gae needs a critic: set critic: {} (or critic.lr=...)")
         if self.actor.ppo_mini_batch_size > self.data.train_batch_size:

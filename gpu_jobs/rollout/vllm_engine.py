@@ -66,6 +66,9 @@ class VLLMRolloutEngine:
         self.config = config or RolloutConfig()
         self.storage = storage
         self.model_path = resolve_model_path(model_path, storage)
+        from gpu_jobs.models.loading import tied_weight_names_of_folder
+
+        self._tied = tied_weight_names_of_folder(self.model_path)  # {alias: canonical} for syncs
         _set_vllm_env()
         from vllm import LLM
 
@@ -136,18 +139,25 @@ class VLLMRolloutEngine:
         return rows
 
     def update_weights(self, weights) -> None:
-        """Reload weights in place: a state dict (HF names) goes through `weights_iterator`,
-        a folder through `weights_path`, a storage URL is downloaded first. Then the prefix
-        cache is reset: it would otherwise serve KV computed with the old weights."""
-        if isinstance(weights, dict):
-            # vLLM loads into its own (possibly repacked) parameters from these tensors.
-            items = [(name, t.detach().contiguous()) for name, t in weights.items()]
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
-        else:
-            from gpu_jobs.models.loading import resolve_model_path
+        """Reload weights in place from a state dict (HF names) or a checkpoint folder / storage
+        URL, then reset the prefix cache (it would otherwise serve KV computed with the old
+        weights).
 
-            path = resolve_model_path(weights, self.storage)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        Both go through `weights_iterator` with every name the engine loads, tied ones
+        included: vLLM reloads a parameter only under the names it is given, so a state dict
+        from `named_parameters()` (which yields the tied `lm_head.weight` once, as the
+        embedding) or a `tie_word_embeddings` folder would leave its output head at the old
+        weights, silently (PLATFORM.md: up to 1.05 nats of log-prob gap).
+        """
+        if not isinstance(weights, dict):
+            from gpu_jobs.models.loading import read_state_dict
+
+            weights = read_state_dict(weights, storage=self.storage)
+        from gpu_jobs.models.loading import with_tied_weights
+
+        weights = with_tied_weights(weights, self._tied)
+        items = [(name, t.detach().contiguous()) for name, t in weights.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from gpu_jobs.stages.iteration import (
     commit,
     gate,
     logprobs,
+    probe_agreement,
     replay_update,
     reward,
     rollout,
@@ -21,4 +22,4 @@ from gpu_jobs.stages.iteration import (
 )
 
 __all__ = ["RunContext", "RunConfigMismatchError", "last_committed", "STAGES", "rollout", "baseline", "gate", "reward",
-           "logprobs", "values", "advantages", "update", "replay_update", "sync_weights", "commit", "validate"]
+           "logprobs", "values", "advantages", "update", "replay_update", "probe_agreement", "sync_weights", "commit", "validate"]

@@ -94,6 +94,8 @@ class RunContext:
         tokenizer = load_tokenizer(model_path)
         # Gate the prompts before the run exists: bad data fails here, naming rows, with nothing
         # of the run written but the gate's own report.
+        train = _prompts_within_length(cfg, "train", train, tokenizer)
+        val = _prompts_within_length(cfg, "val", val, tokenizer)
         train = _gate_prompts(cfg, layout, "train", train, tokenizer)
         val = _gate_prompts(cfg, layout, "val", val, tokenizer)
         run_uid = _freeze(layout, frozen_config(cfg))
@@ -254,6 +256,26 @@ def _datasets(cfg: "RunConfig") -> tuple[list[str], list[str]]:
         make_dataset(data.generate, out, train_size=data.train_size, test_size=max(data.val_size, 300),
                      seed=data.seed, storage=cfg.storage)
     return [train_url], list(data.val_files or [test_url])
+
+
+def _prompts_within_length(cfg: "RunConfig", split: str, df: Any, tokenizer: Any) -> Any:
+    """data.overlong_prompts: 'error' refuses a prompt longer than data.max_prompt_length (naming
+    its row) before anything of the run is written; 'filter' drops such rows and says how many
+    (verl's filter_overlong_prompts)."""
+    from storage.datasets import OverlongPromptError, render_prompts
+
+    try:
+        _, kept, n_filtered = render_prompts(df[cfg.data.prompt_key].tolist(), tokenizer, cfg.data)
+    except OverlongPromptError as e:
+        raise OverlongPromptError(f"{split} prompts: {e}") from None
+    if not n_filtered:
+        return df
+    log.warning("%s prompts: dropped %d of %d longer than data.max_prompt_length=%d (data.overlong_prompts=filter)",
+                split, n_filtered, len(df), cfg.data.max_prompt_length)
+    if not kept:
+        raise OverlongPromptError(f"every {split} prompt is longer than data.max_prompt_length="
+                                  f"{cfg.data.max_prompt_length}: raise it")
+    return df.iloc[kept].reset_index(drop=True)
 
 
 def _gate_prompts(cfg: "RunConfig", layout: RunLayout, split: str, df: Any, tokenizer: Any) -> Any:

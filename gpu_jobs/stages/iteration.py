@@ -10,6 +10,7 @@ last. In-memory state (warm engines) is only ever *derived* from committed data.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from typing import Any
@@ -190,6 +191,7 @@ def advantages(ctx: RunContext, k: int, batch_uri: str, reward_uri: str,
                logprobs_uri: str | None = None, values_uri: str | None = None,
                baseline_uri: str | None = None) -> str:
     if uri := _done(ctx, k, "advantages"):
+        _adopt_kl_ctrl(ctx, uri)
         return uri
     from gpu_jobs.stages.advantage_math import batch_advantages
 
@@ -202,25 +204,62 @@ def advantages(ctx: RunContext, k: int, batch_uri: str, reward_uri: str,
         table = table.append_column("reward_baseline", pa.array(
             [by_group[g] for g in table.column("group_id").to_pylist()], pa.float32()))
     t0 = time.perf_counter()
-    table, metrics = batch_advantages(table, ctx.cfg, ctx.kl_ctrl)
+    # The controller steps on a copy: the live one changes only after the commit, to the state
+    # the commit recorded, so a retry after a failed commit cannot step it twice.
+    kl_ctrl = copy.deepcopy(ctx.kl_ctrl)
+    table, metrics = batch_advantages(table, ctx.cfg, kl_ctrl)
     metrics["timing_s/adv"] = time.perf_counter() - t0
-    metrics["kl_ctrl_state"] = ctx.kl_ctrl.state_dict()
-    return _commit(ctx, k, "advantages", table, [batch_uri, reward_uri, logprobs_uri, values_uri, baseline_uri],
-                   metrics)
+    metrics["kl_ctrl_state"] = kl_ctrl.state_dict()
+    uri = _commit(ctx, k, "advantages", table, [batch_uri, reward_uri, logprobs_uri, values_uri, baseline_uri],
+                  metrics)
+    _adopt_kl_ctrl(ctx, uri)
+    return uri
+
+
+def _adopt_kl_ctrl(ctx: RunContext, adv_uri: str) -> None:
+    """Set the live KL controller to the state committed with `adv_uri` (idempotent)."""
+    state = read_manifest(adv_uri, ctx.storage).metrics.get("kl_ctrl_state")
+    if state:
+        ctx.kl_ctrl.load_state_dict(state)
 
 
 # -------------------------------------------------------------------------------- update
 def _train_on(ctx: RunContext, k: int, table: pa.Table) -> dict[str, float]:
+    """Apply update k to the trainer (and critic). Also used to replay committed updates on
+    resume, so everything here must depend only on (k, table, trainer state)."""
     t0 = time.perf_counter()
-    metrics = {}
-    if len(table):
+    metrics: dict[str, float] = {}
+    warming_critic = ctx.critic is not None and k <= ctx.cfg.critic.critic_warmup
+    if len(table) and not warming_critic:
         metrics.update(ctx.trainer.update(table))
     t1 = time.perf_counter()
     if ctx.critic is not None and len(table):
         metrics.update(ctx.critic.update(table))
+        metrics["critic/warmup"] = float(warming_critic)
     metrics["timing_s/update_actor"] = t1 - t0
     metrics["timing_s/update_critic"] = time.perf_counter() - t1
     ctx.trainer_k = k
+    return metrics
+
+
+def _agreement(ctx: RunContext, k: int, table: pa.Table) -> dict[str, float]:
+    """The trainer's log-probs of (some of) the batch's sampled tokens against the rollout
+    engine's; raises AgreementError past the configured limit, before anything trains."""
+    from gpu_jobs.stages.agreement import check_agreement, probe_rows, rows_agreement
+
+    cfg = ctx.cfg
+    if not len(table):
+        return {}
+    t0 = time.perf_counter()
+    if "old_logprobs" in table.column_names and cfg.actor.recompute_old_logprobs:
+        probe = table  # the logprobs stage already re-scored every row with these weights
+        trainer_lp = probe.column("old_logprobs").to_pylist()
+    else:
+        probe = table.take(pa.array(probe_rows(len(table), cfg.agreement.rows), pa.int64()))
+        trainer_lp = ctx.trainer.compute_log_probs(probe)
+    metrics = rows_agreement(probe.column("rollout_logprobs").to_pylist(), trainer_lp)
+    check_agreement(metrics, cfg.agreement.threshold(cfg.rollout, cfg.actor), f"the update of iteration {k}")
+    metrics["timing_s/agreement"] = time.perf_counter() - t0
     return metrics
 
 
@@ -260,7 +299,9 @@ def update(ctx: RunContext, k: int, adv_uri: str) -> str:
     else:
         if ctx.trainer_k != k - 1:
             raise RuntimeError(f"trainer holds update {ctx.trainer_k}, cannot apply update {k}: restore first")
-        metrics = _train_on(ctx, k, read_table(adv_uri, storage=ctx.storage))
+        table = read_table(adv_uri, storage=ctx.storage)
+        probe = _agreement(ctx, k, table)
+        metrics = {**_train_on(ctx, k, table), **probe}
         ctx.extra[("update_metrics", k)] = metrics
     if _checkpoint_due(ctx, k) and (ctx.layout.latest_checkpoint() or 0) < k:
         t0 = time.perf_counter()
@@ -275,6 +316,22 @@ def replay_update(ctx: RunContext, k: int) -> None:
     if adv_uri is None:
         raise RuntimeError(f"update {k} committed but its advantages are missing: the run's storage is damaged")
     _train_on(ctx, k, read_table(adv_uri, storage=ctx.storage))
+
+
+def probe_agreement(ctx: RunContext, where: str, n_prompts: int = 8) -> dict[str, float]:
+    """Sample responses to a few held-out prompts with the rollout engine and re-score them with
+    the trainer: run at start and after a resume, when the engine's weights were just loaded
+    from storage or synced from a restored trainer. Raises AgreementError past the limit."""
+    from gpu_jobs.stages.agreement import check_agreement, rows_agreement
+
+    cfg = ctx.cfg
+    _, ids = _prompts(ctx, ctx.val, list(range(min(n_prompts, len(ctx.val)))), None)
+    rows = ctx.engine.generate(ids, 2, cfg.rollout.sampling(sampling_seed(cfg.data.seed, 0)))
+    table = pa.table({"prompt_ids": pa.array([r["prompt_ids"] for r in rows], pa.list_(pa.int32())),
+                      "response_ids": pa.array([r["response_ids"] for r in rows], pa.list_(pa.int32()))})
+    metrics = rows_agreement([r["rollout_logprobs"] for r in rows], ctx.trainer.compute_log_probs(table))
+    check_agreement(metrics, cfg.agreement.threshold(cfg.rollout, cfg.actor), where)
+    return metrics
 
 
 def sync_weights(ctx: RunContext) -> float:
@@ -327,4 +384,4 @@ def stage_metrics(ctx: RunContext, uri: str) -> dict:
 
 
 __all__ = ["STAGES", "rollout", "baseline", "gate", "reward", "logprobs", "values", "advantages", "update",
-           "replay_update", "sync_weights", "commit", "validate", "save_checkpoint", "sampling_seed"]
+           "replay_update", "probe_agreement", "sync_weights", "commit", "validate", "save_checkpoint", "sampling_seed"]

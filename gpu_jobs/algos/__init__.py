@@ -23,7 +23,7 @@ from .config import (
     OverlongBufferConfig,
     PolicyLossConfig,
 )
-from .dapo import filter_groups, overlong_penalty
+from .dapo import SEQUENCE_FILTER_METRICS, filter_groups, filter_metric, overlong_penalty
 from .functional import (
     LOSS_AGG_MODES,
     LossAggMode,
@@ -68,7 +68,9 @@ __all__ = [
     "KLControlConfig",
     "OverlongBufferConfig",
     "PolicyLossConfig",
+    "SEQUENCE_FILTER_METRICS",
     "filter_groups",
+    "filter_metric",
     "overlong_penalty",
     "LOSS_AGG_MODES",
     "LossAggMode",

@@ -76,11 +76,28 @@ class KLControlConfig(_Config):
 
 
 class FilterGroupsConfig(_Config):
-    """DAPO dynamic sampling: drop groups whose responses all scored the same."""
+    """DAPO dynamic sampling: drop groups whose responses all have the same ``metric``, and
+    generate more rounds of prompts until ``data.train_batch_size`` groups survive
+    (``gpu_jobs.stages.dynamic_sampling``).
+
+    >>> FilterGroupsConfig(enable=True, metric="acc", max_num_gen_batches=10).max_num_gen_batches
+    10
+    """
 
     enable: bool = Field(False, description="Drop zero-variance groups and sample more prompts to refill the batch.")
-    metric: str | None = Field(None, description="Per-response metric whose variance is tested, e.g. 'score' or 'acc'.")
-    max_num_gen_batches: int = Field(0, ge=0, description="Cap on generation rounds per step; 0 means no cap.")
+    metric: str | None = Field(
+        None,
+        description="Per-response metric whose variance is tested: 'score' (the reward function's score), "
+        "'seq_reward' or 'seq_final_reward' (score plus the overlong penalty), or any key of the reward "
+        "function's extra dict, e.g. 'acc' (a reward function returning a plain float has acc = score, as in verl).",
+    )
+    max_num_gen_batches: int = Field(
+        0,
+        ge=0,
+        description="Most generation rounds per iteration, the first included; when they leave fewer than "
+        "data.train_batch_size groups the rollout raises. 0 = no cap: rounds go on until enough groups survive "
+        "or every prompt of the dataset was generated in the iteration (then it raises).",
+    )
 
     @model_validator(mode="after")
     def _check_metric(self) -> FilterGroupsConfig:
@@ -97,7 +114,11 @@ class OverlongBufferConfig(_Config):
         0, ge=0, description="Buffer length in tokens; the penalty ramps from 0 to -penalty_factor across it."
     )
     penalty_factor: float = Field(0.0, ge=0, description="Penalty at max_response_length.")
-    log: bool = Field(False, description="Log the penalty as a reward_extra column.")
+    log: bool = Field(
+        False,
+        description="Add per-response columns overlong_reward (the penalty) and overlong (penalty < 0) to the "
+        "advantages table, and the metric reward/overlong_frac (verl logs the same pair as reward extra info).",
+    )
 
     @model_validator(mode="after")
     def _check_len(self) -> OverlongBufferConfig:
@@ -132,6 +153,18 @@ class AlgorithmConfig(_Config):
     )
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig, description="KL coefficient control.")
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="DAPO dynamic sampling.")
+
+    @model_validator(mode="after")
+    def _check_filter_metric(self) -> AlgorithmConfig:
+        fg = self.filter_groups
+        if fg.enable and fg.metric == "seq_final_reward" and self.use_kl_in_reward:
+            # Groups are filtered at rollout time, before the log-probs that the KL penalty needs
+            # exist; filtering on a reward without it would silently differ from verl's.
+            raise ValueError(
+                "filter_groups.metric='seq_final_reward' with use_kl_in_reward=True is not supported: groups are "
+                "filtered before the KL penalty is known; use filter_groups.metric='seq_reward' (or 'score'/'acc')"
+            )
+        return self
 
     @field_validator("adv_estimator")
     @classmethod

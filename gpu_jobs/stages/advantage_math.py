@@ -6,6 +6,7 @@ penalty, KL in the reward) is applied to those token-level scores before the est
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -33,10 +34,34 @@ def _metric_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None
     return {f"{prefix}/mean": float(vals.mean()), f"{prefix}/max": float(vals.max()), f"{prefix}/min": float(vals.min())}
 
 
+def reward_extras(table: pa.Table) -> list[dict]:
+    """The reward stage's `reward_extra` JSON column as one dict per row ({} when the column is
+    absent: a table scored without extras)."""
+    if "reward_extra" not in table.column_names:
+        return [{} for _ in range(len(table))]
+    return [json.loads(e) if e else {} for e in table.column("reward_extra").to_pylist()]
+
+
+def _log_overlong(table: pa.Table, pen: torch.Tensor) -> tuple[pa.Table, dict[str, float]]:
+    """overlong_buffer.log: verl's per-sample `overlong_reward` / `overlong` pair as columns, and
+    the share of responses that were penalised."""
+    overlong = (pen < 0).numpy()
+    table = table.append_column("overlong_reward", pa.array(pen.numpy().astype(np.float32), pa.float32()))
+    table = table.append_column("overlong", pa.array(overlong, pa.bool_()))
+    return table, {"reward/overlong_frac": float(overlong.mean()) if len(overlong) else 0.0}
+
+
 def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table, dict[str, Any]]:
     """Returns the table with `advantages`, `returns` (list<float32> per response token) and the
-    metrics (critic/score/*, critic/rewards/*, critic/advantages/*, filter_groups/*, ...)."""
-    from gpu_jobs.algos import apply_kl_penalty, compute_advantage, filter_groups, overlong_penalty
+    metrics (critic/score/*, critic/rewards/*, critic/advantages/*, filter_groups/*, ...).
+
+    With overlong_buffer.log the table also gets `overlong_reward` (float32) and `overlong` (bool).
+    Filtering tests `filter_groups.metric` (`gpu_jobs.algos.filter_metric`: the reward function's
+    score, the score plus the overlong penalty, or a `reward_extra` key); when the rollout stage
+    already refilled the batch (`gpu_jobs.stages.dynamic_sampling`) on the same metric, this drops
+    only groups that the gate changed.
+    """
+    from gpu_jobs.algos import apply_kl_penalty, compute_advantage, filter_groups, filter_metric, overlong_penalty
 
     algo = cfg.algorithm
     metrics: dict[str, Any] = {}
@@ -48,14 +73,20 @@ def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table,
     mask = torch.as_tensor(mask_np)
     metrics.update(_metric_stats("critic/score", torch.as_tensor(scores)))
 
+    raw_scores, pen = scores, None
     if cfg.overlong_buffer.enable:
         pen = overlong_penalty(torch.as_tensor(lengths), cfg.rollout.max_response_length,
                                cfg.overlong_buffer.len, cfg.overlong_buffer.penalty_factor)
         scores = scores + pen.numpy().astype(np.float32)
         metrics["reward/overlong_penalty_mean"] = float(pen.mean())
+        if cfg.overlong_buffer.log:
+            # Appended before filtering so that the columns are filtered with their rows.
+            table, overlong_metrics = _log_overlong(table, pen)
+            metrics.update(overlong_metrics)
 
     if algo.filter_groups.enable:
-        keep, fmetrics = filter_groups(index, torch.as_tensor(scores))
+        values = filter_metric(algo.filter_groups.metric, raw_scores, reward_extras(table), pen)
+        keep, fmetrics = filter_groups(index, values)
         metrics.update({m: float(v) for m, v in fmetrics.items()})
         keep_np = keep.numpy()
         if not keep_np.all():

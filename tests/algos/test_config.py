@@ -59,6 +59,9 @@ def test_every_field_documented_and_extra_forbidden(cls):
         (lambda: KLConfig(kl_loss_type="full"), "is not a KL estimator"),
         (lambda: FilterGroupsConfig(enable=True), "needs filter_groups.metric"),
         (lambda: OverlongBufferConfig(enable=True), "needs overlong_buffer.len > 0"),
+        (lambda: FilterGroupsConfig(max_num_gen_batches=-1), "greater than or equal to 0"),
+        (lambda: AlgorithmConfig(use_kl_in_reward=True, filter_groups={"enable": True, "metric": "seq_final_reward"}),
+         "use filter_groups.metric='seq_reward'"),
         (lambda: AlgorithmConfig(gamma=1.5), "less than or equal to 1"),
     ],
 )
@@ -93,3 +96,12 @@ def test_advantage_kwargs_call_the_estimator(name):
     a, _ = compute_advantage(name, token_level_rewards=r, response_mask=m, index=[0, 0, 1, 1],
                              values=torch.rand(4, 3), reward_baselines=torch.rand(4), **kw)
     assert a.shape == (4, 3)
+
+
+def test_dapo_fields_say_what_they_do():
+    # Each of these keys is read: the help must name what reads it (no accepted-but-ignored keys).
+    assert "overlong_reward" in OverlongBufferConfig.model_fields["log"].description
+    assert "0 = no cap" in FilterGroupsConfig.model_fields["max_num_gen_batches"].description
+    assert "'acc'" in FilterGroupsConfig.model_fields["metric"].description
+    # seq_final_reward is fine without KL in the reward (it equals seq_reward then).
+    AlgorithmConfig(filter_groups={"enable": True, "metric": "seq_final_reward"})

@@ -212,6 +212,9 @@ class RunConfig(_Section):
         if self.rollout.temperature == 0:
             raise ValueError("rollout.temperature=0 samples greedily: every response of a group is the same and "
                              "the update has nothing to compare; use a temperature > 0 (validation is greedy anyway)")
+        if self.algorithm.filter_groups.enable and self.algorithm.needs_reward_baselines:
+            raise ValueError("algorithm.filter_groups (DAPO refill) with adv_estimator=remax is not supported: the "
+                             "greedy baselines cover the first round's prompts only; drop one of the two")
         if self.actor.pipeline_parallel_size > 1:
             raise ValueError("actor.pipeline_parallel_size > 1 is not wired into runs yet: the pipeline trainer "
                              "runs on its own (`python -m gpu_jobs.train`, README 'More than one rank'); "

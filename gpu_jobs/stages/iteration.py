@@ -71,21 +71,44 @@ def rollout(ctx: RunContext, k: int) -> str:
     if uri := _done(ctx, k, "rollout"):
         return uri
     cfg = ctx.cfg
-    prompts, prompt_ids = _batch_prompts(ctx, k)
     t0 = time.perf_counter()
-    out = ctx.engine.generate(prompt_ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
-    gen_s = time.perf_counter() - t0
-    table = sample_table(out, prompts, k)
+    if cfg.algorithm.filter_groups.enable:
+        table, metrics = _refilled_rollout(ctx, k)
+    else:
+        prompts, prompt_ids = _batch_prompts(ctx, k)
+        out = ctx.engine.generate(prompt_ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
+        table, metrics = sample_table(out, prompts, k), {"timing_s/gen": time.perf_counter() - t0}
     lens = np.asarray(table.column("response_len").to_pylist(), dtype=np.float64)
-    metrics = {
-        "timing_s/gen": gen_s,
+    metrics.update({
         "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
         "response_length/min": float(lens.min()),
         "response_length/clip_ratio": float(np.mean(np.asarray(table.column("finish_reason").to_pylist()) == "length")),
-        "perf/gen_tokens_per_s": float(lens.sum() / max(gen_s, 1e-9)),
+        "perf/gen_tokens_per_s": float(lens.sum() / max(metrics["timing_s/gen"], 1e-9)),
         "data/epoch": ctx.sampler.epoch(k - 1),
-    }
+    })
     return _commit(ctx, k, "rollout", table, [_policy_ref(ctx, k)], metrics)
+
+
+def _refilled_rollout(ctx: RunContext, k: int) -> tuple[pa.Table, dict]:
+    """DAPO dynamic sampling: generate rounds of prompts until data.train_batch_size groups
+    survive the filter (algorithm.filter_groups), each round a pure function of (seed, k, round)."""
+    from gpu_jobs.reward import score_batch
+    from gpu_jobs.stages.dynamic_sampling import refill_rounds, refill_settings, round_plan
+
+    cfg = ctx.cfg
+    base_seed = sampling_seed(cfg.data.seed, k)
+
+    def generate_round(r: int) -> pa.Table:
+        plan = round_plan(ctx.sampler, k, r, base_seed)
+        prompts, ids = _prompts(ctx, ctx.train, plan.rows, cfg.data.max_prompt_length)
+        out = ctx.engine.generate(ids, cfg.rollout.n, cfg.rollout.sampling(plan.seed))
+        return sample_table(out, prompts, k, tag=plan.tag)
+
+    def score_round(table: pa.Table):
+        scores, extras, _ = score_batch(_reward_rows(ctx, table), cfg.reward)
+        return scores, extras
+
+    return refill_rounds(generate_round, score_round, **refill_settings(cfg))
 
 
 # -------------------------------------------------------------------------------- baseline (ReMax)

@@ -134,6 +134,10 @@ def test_each_algorithm_example_runs_an_iteration(example, example_path, tiny, t
         assert "critic/vf_loss" in metrics
     if cfg.algorithm.filter_groups.enable:
         assert "filter_groups/dropped_groups" in metrics
+        # DAPO's refill: rounds of prompts until train_batch_size groups vary in score
+        assert metrics["filter_groups/num_gen_batches"] >= 1
+        adv = read_manifest(uris["advantages"], ctx.storage)
+        assert adv.num_rows == cfg.data.train_batch_size * cfg.rollout.n
     if cfg.actor.kl_loss.use_kl_loss:
         assert "actor/kl_loss" in metrics
     changed = any(not torch.equal(before[n], w) for n, w in weights(ctx).items())

@@ -4,13 +4,21 @@
     rlmill train --config examples/grpo_arith.yaml algorithm.adv_estimator=rloo rollout.n=8
     rlmill data make arith --out s3://bucket/data/arith
     rlmill config show [--config FILE] [key=value ...]
+    rlmill verify --config FILE run_id=... [--repair]
+
+A user's mistake (a bad key or value, a missing config, data or model file, a run id reused with
+another config, a run that does not exist, a dataset size too large) ends in one `rlmill: ...`
+line naming the problem and the fix, exit status 1, before any work; argparse's own usage errors
+exit 2. Only those checked cases are turned into messages: anything else keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +35,19 @@ def _quiet_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
+class UserError(Exception):
+    """A mistake in what the user asked for; main() prints it as one `rlmill: ...` line."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean the user's input is wrong (evaluated only when one propagates)."""
+    from flows.config import ConfigError
+    from flows.run_lock import RunLockedError
+    from gpu_jobs.stages import RunConfigMismatchError
+
+    return (UserError, ConfigError, RunConfigMismatchError, RunLockedError)
+
+
 def _check_config(path: str | None, overrides: list[str]):
     from flows.config import ConfigError, load_run_config
 
@@ -34,6 +55,113 @@ def _check_config(path: str | None, overrides: list[str]):
         return load_run_config(path, overrides)
     except (ConfigError, ValueError) as exc:
         sys.exit(f"rlmill: {exc}")
+
+
+def _is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def _check_startable(cfg) -> None:
+    """What `train` would otherwise find out only inside the flow, minutes in and behind a Prefect
+    traceback: missing local data files or model folder, a run id reused with a different config,
+    another live process on the run. Raises UserError / RunConfigMismatchError / RunLockedError."""
+    from flows.config import frozen_config
+    from flows.run_lock import RunLock
+    from gpu_jobs.stages.run import check_config_matches
+    from storage import RunLayout, StorageError
+
+    for key in ("train_files", "val_files"):
+        for url in getattr(cfg.data, key):
+            if _is_local(url) and not os.path.isfile(url.removeprefix("file://")):
+                raise UserError(f"data file {url} (data.{key}) does not exist (relative paths start at "
+                                f"{os.getcwd()}): fix the path, or make one with `rlmill data make`")
+    model = cfg.model.path
+    if model not in ("builtin", "smollm2") and _is_local(model) and not os.path.isdir(model.removeprefix("file://")):
+        raise UserError(f"model.path {model} is not a folder (relative paths start at {os.getcwd()}): name a "
+                        "Hugging Face model folder, a storage URL, 'builtin' or 'smollm2'")
+    # The comparison the run makes when it freezes run.json (gpu_jobs.stages.run._freeze), made
+    # here before Prefect starts, so a reused run id is one line instead of a failed flow run.
+    layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
+    try:
+        frozen = layout.read_run_json()
+    except StorageError:
+        frozen = None  # storage trouble (a missing bucket, bad credentials) is the flow's to report
+    if frozen is not None:
+        check_config_matches(layout, frozen, frozen_config(cfg))
+    lock = RunLock(cfg.root, cfg.run_id)
+    lock.acquire()  # raises RunLockedError naming the live holder
+    lock.release()  # the flow takes it for the run itself
+
+
+# ------------------------------------------------------------------------------ ephemeral Prefect API
+class _SubprocessDyingWithParent:
+    """Stands in for the `subprocess` module inside `prefect.server.api.server` only (the module
+    whose `SubprocessASGIServer._run_uvicorn_command` starts the ephemeral API server with
+    `subprocess.Popen`): Popen calls made from the main thread get a preexec_fn that asks the
+    kernel to SIGTERM the child when this process dies. Everything else is the real module."""
+
+    def __init__(self, real, preexec_fn):
+        self._real, self._preexec_fn = real, preexec_fn
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def Popen(self, *args, **kwargs):  # noqa: N802 (the module's name)
+        # PR_SET_PDEATHSIG fires when the *thread* that forked the child ends: only the main
+        # thread lives as long as the process, so a server started elsewhere is left as it was.
+        if threading.current_thread() is threading.main_thread() and kwargs.get("preexec_fn") is None:
+            kwargs["preexec_fn"] = self._preexec_fn
+        return self._real.Popen(*args, **kwargs)
+
+
+def _die_with_parent_preexec():
+    """A preexec_fn (Linux) setting PR_SET_PDEATHSIG=SIGTERM on the child, or None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig, parent = 1, os.getpid()
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _start_ephemeral_api() -> None:
+    """Without PREFECT_API_URL, Prefect runs flows against an ephemeral API server: a `uvicorn
+    prefect.server.api...` child started on first use and stopped at exit by an atexit hook,
+    which a SIGKILL never runs, so every killed `rlmill train` used to leave that server behind.
+    Start it here, from the main thread, as a child the kernel stops when this process dies
+    (Linux: PR_SET_PDEATHSIG); Prefect's own client then finds it running and uses it.
+
+    This reaches into Prefect 3.7's `SubprocessASGIServer` (the `subprocess` name of its module
+    is replaced by `_SubprocessDyingWithParent`; nothing else there changes). Any Prefect that
+    lacks it, or a configured API URL, leaves Prefect's behaviour untouched."""
+    preexec = _die_with_parent_preexec()
+    if preexec is None:
+        return
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
+        return
+    try:
+        from prefect.server.api import server as prefect_server
+    except ImportError:
+        return
+    ephemeral = getattr(prefect_server, "SubprocessASGIServer", None)
+    real = getattr(prefect_server, "subprocess", None)
+    if ephemeral is None or not hasattr(ephemeral, "_run_uvicorn_command") or real is None:
+        return
+    if not isinstance(real, _SubprocessDyingWithParent):
+        prefect_server.subprocess = _SubprocessDyingWithParent(real, preexec)
+    ephemeral().start()  # the instance get_client() uses (port None); stopped at exit by Prefect
 
 
 # Prefect stores a flow run's parameters in its API (and shows them in the UI), so credentials
@@ -55,7 +183,9 @@ def _secrets_to_env(overrides: list[str]) -> list[str]:
 
 
 def cmd_train(args) -> None:
-    _check_config(args.config, args.overrides)  # fail before Prefect or any model starts
+    cfg = _check_config(args.config, args.overrides)  # fail before Prefect or any model starts
+    _check_startable(cfg)
+    _start_ephemeral_api()
     from flows.training import rl_training
 
     summary = rl_training(config=args.config, overrides=_secrets_to_env(args.overrides))
@@ -66,7 +196,8 @@ def cmd_run(args) -> None:
     """The main job: a fresh run id each time, so `make run` always trains and shows the gain."""
     run_id = args.run_id or time.strftime("grpo-arith-%Y%m%d-%H%M%S")
     overrides = [f"run_id={run_id}", *args.overrides]
-    _check_config(str(DEFAULT_CONFIG), overrides)
+    _check_startable(_check_config(str(DEFAULT_CONFIG), overrides))
+    _start_ephemeral_api()
     import torch
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -101,6 +232,9 @@ def cmd_verify(args) -> None:
 
     cfg = _check_config(args.config, args.overrides)
     layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
+    if layout.read_run_json() is None and not _exists(layout.root, cfg.storage):
+        raise UserError(f"no run {cfg.run_id!r} under {cfg.root}; runs there: {_runs_under(cfg)}. "
+                        "Check run_id= and root= (and --config)")
     found = verify_run(layout)
     if not found:
         print(f"run {cfg.run_id}: every committed table and checkpoint is intact")
@@ -115,12 +249,78 @@ def cmd_verify(args) -> None:
         sys.exit("rlmill: run `rlmill verify --repair` with the same config to set the damaged stages aside")
 
 
+def _exists(url: str, storage) -> bool:
+    from storage import url_to_fs
+
+    fs, path = url_to_fs(url, storage)
+    return fs.exists(path)
+
+
+def _runs_under(cfg, most: int = 20) -> str:
+    from storage import join, url_to_fs
+
+    fs, path = url_to_fs(join(cfg.root, "runs"), cfg.storage)
+    names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) if fs.exists(path) else []
+    if not names:
+        return "none"
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+# Sizes `rlmill data make` writes when --train-size / --test-size are not given.
+DEFAULT_TRAIN_SIZE, DEFAULT_TEST_SIZE = 20000, 1000
+
+
+def _data_sizes(name: str, train: int | None, test: int | None) -> tuple[int, int]:
+    """--train-size / --test-size, with the dataset's defaults for the ones not given: arith has
+    only 8100 distinct prompts, so its defaults share them out (7100 train + 1000 test)."""
+    from flows.config import ARITH_PROBLEMS
+
+    if name != "arith":
+        return (DEFAULT_TRAIN_SIZE if train is None else train), (DEFAULT_TEST_SIZE if test is None else test)
+    total = ARITH_PROBLEMS
+    for flag, value in (("--train-size", train), ("--test-size", test)):
+        if value is not None and value > total:
+            raise UserError(f"arith has only {total} distinct prompts; {flag} {value} asks for more: give at "
+                            f"most {total} in all, or leave the sizes out (default: all of them, "
+                            f"{total - DEFAULT_TEST_SIZE} train + {DEFAULT_TEST_SIZE} test)")
+    if train is None and test is None:
+        return total - DEFAULT_TEST_SIZE, DEFAULT_TEST_SIZE
+    if train is None:
+        return total - test, test
+    if test is None:
+        return train, min(DEFAULT_TEST_SIZE, total - train)
+    if train + test > total:
+        raise UserError(f"arith has only {total} distinct prompts; --train-size {train} + --test-size {test} = "
+                        f"{train + test}: lower them to at most {total} in all, or leave them out (default: "
+                        f"{total - DEFAULT_TEST_SIZE} train + {DEFAULT_TEST_SIZE} test)")
+    return train, test
+
+
+def _check_dataset_name(name: str) -> None:
+    from storage.datasets import GENERATORS
+
+    if name in GENERATORS:
+        return
+    if name.startswith("rg:") and len(name) > 3:
+        from reasoning_gym.factory import DATASETS
+
+        if name[3:] in DATASETS:
+            return
+        import difflib
+
+        close = difflib.get_close_matches(name[3:], DATASETS, n=3)
+        hint = f"did you mean {' or '.join('rg:' + c for c in close)}?" if close else "e.g. rg:countdown, rg:basic_arithmetic"
+        raise UserError(f"reasoning-gym has no task {name[3:]!r} ({len(DATASETS)} tasks; {hint})")
+    raise UserError(f"unknown dataset {name!r}: use one of {', '.join(sorted(GENERATORS))} or rg:<reasoning-gym task>")
+
+
 def cmd_data_make(args) -> None:
     from storage.datasets import make_dataset
 
-    train, test = make_dataset(args.name, args.out, train_size=args.train_size, test_size=args.test_size,
-                               seed=args.seed)
-    print(f"wrote {train}\nwrote {test}")
+    _check_dataset_name(args.name)
+    train_size, test_size = _data_sizes(args.name, args.train_size, args.test_size)
+    train, test = make_dataset(args.name, args.out, train_size=train_size, test_size=test_size, seed=args.seed)
+    print(f"wrote {train} ({train_size} rows)\nwrote {test} ({test_size} rows)")
 
 
 def cmd_config_show(args) -> None:
@@ -128,6 +328,16 @@ def cmd_config_show(args) -> None:
 
     cfg = _check_config(args.config, args.overrides)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def _row_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: give 0 or more rows")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,8 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     make = data.add_parser("make", help="write a built-in dataset as verl-format train/test Parquet")
     make.add_argument("name", help="arith | gsm_symbolic | rg:<reasoning-gym task>")
     make.add_argument("--out", required=True, help="folder URL (local, s3://...)")
-    make.add_argument("--train-size", type=int, default=20000)
-    make.add_argument("--test-size", type=int, default=1000)
+    make.add_argument("--train-size", type=_row_count, default=None,
+                      help=f"training rows (default {DEFAULT_TRAIN_SIZE}; arith: all its prompts but the test ones)")
+    make.add_argument("--test-size", type=_row_count, default=None,
+                      help=f"held-out rows (default {DEFAULT_TEST_SIZE}, never shared with train)")
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(fn=cmd_data_make)
 
@@ -170,8 +382,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     _quiet_env()
-    args = build_parser().parse_args(argv)
-    args.fn(args)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse takes a command's key=value overrides in one run: `verify run_id=r --repair
+        # root=x` leaves root=x over. Such leftovers are overrides too, in their order.
+        if isinstance(getattr(args, "overrides", None), list) and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        args.fn(args)
+    except _user_errors() as exc:  # checked user input only: any other exception keeps its traceback
+        sys.exit(f"rlmill: {exc}")
 
 
 if __name__ == "__main__":

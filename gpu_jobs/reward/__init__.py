@@ -12,6 +12,7 @@ Importing this package is light (no torch): worker processes import it to run us
 from .batch import coerce_result, score_batch
 from .config import CustomRewardFunctionConfig, RewardConfig
 from .custom import load_custom_reward_function
+from .ground_truth import decode_ground_truth, encode_ground_truth
 from .model_reward import ModelRewardScorer
 from .registry import (
     REWARD_FNS,
@@ -37,6 +38,8 @@ __all__ = [
     "REWARD_PREFIXES",
     "UnknownDataSourceError",
     "load_custom_reward_function",
+    "encode_ground_truth",
+    "decode_ground_truth",
     "ModelRewardScorer",
     "gsm8k_extract",
     "gsm8k_score",

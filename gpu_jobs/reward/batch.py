@@ -7,8 +7,9 @@
     ([1.0], 1.0)
 
 A user's function runs in worker processes with a per-sample timeout. One bad sample never
-fails the batch: an exception, a timeout, a NaN, a non-number, or a score outside the declared
-range scores `cfg.on_error`, its row's reward_extra gets `error` / `error_kind`, and the
+fails the batch: an exception, a timeout, a NaN or infinity, a non-number, or a score outside
+`cfg.score_range` (only when one is set: by default any finite score counts, as in verl) scores
+`cfg.on_error`, its row's reward_extra gets `error` / `error_kind`, and the
 metrics count it (`reward/errors`, `reward/timeouts`). A hung sample is abandoned by killing
 the pool's processes and starting a new pool; the other in-flight samples are re-run.
 """
@@ -26,6 +27,7 @@ from typing import Any
 
 from .config import RewardConfig
 from .custom import load_custom_reward_function
+from .ground_truth import decode_ground_truth
 from .registry import default_compute_score, get_reward_fn
 
 __all__ = ["score_batch", "coerce_result"]
@@ -239,7 +241,9 @@ def _task(row: Mapping[str, Any]) -> tuple:
     gt = row.get("ground_truth")
     if gt is None and isinstance(row.get("reward_model"), Mapping):
         gt = row["reward_model"].get("ground_truth")
-    return (row["data_source"], solution, gt, extra)
+    # A sample table stores a list/dict/number ground truth as marked JSON in its string column:
+    # the function gets back exactly what the dataset held, as verl passes it.
+    return (row["data_source"], solution, decode_ground_truth(gt), extra)
 
 
 def score_batch(
@@ -248,8 +252,9 @@ def score_batch(
     """Score every row; returns (scores, reward_extra, metrics), one score and one dict per row.
 
     A row has `data_source`, `solution_str` (the decoded response; `response` also accepted),
-    `ground_truth` (or verl's `reward_model.ground_truth`) and optionally `extra_info` (dict or
-    JSON string). With `cfg.custom_reward_function.path` set, the user's function scores every
+    `ground_truth` (or verl's `reward_model.ground_truth`; a sample-table cell written by
+    `encode_ground_truth` is decoded back to its list/dict/number) and optionally `extra_info`
+    (dict or JSON string). With `cfg.custom_reward_function.path` set, the user's function scores every
     row in worker processes; otherwise the built-in scorers run in-process (trusted and cheap).
     An unknown data_source with the built-ins is a configuration error and raises before any
     scoring.

@@ -56,6 +56,7 @@ class RewardConfig(BaseModel):
     """How responses are scored.
 
         >>> RewardConfig(custom_reward_function={"path": "my_reward.py"}, timeout_s=5, num_workers=2)
+        >>> RewardConfig(score_range=(0, 1), on_error=0.0)   # opt in to a range check
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -77,10 +78,12 @@ class RewardConfig(BaseModel):
         ),
     )
     score_range: tuple[float, float] | None = Field(
-        (0.0, 1.0),
+        None,
         description=(
-            "(min, max) the reward function declares; a score outside it counts as an error. "
-            "None: any finite score (e.g. a reward model's logits)."
+            "Opt-in check: (min, max) your reward function promises, e.g. [0, 1]; a score outside "
+            "it then counts as an error and scores on_error. Default None: any finite score is "
+            "kept, as verl does (e.g. -1 for a wrong format, a reward model's logits). NaN and "
+            "infinity always count as errors."
         ),
     )
     start_method: Literal["spawn", "forkserver", "fork"] = Field(

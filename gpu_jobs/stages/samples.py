@@ -1,7 +1,8 @@
 """The sample table: one row per response, the schema every stage reads and extends.
 
 Columns (DESIGN.md): uid, group_id, data_source, prompt_ids list<int32>, response_ids list<int32>,
-rollout_logprobs list<float32>, response_len, finish_reason, ground_truth, extra_info (json);
+rollout_logprobs list<float32>, response_len, finish_reason, ground_truth (a string; a non-string
+ground truth as marked JSON, see `ground_truth_of`), extra_info (json);
 later stages join score/reward_extra, old_logprobs/ref_logprobs/values, advantages/returns by uid.
 """
 
@@ -36,8 +37,13 @@ def _json(value: Any) -> str:
 
 
 def ground_truth_of(reward_model: Any) -> str:
+    """The `ground_truth` cell of a prompt's `reward_model`: a string as it is, a list, dict or
+    number as marked JSON (gpu_jobs.reward.ground_truth), which `score_batch` decodes so the
+    reward function receives exactly what the dataset held; None (or no reward_model) as ""."""
+    from gpu_jobs.reward.ground_truth import encode_ground_truth
+
     gt = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-    return "" if gt is None else str(gt)
+    return encode_ground_truth(gt)
 
 
 def sample_table(rows: Sequence[dict], prompts: Sequence[dict], iteration: int, tag: str = "") -> pa.Table:

@@ -150,7 +150,8 @@ def test_score_batch_accepts_a_dataframe_and_an_empty_batch():
 
 def test_config_checks_on_error_against_the_range():
     with pytest.raises(ValidationError, match="on_error=-1.0 lies outside score_range"):
-        RewardConfig(on_error=-1.0)
+        RewardConfig(on_error=-1.0, score_range=(0.0, 1.0))
+    assert RewardConfig(on_error=-1.0).score_range is None  # no range unless one is declared
     with pytest.raises(ValidationError):
         RewardConfig(timeout_s=0)
     assert RewardConfig(score_range=None, on_error=-5.0).on_error == -5.0

@@ -167,7 +167,7 @@ def trl_args(w: Workload, cfg, *, max_steps: int, output_dir: str, seed: int = 0
 
 # ------------------------------------------------------------------------------ data, both sides
 def arith_splits(cfg, folder: str):
-    """(train, held-out) DataFrames exactly as RunContext.open reads them for `cfg`: the same
+    """(train, held-out) DataFrames exactly as Run.open reads them for `cfg`: the same
     generator, sizes and seed, so the rows equal those under the run's own root."""
     from storage.datasets import make_dataset, read_prompts
 
@@ -321,32 +321,22 @@ def run_flow(spec: dict) -> dict:
 
 
 def run_stages(spec: dict) -> dict:
-    from gpu_jobs import stages
-    from gpu_jobs.stages import RunContext
+    from gpu_jobs.stages import DirectCalls, open_warm, run_iteration
 
     w, budget = Workload(**spec["workload"]), spec.get("budget")
     # No checkpoint is ever due (TRL writes none either); the final weights are saved after the clock.
     cfg = rlmill_config(w, spec["root"], spec["run_id"], val_size=32)
-    ctx = RunContext.open(cfg)
-    ctx.warm()
-    ctx.restore()
+    run, engines = open_warm(cfg)
     seconds: list[float] = []
     while (sum(seconds[1:]) < budget) if budget else (len(seconds) < spec["steps"]):
         k, t0 = len(seconds) + 1, time.perf_counter()
-        rollout = stages.rollout(ctx, k)
-        batch = stages.gate(ctx, k, rollout)
-        reward = stages.reward(ctx, k, batch)
-        adv = stages.advantages(ctx, k, batch, reward, stages.logprobs(ctx, k, batch), stages.values(ctx, k, batch))
-        update = stages.update(ctx, k, adv)
-        sync_s = stages.sync_weights(ctx)
-        stages.commit(ctx, k, {"rollout": rollout, "gate": batch, "reward": reward, "advantages": adv,
-                               "update": update}, {"timing_s/weight_sync": sync_s})
+        run_iteration(DirectCalls(run, engines), cfg, k)
         seconds.append(time.perf_counter() - t0)
-    tokens = [rlmill_tokens(ctx.layout, k) for k in range(1, len(seconds) + 1)]
+    tokens = [rlmill_tokens(run.layout, k) for k in range(1, len(seconds) + 1)]
     out = {"step_seconds": seconds, "gen_tokens": [g for g, _ in tokens], "train_tokens": [t for _, t in tokens]}
     if budget:
         folder = os.path.join(spec["root"], "final-policy")
-        ctx.trainer.save_hf(folder)
+        engines.trainer.save_hf(folder)
         out.update(steps=len(seconds), train_seconds=sum(seconds[1:]), weights=folder)
     return out
 

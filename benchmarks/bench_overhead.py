@@ -42,53 +42,45 @@ def overrides(root: str, batch: int, iterations: int, run_id: str) -> list[str]:
 def memory_loop(cfg, iterations: int) -> list[float]:
     """The same computation as the stages, with every table kept in memory."""
     from gpu_jobs.reward import score_batch
-    from gpu_jobs.stages import RunContext
+    from gpu_jobs.stages import Engines, Run
     from gpu_jobs.stages.advantage_math import batch_advantages
     from gpu_jobs.stages.iteration import sampling_seed
     from gpu_jobs.stages.samples import sample_table
     from storage.datasets import render_prompt
     import pyarrow as pa
 
-    ctx = RunContext.open(cfg)
-    ctx.warm()
+    run = Run.open(cfg)
+    engines = Engines.load(run)
+    kl_ctrl = cfg.algorithm.kl_ctrl.build()
     times = []
     for k in range(1, iterations + 1):
         t0 = time.perf_counter()
-        rows = ctx.sampler.indices(k - 1)
-        prompts = [dict(ctx.train.iloc[i].to_dict(), row=int(i)) for i in rows]
-        ids = [render_prompt(p["prompt"], ctx.tokenizer) for p in prompts]
-        out = ctx.engine.generate(ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
+        rows = run.sampler.indices(k - 1)
+        prompts = [dict(run.train.iloc[i].to_dict(), row=int(i)) for i in rows]
+        ids = [render_prompt(p["prompt"], run.tokenizer) for p in prompts]
+        out = engines.rollout.generate(ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
         table = sample_table(out, prompts, k)
-        texts = ctx.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
+        texts = run.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
         scores, _, _ = score_batch([{"data_source": d, "solution_str": s, "ground_truth": g}
                                     for d, s, g in zip(table.column("data_source").to_pylist(), texts,
                                                        table.column("ground_truth").to_pylist())], cfg.reward)
         table = table.append_column("score", pa.array(scores, pa.float32()))
-        table, _ = batch_advantages(table, cfg, ctx.kl_ctrl)
-        ctx.trainer.update(table)
-        ctx.engine.update_weights(ctx.trainer.gathered_state_dict())
+        table, _ = batch_advantages(table, cfg, kl_ctrl)
+        engines.trainer.update(table)
+        engines.sync_rollout()
         times.append(time.perf_counter() - t0)
     return times
 
 
 def stage_loop(cfg, iterations: int) -> list[float]:
-    from gpu_jobs import stages
-    from gpu_jobs.stages import RunContext
+    """The flow's iteration graph with the stages called directly (commits included, no Prefect)."""
+    from gpu_jobs.stages import DirectCalls, open_warm, run_iteration
 
-    ctx = RunContext.open(cfg)
-    ctx.warm()
-    ctx.restore()
+    run, engines = open_warm(cfg)
     times = []
     for k in range(1, iterations + 1):
         t0 = time.perf_counter()
-        rollout = stages.rollout(ctx, k)
-        batch = stages.gate(ctx, k, rollout)
-        reward = stages.reward(ctx, k, batch)
-        adv = stages.advantages(ctx, k, batch, reward, stages.logprobs(ctx, k, batch), stages.values(ctx, k, batch))
-        update = stages.update(ctx, k, adv)
-        stages.sync_weights(ctx)
-        stages.commit(ctx, k, {"rollout": rollout, "gate": batch, "reward": reward, "advantages": adv,
-                               "update": update}, {})
+        run_iteration(DirectCalls(run, engines), cfg, k)
         times.append(time.perf_counter() - t0)
     return times
 

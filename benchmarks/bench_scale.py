@@ -80,35 +80,31 @@ def point_overrides(point: dict, root: str, run_id: str, iterations: int) -> lis
 
 
 def run_point(cfg, iterations: int) -> list[dict]:
-    """`iterations` iterations through the stage functions; per iteration the committed metrics
-    plus `wall_s` (whole iteration) and timing_s/commit (the commit stage, timed here)."""
-    from gpu_jobs import stages
-    from gpu_jobs.stages import RunContext
+    """`iterations` iterations of the flow's graph through the stage functions; per iteration the
+    committed metrics plus `wall_s` (whole iteration) and timing_s/commit (the commit stage)."""
+    from gpu_jobs.stages import DirectCalls, open_warm, run_iteration
     from storage import read_manifest
 
-    ctx = RunContext.open(cfg)
-    ctx.warm()
-    ctx.restore()
+    class TimedCalls(DirectCalls):
+        def __call__(self, stage, k, *inputs):
+            t0 = time.perf_counter()
+            try:
+                return super().__call__(stage, k, *inputs)
+            finally:
+                self.seconds[stage] = time.perf_counter() - t0
+
+    run, engines = open_warm(cfg)
+    calls = TimedCalls(run, engines)
     out = []
     try:
         for k in range(1, iterations + 1):
+            calls.seconds = {}
             t0 = time.perf_counter()
-            rollout = stages.rollout(ctx, k)
-            batch = stages.gate(ctx, k, rollout)
-            reward = stages.reward(ctx, k, batch)
-            logprobs, values = stages.logprobs(ctx, k, batch), stages.values(ctx, k, batch)
-            adv = stages.advantages(ctx, k, batch, reward, logprobs, values)
-            update = stages.update(ctx, k, adv)
-            sync_s = stages.sync_weights(ctx)
-            t1 = time.perf_counter()
-            uri = stages.commit(ctx, k, {"rollout": rollout, "gate": batch, "reward": reward, "logprobs": logprobs,
-                                         "values": values, "advantages": adv, "update": update},
-                                {"timing_s/weight_sync": sync_s})
-            t2 = time.perf_counter()
-            out.append(with_other({**read_manifest(uri, ctx.storage).metrics,
-                                   "timing_s/commit": t2 - t1, "wall_s": t2 - t0}))
+            uris = run_iteration(calls, cfg, k)
+            out.append(with_other({**read_manifest(uris["commit"], run.storage).metrics,
+                                   "timing_s/commit": calls.seconds["commit"], "wall_s": time.perf_counter() - t0}))
     finally:
-        ctx.close()
+        engines.close()
     return out
 
 

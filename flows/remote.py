@@ -18,7 +18,7 @@ from prefect import flow
 from prefect.deployments import run_deployment
 
 from gpu_jobs import stages
-from gpu_jobs.stages import RunContext
+from gpu_jobs.stages import Engines, Run
 from storage import committed
 
 RemoteStage = Literal["rollout", "update", "validate"]
@@ -27,32 +27,32 @@ RemoteStage = Literal["rollout", "update", "validate"]
 @flow(name="rl-stage", log_prints=True)
 def rl_stage(root: str, run_id: str, k: int, stage: RemoteStage, inputs: list[str] | None = None) -> str:
     """Run one GPU stage of iteration k in this process, from storage only; returns its manifest URI."""
-    ctx = RunContext.from_storage(root, run_id)
+    run = Run.from_storage(root, run_id)
     if stage == "update":
-        ctx.warm(engine=False)
-        ctx.restore()  # trainer state of checkpoint k-1 (checkpoint_every is 1 in remote placement)
-        return stages.update(ctx, k, *(inputs or []))
-    ctx.warm(trainer=False)
-    ctx.load_policy_into_engine(k - 1 if stage == "rollout" else k)
-    return stages.rollout(ctx, k) if stage == "rollout" else stages.validate(ctx, k)
+        engines = Engines.load(run, rollout=False)
+        stages.restore(run, engines)  # trainer state of checkpoint k-1 (checkpoint_every is 1 in remote placement)
+        return stages.update(run, engines, k, *(inputs or []))
+    engines = Engines.load(run, trainer=False)
+    stages.load_policy_into_rollout(run, engines, k - 1 if stage == "rollout" else k)
+    return stages.rollout(run, engines, k) if stage == "rollout" else stages.validate(run, engines, k)
 
 
-def run_remote(ctx: RunContext, k: int, stage: RemoteStage, inputs: list[str] = ()) -> str:
+def run_remote(run: Run, k: int, stage: RemoteStage, inputs: list[str] = ()) -> str:
     """Start the stage deployment for (k, stage) and wait; returns the manifest it committed.
 
     Idempotent like every stage: an already committed stage is returned without a remote run.
     """
-    dest = ctx.layout.stage(k, stage)
-    if uri := committed(dest, ctx.storage):
+    dest = run.layout.stage(k, stage)
+    if uri := committed(dest, run.storage):
         return uri
     run = run_deployment(
-        name=ctx.cfg.trainer.stage_deployment,
-        parameters={"root": ctx.cfg.root, "run_id": ctx.cfg.run_id, "k": k, "stage": stage, "inputs": list(inputs)},
+        name=run.cfg.trainer.stage_deployment,
+        parameters={"root": run.cfg.root, "run_id": run.cfg.run_id, "k": k, "stage": stage, "inputs": list(inputs)},
         flow_run_name=f"{stage}-{k:04d}",
-        tags=["rlmill", f"run:{ctx.cfg.run_id}"],  # explicit: the iteration's tasks run untagged
+        tags=["rlmill", f"run:{run.cfg.run_id}"],  # explicit: the iteration's tasks run untagged
         timeout=None,
     )
-    uri = committed(dest, ctx.storage)
+    uri = committed(dest, run.storage)
     if uri is None:
         state = run.state.name if run.state else "unknown"
         raise RuntimeError(f"remote {stage} of iteration {k} ended {state} without committing {dest}; "

@@ -27,13 +27,14 @@ def is_remote(path_or_url: str) -> bool:
     return "://" in path_or_url and not path_or_url.startswith("file://")
 
 
-def resolve_model_path(path_or_url, storage=None) -> str:
-    """A local folder for `path_or_url`: aliases are built/cached, remote URLs downloaded."""
+def resolve_model_path(path_or_url, storage=None, seed: int = 0) -> str:
+    """A local folder for `path_or_url`: aliases are built/cached ("builtin" from `seed`),
+    remote URLs downloaded. The one resolver of model names: runs, engines and trainers call it."""
     path_or_url = os.fspath(path_or_url)
     if path_or_url == "builtin":
         from gpu_jobs.models.tiny import ensure_builtin_model
 
-        return ensure_builtin_model()
+        return ensure_builtin_model(seed=seed)
     if path_or_url == "smollm2":
         return ensure_smollm2()
     if path_or_url.startswith("file://"):

@@ -1,18 +1,22 @@
-"""The stages of an RL iteration as plain functions over a RunContext (no Prefect here).
+"""The stage layer: the run config, the frozen run, its warm engines, the stages of an iteration
+inside one commit shell, and the iteration graph written once (no Prefect here).
 
-tasks/ wraps each in a Prefect task; tests call them directly.
+    run, engines = open_warm(cfg)
+    uris = run_iteration(DirectCalls(run, engines), cfg, k=1)
+
+tasks/ wraps each stage in a Prefect task and flows/ passes those to the same graph.
 """
 
-from gpu_jobs.stages.context import RunConfigMismatchError, RunContext, last_committed
+from gpu_jobs.stages.engines import Engines
+from gpu_jobs.stages.graph import DirectCalls, StageCalls, optional_stages, run_iteration
 from gpu_jobs.stages.iteration import (
+    STAGE_FUNCTIONS,
     STAGES,
     advantages,
     baseline,
     commit,
     gate,
     logprobs,
-    probe_agreement,
-    replay_update,
     reward,
     rollout,
     sync_weights,
@@ -20,6 +24,10 @@ from gpu_jobs.stages.iteration import (
     validate,
     values,
 )
+from gpu_jobs.stages.resume import load_policy_into_rollout, open_warm, probe_agreement, replay_update, restore
+from gpu_jobs.stages.run import Run, RunConfigMismatchError, last_committed
 
-__all__ = ["RunContext", "RunConfigMismatchError", "last_committed", "STAGES", "rollout", "baseline", "gate", "reward",
-           "logprobs", "values", "advantages", "update", "replay_update", "probe_agreement", "sync_weights", "commit", "validate"]
+__all__ = ["Run", "Engines", "RunConfigMismatchError", "last_committed", "open_warm", "restore", "replay_update",
+           "probe_agreement", "load_policy_into_rollout", "StageCalls", "DirectCalls", "run_iteration",
+           "optional_stages", "STAGES", "STAGE_FUNCTIONS", "rollout", "baseline", "gate", "reward", "logprobs",
+           "values", "advantages", "update", "sync_weights", "commit", "validate"]

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     from storage import join, read_table
 
     from .batch import read_rows
-    from .engine import resolve_model_path
+    from gpu_jobs.models import resolve_model_path
     from .policy import PolicyTrainer, required_columns
 
     config = load_config(args.config)

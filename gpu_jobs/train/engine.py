@@ -21,7 +21,7 @@ from .checkpoint import Resumable
 from .config import _UpdateConfig
 
 
-__all__ = ["ZeroModule", "PhaseTimer", "resolve_model_path"]
+__all__ = ["ZeroModule", "PhaseTimer"]
 
 
 LossOf = Callable[[dict[str, Any]], tuple[Any, dict[str, Any]]]
@@ -57,14 +57,6 @@ class PhaseTimer:
             yield
         finally:
             self.seconds[phase] += time.perf_counter() - t0
-
-
-def resolve_model_path(model_path: str) -> str:
-    """A local HF folder for ``model_path``: a folder, a storage URL (downloaded and cached), or
-    an alias of gpu_jobs.models ("builtin", "smollm2")."""
-    from gpu_jobs.models import resolve_model_path as resolve
-
-    return resolve(model_path)
 
 
 def load_tokenizer_if_any(model_path: str) -> Any:
@@ -107,7 +99,9 @@ class ZeroModule(Resumable):
         dist.init_distributed()
         self.config = config
         self.storage = storage  # StorageConfig for save/load/save_hf URLs (None: AWS env vars)
-        self.model_path = resolve_model_path(model_path)
+        from gpu_jobs.models import resolve_model_path
+
+        self.model_path = resolve_model_path(model_path, storage)
         self.rank, self.world_size = dist.rank(), dist.world_size()
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_if_any(self.model_path)
         self.step = 0  # update() calls so far

@@ -32,7 +32,9 @@ from . import dist
 from .batch import Rows, collate, plan_microbatches, plan_minibatches, read_rows
 from .checkpoint import Resumable
 from .config import TrainerConfig
-from .engine import PhaseTimer, _MetricSums, _torch_dtype, load_tokenizer_if_any, resolve_model_path
+from gpu_jobs.models import resolve_model_path
+
+from .engine import PhaseTimer, _MetricSums, _torch_dtype, load_tokenizer_if_any
 from .errors import TrainInputError
 from .policy import policy_objective, required_columns
 

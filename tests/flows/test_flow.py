@@ -92,18 +92,18 @@ def test_one_iteration_on_s3(prefect_api, s3_bucket_url, s3_endpoint, example_pa
 
 def test_a_stage_that_fails_once_is_retried_and_the_run_completes(prefect_api, tmp_path, example_path, tiny,
                                                                  monkeypatch):
-    import gpu_jobs.stages as stage_fns
     from flows.training import rl_training
+    from gpu_jobs.stages import STAGE_FUNCTIONS
 
-    real, calls = stage_fns.reward, []
+    real, calls = STAGE_FUNCTIONS["reward"], []
 
-    def flaky(ctx, k, batch_uri):
+    def flaky(run, engines, k, batch_uri):
         calls.append(k)
         if len(calls) == 1:
             raise ConnectionError("injected: reward service unavailable")
-        return real(ctx, k, batch_uri)
+        return real(run, engines, k, batch_uri)
 
-    monkeypatch.setattr(stage_fns, "reward", flaky)
+    monkeypatch.setitem(STAGE_FUNCTIONS, "reward", flaky)
     summary = rl_training(config=str(example_path), overrides=tiny(str(tmp_path / "r"), "run_id=flaky"), iterations=1)
     assert calls == [1, 1] and summary["iterations"] == 1
 

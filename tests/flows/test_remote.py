@@ -12,28 +12,28 @@ import torch
 
 from flows.remote import rl_stage
 from gpu_jobs import stages
-from gpu_jobs.stages import RunContext
+from gpu_jobs.stages import Run, open_warm
 from storage import load_state_dict
 
 pytestmark = pytest.mark.deepspeed
 
 
 def _iteration_remote(cfg, k: int) -> None:
-    ctx = RunContext.open(cfg)  # the flow side: no model loaded
+    run = Run.open(cfg)  # the flow side: no model loaded
     rollout = rl_stage.fn(cfg.root, cfg.run_id, k, "rollout")
-    batch = stages.gate(ctx, k, rollout)
-    reward = stages.reward(ctx, k, batch)
-    adv = stages.advantages(ctx, k, batch, reward)
+    batch = stages.gate(run, None, k, rollout)
+    reward = stages.reward(run, None, k, batch)
+    adv = stages.advantages(run, None, k, batch, reward)
     rl_stage.fn(cfg.root, cfg.run_id, k, "update", [adv])
 
 
-def _iteration_colocated(ctx, k: int) -> None:
-    rollout = stages.rollout(ctx, k)
-    batch = stages.gate(ctx, k, rollout)
-    reward = stages.reward(ctx, k, batch)
-    adv = stages.advantages(ctx, k, batch, reward)
-    stages.update(ctx, k, adv)
-    stages.sync_weights(ctx)
+def _iteration_colocated(run, engines, k: int) -> None:
+    rollout = stages.rollout(run, engines, k)
+    batch = stages.gate(run, engines, k, rollout)
+    reward = stages.reward(run, engines, k, batch)
+    adv = stages.advantages(run, engines, k, batch, reward)
+    stages.update(run, engines, k, adv)
+    stages.sync_weights(run, engines, k)
 
 
 def test_remote_stages_match_the_colocated_run_bitwise(tiny_config, tmp_path):
@@ -42,11 +42,9 @@ def test_remote_stages_match_the_colocated_run_bitwise(tiny_config, tmp_path):
     local = tiny_config(*extra, root=str(tmp_path / "local"))
     for k in (1, 2):
         _iteration_remote(remote, k)
-    ctx = RunContext.open(local)
-    ctx.warm()
-    ctx.restore()
+    run, engines = open_warm(local)
     for k in (1, 2):
-        _iteration_colocated(ctx, k)
+        _iteration_colocated(run, engines, k)
     a = load_state_dict(str(tmp_path / "remote" / "runs" / remote.run_id / "checkpoints" / "2" / "policy"))
     b = load_state_dict(str(tmp_path / "local" / "runs" / local.run_id / "checkpoints" / "2" / "policy"))
     assert a.keys() == b.keys()

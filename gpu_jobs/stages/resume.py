@@ -1,0 +1,116 @@
+"""Bringing warm engines to a run's committed state: start, resume after a crash, remote stages.
+
+    run, engines = open_warm(cfg)     # Run.open + Engines.load + restore + agreement probe
+
+`restore` loads the newest intact checkpoint (weights, optimizer, RNG, data cursor) and replays
+the committed updates after it from their committed batches: updates are deterministic given
+that state, so the weights equal those of a run that never stopped. Then the rollout engine
+gets those weights and the trainer/rollout agreement is checked once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gpu_jobs.stages.engines import Engines
+from gpu_jobs.stages.iteration import sampling_seed, train_on
+from gpu_jobs.stages.run import Run, exists, last_committed
+from gpu_jobs.stages.shell import read
+from storage import committed, join
+
+log = logging.getLogger("rlmill")
+
+__all__ = ["open_warm", "restore", "replay_update", "load_policy_into_rollout", "probe_agreement"]
+
+
+def open_warm(cfg, *, probe: bool = True) -> tuple[Run, Engines]:
+    """The run and its warm engines at the state after its last committed update."""
+    run = Run.open(cfg)
+    engines = Engines.load(run)
+    restore(run, engines)
+    if probe:
+        metrics = probe_agreement(run, engines, f"run start (weights after iteration {engines.version})")
+        log.info("trainer/rollout agreement at start: mean |dp| %.2g, max |dlogp| %.2g nats",
+                 metrics.get("training/rollout_probs_diff_mean", 0.0),
+                 metrics.get("training/rollout_logprobs_diff_max", 0.0))
+    return run, engines
+
+
+def restore(run: Run, engines: Engines) -> int:
+    """Bring the trainer to the state after the last committed update, then sync the rollout
+    engine (if any); returns that iteration. A checkpoint damaged after it was published (a file
+    missing or failing its checksum) is skipped for the next older one, down to the start model,
+    with more updates replayed."""
+    last = last_committed(run.layout, "update")
+    ckpt = run.layout.latest_checkpoint()
+    if ckpt is not None and ckpt > engines.version:
+        _load_checkpoint(run, engines, ckpt)
+    for k in range(engines.version + 1, last + 1):
+        log.info("replaying committed update of iteration %d", k)
+        replay_update(run, engines, k)
+    if engines.version > 0 and engines.rollout is not None:
+        engines.sync_rollout()
+    return engines.version
+
+
+def replay_update(run: Run, engines: Engines, k: int) -> None:
+    """Re-apply committed update k to restored engines (crash-resume between checkpoints)."""
+    adv_uri = committed(run.layout.stage(k, "advantages"), run.storage)
+    if adv_uri is None:
+        raise RuntimeError(f"update {k} committed but its advantages are missing: the run's storage is damaged")
+    train_on(run, engines, k, read(run, adv_uri))
+
+
+def _load_checkpoint(run: Run, engines: Engines, newest: int) -> None:
+    """Load the newest intact checkpoint <= `newest` into the trainer (and critic)."""
+    from gpu_jobs.train.checkpoint import STATE_FILE
+    from storage import CorruptShardError
+
+    # Each load checks every file before it touches a weight; only a damaged critic after a
+    # good policy load leaves a half-loaded pair, which an older checkpoint overwrites.
+    half_loaded = False
+    for k in range(newest, engines.version, -1):
+        if not exists(join(run.layout.trainer(k), "trainer", STATE_FILE), run.storage):
+            continue  # never checkpointed there, or the save did not finish
+        critic = join(run.layout.checkpoint(k), "critic")
+        log.info("resuming %s from checkpoint %d", run.cfg.run_id, k)
+        try:
+            engines.trainer.load(run.layout.trainer(k))
+            half_loaded = engines.critic is not None
+            if engines.critic is not None and exists(critic, run.storage):
+                engines.critic.load(critic)
+        except CorruptShardError as e:
+            log.warning("checkpoint %d of %s is damaged (%s); trying an older one", k, run.cfg.run_id, e)
+            continue
+        engines.version = k
+        return
+    if half_loaded:  # back to the start model's weights before replaying from it
+        engines.load_trainers(run)
+    log.warning("no intact checkpoint of %s at or below %d: replaying committed updates from the start model",
+                run.cfg.run_id, newest)
+
+
+def load_policy_into_rollout(run: Run, engines: Engines, k: int) -> None:
+    """Remote placement: the rollout engine takes the weights checkpointed after update k.
+    (The update stage that consumes its samples checks them against its trainer.)"""
+    if k > 0:
+        engines.rollout.update_weights(run.layout.policy(k))
+    engines.version = k
+
+
+def probe_agreement(run: Run, engines: Engines, where: str, n_prompts: int = 8) -> dict[str, float]:
+    """Sample responses to a few held-out prompts with the rollout engine and re-score them with
+    the trainer: at start and after a resume, when the engine's weights were just loaded or
+    synced from a restored trainer. Raises AgreementError past the limit."""
+    import pyarrow as pa
+
+    from gpu_jobs.stages.agreement import check_agreement, rows_agreement
+
+    cfg = run.cfg
+    _, ids = run.prompts(run.val, list(range(min(n_prompts, len(run.val)))), None)
+    rows = engines.rollout.generate(ids, 2, cfg.rollout.sampling(sampling_seed(cfg.data.seed, 0)))
+    table = pa.table({"prompt_ids": pa.array([r["prompt_ids"] for r in rows], pa.list_(pa.int32())),
+                      "response_ids": pa.array([r["response_ids"] for r in rows], pa.list_(pa.int32()))})
+    metrics = rows_agreement([r["rollout_logprobs"] for r in rows], engines.trainer.compute_log_probs(table))
+    check_agreement(metrics, cfg.agreement.threshold(cfg.rollout, cfg.actor), where)
+    return metrics

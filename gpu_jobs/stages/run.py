@@ -1,0 +1,197 @@
+"""The frozen run: its config, storage layout, model folder, tokenizer and prompts. No weights.
+
+    run = Run.open(cfg)                          # writes run.json once; datasets built and gated
+    run = Run.from_storage(".rlmill", "my-run")  # the same run in another process, from run.json
+
+Opening a run is cheap and does every check of the user's input before anything of the run is
+written except the data gate's report: missing files, overlong prompts, a reused run id whose
+config differs. The warm engines that compute on it live in `engines.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from gpu_jobs.stages.config import RunConfig, config_from_run_json, frozen_config
+from storage import ObjectExistsError, RunLayout, join
+from storage.datasets import PromptSampler, make_dataset, read_prompts
+
+log = logging.getLogger("rlmill")
+
+# Keys that may differ between the frozen run.json and a resuming invocation: extending a run,
+# or changing how often it reports, does not change what any committed stage computed.
+RESUMABLE_KEYS = {("trainer", "total_iterations"), ("trainer", "val_every"), ("trainer", "samples_in_artifact"),
+                  ("trainer", "loggers"), ("trainer", "tensorboard"), ("tasks", "retries"),
+                  ("tasks", "retry_delay_seconds"), ("tasks", "timeout_seconds")}
+
+
+class RunConfigMismatchError(ValueError):
+    """A run id was reused with a config that would change what its committed stages mean."""
+
+
+class Run:
+    """A run's frozen parts. A plain class, not a dataclass: Prefect walks dataclass task
+    arguments field by field, and this one holds whole datasets."""
+
+    def __init__(self, cfg: RunConfig, layout: RunLayout, run_uid: str, model_path: str, tokenizer: Any,
+                 train: Any, val: Any, sampler: PromptSampler):
+        self.cfg, self.layout, self.run_uid = cfg, layout, run_uid
+        self.model_path, self.tokenizer = model_path, tokenizer
+        self.train, self.val, self.sampler = train, val, sampler  # pandas frames of verl rows
+
+    @property
+    def storage(self):
+        return self.cfg.storage
+
+    def __repr__(self) -> str:  # what Prefect and logs show: never the datasets
+        return f"Run({self.cfg.run_id!r} under {self.layout.root_url})"
+
+    def prompts(self, df: Any, rows: list[int], max_len: int | None) -> tuple[list[dict], list[list[int]]]:
+        """Rows of a prompt dataset (verl fields plus `row`, their index) and their token ids."""
+        from storage.datasets import render_prompt
+
+        prompts = [dict(df.iloc[i].to_dict(), row=int(i)) for i in rows]
+        return prompts, [render_prompt(p[self.cfg.data.prompt_key], self.tokenizer, max_len) for p in prompts]
+
+    def batch_prompts(self, k: int) -> tuple[list[dict], list[list[int]]]:
+        """Iteration k's training prompts: a pure function of (seed, epoch, k)."""
+        rows = self.sampler.indices(k - 1)  # iterations are 1-based, the sampler's steps 0-based
+        return self.prompts(self.train, rows, self.cfg.data.max_prompt_length)
+
+    @classmethod
+    def open(cls, cfg: RunConfig) -> "Run":
+        from gpu_jobs.models import load_tokenizer, resolve_model_path
+
+        layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
+        train_urls, val_urls = _datasets(cfg)
+        train = read_prompts(train_urls, storage=cfg.storage)
+        val = read_prompts(val_urls, storage=cfg.storage).iloc[: cfg.data.val_size].reset_index(drop=True)
+        model_path = resolve_model_path(cfg.model.path, cfg.storage, seed=cfg.model.seed)
+        tokenizer = load_tokenizer(model_path)
+        train = _prompts_within_length(cfg, "train", train, tokenizer)
+        val = _prompts_within_length(cfg, "val", val, tokenizer)
+        # Gate the prompts before the run exists: bad data fails here, naming rows, with nothing
+        # of the run written but the gate's own report.
+        train = _gate_prompts(cfg, layout, "train", train, tokenizer)
+        val = _gate_prompts(cfg, layout, "val", val, tokenizer)
+        run_uid = _freeze(layout, frozen_config(cfg))
+        sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
+        return cls(cfg, layout, run_uid, model_path, tokenizer, train, val, sampler)
+
+    @classmethod
+    def from_storage(cls, root: str, run_id: str) -> "Run":
+        """An existing run from its run.json alone (a process that did not start it: a remote
+        stage, a fresh worker). Storage credentials come from this process's AWS_* environment;
+        run.json never holds them."""
+        frozen = RunLayout(root, run_id).read_run_json()
+        if frozen is None:
+            raise RuntimeError(f"no run {run_id!r} under {root}: start it with `rlmill train` first")
+        return cls.open(config_from_run_json(frozen))
+
+
+def last_committed(layout: RunLayout, stage: str, limit: int = 1_000_000) -> int:
+    """Highest k >= 1 whose `stage` committed, scanning up from 1 (0 when none)."""
+    from storage import committed
+
+    k = 0
+    while k < limit and committed(layout.stage(k + 1, stage), layout.storage):
+        k += 1
+    return k
+
+
+def exists(url: str, storage: Any) -> bool:
+    from storage import url_to_fs
+
+    fs, path = url_to_fs(url, storage)
+    return fs.exists(path)
+
+
+def _diff(a: Any, b: Any, prefix: tuple = ()) -> list[tuple]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _diff(a.get(key), b.get(key), prefix + (key,))
+        return out
+    return [] if a == b else [prefix]
+
+
+def check_config_matches(layout: RunLayout, frozen: dict, config: dict) -> None:
+    """Raise RunConfigMismatchError when `config` (a frozen_config dump) would change what the
+    committed stages of the run whose run.json is `frozen` mean. Extending a run is allowed."""
+    changed = [d for d in _diff(frozen.get("config", {}), json.loads(json.dumps(config, default=str)))
+               if d[:2] not in RESUMABLE_KEYS]
+    if changed:
+        keys = ", ".join(".".join(map(str, d)) for d in changed[:8])
+        raise RunConfigMismatchError(
+            f"run {layout.run_id!r} already exists under {layout.root_url} with a different config "
+            f"({keys}); resume it with the same config, or start a new run with another run_id")
+
+
+def _freeze(layout: RunLayout, config: dict) -> str:
+    """Write run.json once; on a resume, check the config still matches. Returns the run's uid.
+
+    The uid is minted when the run is first created: a run deleted and started again under the
+    same id is a different run, and Prefect cache keys include the uid so they never cross.
+    """
+    try:
+        uid = uuid.uuid4().hex
+        layout.write_run_json({"run_uid": uid, "created_at": time.time(), "config": config})
+        return uid
+    except ObjectExistsError:
+        pass
+    frozen = layout.read_run_json() or {}
+    check_config_matches(layout, frozen, config)
+    return frozen["run_uid"]
+
+
+def _datasets(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    data = cfg.data
+    if data.train_files:
+        return list(data.train_files), list(data.val_files or data.train_files)
+    if data.generate is None:
+        raise ValueError("data.train_files is empty and data.generate is null: name a dataset or files")
+    out = join(cfg.root, "datasets", f"{data.generate.replace(':', '-')}-seed{data.seed}-n{data.train_size}")
+    train_url, test_url = join(out, "train.parquet"), join(out, "test.parquet")
+    if not (exists(train_url, cfg.storage) and exists(test_url, cfg.storage)):
+        make_dataset(data.generate, out, train_size=data.train_size, test_size=max(data.val_size, 300),
+                     seed=data.seed, storage=cfg.storage)
+    return [train_url], list(data.val_files or [test_url])
+
+
+def _prompts_within_length(cfg: RunConfig, split: str, df: Any, tokenizer: Any) -> Any:
+    """data.overlong_prompts: 'error' refuses a prompt longer than data.max_prompt_length (naming
+    its row) before anything of the run is written; 'filter' drops such rows and says how many
+    (verl's filter_overlong_prompts)."""
+    from storage.datasets import OverlongPromptError, render_prompts
+
+    try:
+        _, kept, n_filtered = render_prompts(df[cfg.data.prompt_key].tolist(), tokenizer, cfg.data)
+    except OverlongPromptError as e:
+        raise OverlongPromptError(f"{split} prompts: {e}") from None
+    if not n_filtered:
+        return df
+    log.warning("%s prompts: dropped %d of %d longer than data.max_prompt_length=%d (data.overlong_prompts=filter)",
+                split, n_filtered, len(df), cfg.data.max_prompt_length)
+    if not kept:
+        raise OverlongPromptError(f"every {split} prompt is longer than data.max_prompt_length="
+                                  f"{cfg.data.max_prompt_length}: raise it")
+    return df.iloc[kept].reset_index(drop=True)
+
+
+def _gate_prompts(cfg: RunConfig, layout: RunLayout, split: str, df: Any, tokenizer: Any) -> Any:
+    """great-expectations suite over a prompt dataset; quarantined rows are counted and written."""
+    from storage.quality import validate_prompts
+
+    gate = cfg.gate.model_copy(update={"max_prompt_length": cfg.data.max_prompt_length})
+    where = join(layout.root, "data_gate")
+    result = validate_prompts(df, gate, join(where, f"{split}_report.json"), tokenizer=tokenizer,
+                              quarantine_url=join(where, f"{split}_quarantine.parquet"), storage=cfg.storage)
+    if result.n_quarantined:
+        log.warning("%s prompts: %d of %d rows quarantined (see %s)", split, result.n_quarantined,
+                    result.n_rows, result.quarantine_url)
+        return result.clean.reset_index(drop=True)
+    return df

@@ -1,0 +1,123 @@
+"""The layering DESIGN.md describes, checked from the source (no imports executed).
+
+flows/ sits on top: nothing in gpu_jobs/, storage/ or tasks/ imports it. And no module imports
+another that imports it back, directly or around a longer loop, counting imports inside
+functions too (a lazy import hides a cycle from Python, not from a reader).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("flows", "tasks", "gpu_jobs", "storage", "deployments")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The project module an import of `name` loads last (a submodule if it is one)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _in_type_checking(node: ast.AST) -> bool:
+    return getattr(node, "_rlmill_type_checking", False)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for block in ast.walk(tree):  # imports under `if TYPE_CHECKING:` never run
+            if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                for inner in ast.walk(block):
+                    inner._rlmill_type_checking = True
+        graph[name] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and not _in_type_checking(node):
+                graph[name] |= _imports_of_node(name, path, node, modules)
+    return graph
+
+
+def _imports_of_node(name: str, path: Path, node: ast.AST, modules: dict[str, Path]) -> set[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+    return {m for t in targets if (m := _resolve(t, modules)) and m != name}
+
+
+def _is_package_init(name: str, modules: dict[str, Path]) -> bool:
+    return modules[name].name == "__init__.py"
+
+
+def test_nothing_below_flows_imports_flows():
+    up = sorted(f"{m} -> {t}" for m, targets in _graph().items() if m.split(".")[0] in ("gpu_jobs", "storage", "tasks")
+                for t in targets if t.split(".")[0] == "flows")
+    assert not up, "imports that run back up into flows/:\n" + "\n".join(up)
+
+
+def test_no_import_cycles_between_modules():
+    """Package __init__ files only re-export their own submodules, so an edge into a package's
+    __init__ from inside that package is the re-export's, not a design loop: leave those out."""
+    modules = _modules()
+    graph = {m: {t for t in ts if not (_is_package_init(t, modules) and m.startswith(t + "."))}
+             for m, ts in _graph().items()}
+    graph = {m: {t for t in ts if not (_is_package_init(m, modules) and t.startswith(m + "."))}
+             for m, ts in graph.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_sees_a_cycle_and_an_upward_import():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

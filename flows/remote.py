@@ -33,7 +33,8 @@ def rl_stage(root: str, run_id: str, k: int, stage: RemoteStage, inputs: list[st
         stages.restore(run, engines)  # trainer state of checkpoint k-1 (checkpoint_every is 1 in remote placement)
         return stages.update(run, engines, k, *(inputs or []))
     engines = Engines.load(run, trainer=False)
-    stages.load_policy_into_rollout(run, engines, k - 1 if stage == "rollout" else k)
+    version = run.cfg.async_training.weights_version(k) if stage == "rollout" else k
+    stages.load_policy_into_rollout(run, engines, version)
     return stages.rollout(run, engines, k) if stage == "rollout" else stages.validate(run, engines, k)
 
 

@@ -16,7 +16,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Any
 
-from prefect import flow, get_run_logger, tags
+from prefect import flow, get_run_logger, tags, task
 
 from flows.config import RunConfig, frozen_config, load_run_config
 from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact, iteration_artifacts,
@@ -52,13 +52,30 @@ class PrefectCalls:
         if self.remote and stage in self.REMOTE:
             return run_remote(self.run, k, stage, list(inputs))
         if self.remote and stage == "weight-sync":
-            return 0.0  # the next remote rollout loads checkpoint k, which the remote update committed
+            return 0.0  # the next remote rollout loads the weights the remote update published
         with _untagged_tasks():
-            return self.tasks[stage](self.run, self.engines, k, *inputs)
+            return self._task(stage, k)(self.run, self.engines, k, *inputs)
 
     def start(self, stage: str, k: int, *inputs: Any):
+        """Start a stage on Prefect's task runner (a thread here) and return its `.result`."""
         with _untagged_tasks():
-            return self.tasks[stage].submit(self.run, self.engines, k, *inputs).result
+            if self.remote and stage in self.REMOTE:
+                return _remote_stage.submit(self.run, k, stage, list(inputs)).result
+            return self._task(stage, k).submit(self.run, self.engines, k, *inputs).result
+
+    def _task(self, stage: str, k: int):
+        task = self.tasks[stage]
+        if stage == "rollout":  # async: the UI says which weights sampled it (maybe another iteration's run)
+            version = self.run.cfg.async_training.weights_version(k)
+            task = task.with_options(task_run_name=f"rollout-{k} (weights of update {version})")
+        return task
+
+
+@task(name="remote-stage")
+def _remote_stage(run: Run, k: int, stage: str, inputs: list[str]) -> str:
+    """A run of the stage deployment, started from a task so Prefect's task runner can overlap
+    it with another (async: a rollout on one pool while the update runs on another)."""
+    return run_remote(run, k, stage, inputs)
 
 
 def _run_iteration(calls: PrefectCalls, k: int) -> dict[str, Any]:

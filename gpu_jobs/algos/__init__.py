@@ -22,8 +22,16 @@ from .config import (
     KLControlConfig,
     OverlongBufferConfig,
     PolicyLossConfig,
+    RolloutCorrectionConfig,
 )
 from .dapo import SEQUENCE_FILTER_METRICS, filter_groups, filter_metric, overlong_penalty
+from .rollout_correction import (
+    ROLLOUT_IS,
+    ROLLOUT_RS,
+    rollout_correction_metrics,
+    rollout_is_weights,
+    rollout_rs_mask,
+)
 from .functional import (
     LOSS_AGG_MODES,
     LossAggMode,
@@ -68,6 +76,12 @@ __all__ = [
     "KLControlConfig",
     "OverlongBufferConfig",
     "PolicyLossConfig",
+    "RolloutCorrectionConfig",
+    "ROLLOUT_IS",
+    "ROLLOUT_RS",
+    "rollout_correction_metrics",
+    "rollout_is_weights",
+    "rollout_rs_mask",
     "SEQUENCE_FILTER_METRICS",
     "filter_groups",
     "filter_metric",

@@ -20,6 +20,7 @@ from .policy_losses import POLICY_LOSSES
 __all__ = [
     "KLControlConfig",
     "FilterGroupsConfig",
+    "RolloutCorrectionConfig",
     "OverlongBufferConfig",
     "AlgorithmConfig",
     "PolicyLossConfig",
@@ -129,6 +130,39 @@ class OverlongBufferConfig(_Config):
         return self
 
 
+class RolloutCorrectionConfig(_Config):
+    """Importance sampling between the rollout engine's policy and the update's (verl's
+    ``algorithm.rollout_correction``): needed when rollouts are stale (async_training) and
+    useful whenever the two engines differ (bf16 rollout, fp32 trainer)."""
+
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="Reweight the policy-gradient loss by min(p_old / p_rollout, rollout_is_threshold): "
+        "per token, or one weight per response (product over its tokens); null = off.")
+    rollout_is_threshold: float = Field(2.0, gt=0, description="Truncation C of the importance weights (TIS).")
+    rollout_rs: Literal["token", "sequence"] | None = Field(
+        None, description="Reject (zero the policy gradient of) tokens, or whole responses, whose ratio "
+        "p_old / p_rollout is outside [rollout_rs_threshold_lower, rollout_rs_threshold]; null = off.")
+    rollout_rs_threshold: float = Field(2.0, gt=0, description="Upper ratio bound of rejection sampling.")
+    rollout_rs_threshold_lower: float | None = Field(
+        None, gt=0, description="Lower ratio bound; null = 1 / rollout_rs_threshold.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "RolloutCorrectionConfig":
+        lower = self.rs_lower
+        if self.rollout_rs is not None and not lower < self.rollout_rs_threshold:
+            raise ValueError(f"rollout_rs_threshold_lower ({lower}) must be below rollout_rs_threshold "
+                             f"({self.rollout_rs_threshold})")
+        return self
+
+    @property
+    def rs_lower(self) -> float:
+        return self.rollout_rs_threshold_lower or 1.0 / self.rollout_rs_threshold
+
+
 class AlgorithmConfig(_Config):
     """Advantage estimation and KL-in-reward (verl's ``algorithm.*``).
 
@@ -153,6 +187,10 @@ class AlgorithmConfig(_Config):
     )
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig, description="KL coefficient control.")
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="DAPO dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig,
+        description="Importance sampling / rejection between rollout and trainer policies (needs the "
+        "trainer's old log-probs: actor.recompute_old_logprobs=true).")
 
     @model_validator(mode="after")
     def _check_filter_metric(self) -> AlgorithmConfig:

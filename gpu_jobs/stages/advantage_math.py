@@ -51,6 +51,30 @@ def _log_overlong(table: pa.Table, pen: torch.Tensor) -> tuple[pa.Table, dict[st
     return table, {"reward/overlong_frac": float(overlong.mean()) if len(overlong) else 0.0}
 
 
+def _rollout_correction(table: pa.Table, rc: Any, adv: torch.Tensor, mask: torch.Tensor,
+                        width: int) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """Scale the advantages by the truncated IS weights and zero them where rejection sampling
+    rejects: for every policy loss here the pg loss is linear in a non-negative per-token factor
+    on A (PPO clip: max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r))), so this equals verl's
+    `pg_losses * rollout_is_weights` (rejected tokens still count in token-mean's denominator).
+    Returns (advantages, metrics, the per-token factor applied)."""
+    from gpu_jobs.algos import rollout_correction_metrics, rollout_is_weights, rollout_rs_mask
+
+    old = torch.as_tensor(padded(table.column("old_logprobs").to_pylist(), width)[0])
+    rollout = torch.as_tensor(padded(table.column("rollout_logprobs").to_pylist(), width)[0])
+    weights = keep = None
+    factor = mask.clone()
+    if rc.rollout_is is not None:
+        weights = rollout_is_weights(old, rollout, mask, rc.rollout_is, rc.rollout_is_threshold)
+        factor = factor * weights
+    if rc.rollout_rs is not None:
+        keep = rollout_rs_mask(old, rollout, mask, rc.rollout_rs, rc.rs_lower, rc.rollout_rs_threshold)
+        factor = factor * keep
+    metrics = rollout_correction_metrics(old, rollout, mask, weights, keep,
+                                         rc.rollout_is_threshold if rc.rollout_is else None)
+    return adv * factor, {m: float(v) for m, v in metrics.items()}, factor
+
+
 def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table, dict[str, Any]]:
     """Returns the table with `advantages`, `returns` (list<float32> per response token) and the
     metrics (critic/score/*, critic/rewards/*, critic/advantages/*, filter_groups/*, ...).
@@ -114,6 +138,10 @@ def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table,
     metrics.update(_metric_stats("critic/rewards", rewards.sum(-1)))
     metrics.update(_metric_stats("critic/advantages", adv, mask))
     metrics.update(_metric_stats("critic/returns", ret, mask))
+    if algo.rollout_correction.enabled:
+        adv, rc_metrics, weights = _rollout_correction(table, algo.rollout_correction, adv, mask, width)
+        metrics.update(rc_metrics)
+        table = table.append_column("rollout_is_weights", pa.array(unpadded(weights.numpy(), lengths), FLOAT_LIST))
     table = table.append_column("advantages", pa.array(unpadded(adv.numpy(), lengths), FLOAT_LIST))
     table = table.append_column("returns", pa.array(unpadded(ret.numpy(), lengths), FLOAT_LIST))
     return table, metrics

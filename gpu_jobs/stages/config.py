@@ -135,6 +135,20 @@ class AgreementConfig(_Section):
         return 1e-3 if fp32 else 1e-2
 
 
+class AsyncConfig(_Section):
+    """Asynchronous RL (verl's `async_training`): rollout runs ahead of the update."""
+
+    staleness_threshold: int = Field(
+        0, ge=0, description="s: the rollout of iteration k samples with the weights after update k-1-s "
+        "(0 = the synchronous loop; 1 = one-step-off-policy: rollout k+1 runs while update k runs). The "
+        "schedule is a pure function of s, so resume stays exact; stale samples are corrected by "
+        "algorithm.rollout_correction.")
+
+    def weights_version(self, k: int) -> int:
+        """The update whose weights the rollout of iteration k samples with (0 = the start model)."""
+        return max(0, k - 1 - self.staleness_threshold)
+
+
 class TaskConfig(_Section):
     retries: int = Field(2, ge=0, description="Prefect retries of each stage task (stages are idempotent).")
     retry_delay_seconds: float = Field(0.0, ge=0, description="Delay between retries.")
@@ -156,6 +170,7 @@ class RunConfig(_Section):
     actor: TrainerConfig = Field(default_factory=TrainerConfig, description="Policy update (DeepSpeed).")
     critic: CriticConfig | None = Field(None, description="Value model for PPO/GAE; None = no critic.")
     trainer: LoopConfig = Field(default_factory=LoopConfig, description="The iteration loop.")
+    async_training: AsyncConfig = Field(default_factory=AsyncConfig, description="Rollout ahead of the update.")
     agreement: AgreementConfig = Field(default_factory=AgreementConfig,
                                        description="Trainer/rollout log-prob agreement probe.")
     tasks: TaskConfig = Field(default_factory=TaskConfig, description="Prefect task settings.")
@@ -213,6 +228,13 @@ class RunConfig(_Section):
         if self.algorithm.filter_groups.enable and self.algorithm.needs_reward_baselines:
             raise ValueError("algorithm.filter_groups (DAPO refill) with adv_estimator=remax is not supported: the "
                              "greedy baselines cover the first round's prompts only; drop one of the two")
+        stale = self.async_training.staleness_threshold > 0
+        if (stale or self.algorithm.rollout_correction.enabled) and not self.actor.recompute_old_logprobs:
+            raise ValueError("async_training.staleness_threshold > 0 and algorithm.rollout_correction need the "
+                             "trainer's own old log-probs: set actor.recompute_old_logprobs=true")
+        if stale and self.algorithm.needs_reward_baselines:
+            raise ValueError("adv_estimator=remax scores greedy baselines with the rollout engine's current weights, "
+                             "which async_training makes stale: use another estimator or staleness_threshold=0")
         if self.actor.pipeline_parallel_size > 1:
             raise ValueError("actor.pipeline_parallel_size > 1 is not wired into runs yet: the pipeline trainer "
                              "runs on its own (`python -m gpu_jobs.train`, README 'More than one rank'); "

@@ -28,12 +28,13 @@ class Engines:
         self.critic: Any = None
         self.rollout: Any = None
         self.version = 0
+        self.rollout_version = 0  # the update whose weights the rollout engine holds
         # Metrics of updates applied in this process, kept until their stage commits: a retry
         # after a failed commit must not train twice (see iteration.update).
         self.update_metrics: dict[int, dict] = {}
 
     def __repr__(self) -> str:
-        return f"Engines({self.model_path!r} at weights version {self.version})"
+        return f"Engines({self.model_path!r}: trainer at update {self.version}, rollout at {self.rollout_version})"
 
     @classmethod
     def load(cls, run: Run, *, trainer: bool = True, rollout: bool = True) -> "Engines":
@@ -50,6 +51,7 @@ class Engines:
         cfg = run.cfg
         self.rollout = get_rollout_engine(cfg.rollout.engine, self.model_path, cfg.rollout.engine_options,
                                           storage=cfg.storage)
+        self.rollout_version = 0
 
     def load_trainers(self, run: Run) -> None:
         """The policy trainer, and the reference model and critic when the algorithm needs them,
@@ -68,6 +70,24 @@ class Engines:
     def sync_rollout(self) -> None:
         """Hand the trainer's full weights to the rollout engine, in memory."""
         self.rollout.update_weights(self.trainer.gathered_state_dict())
+        self.rollout_version = self.version
+
+    def put_rollout_at(self, run: Run, version: int) -> None:
+        """Make the rollout engine hold the weights after update `version`: in memory from the
+        trainer when it holds exactly those, else from storage (the policy folder the update
+        published, or the start model). Callers make sure no update runs meanwhile."""
+        if self.rollout_version == version:
+            return
+        if self.trainer is not None and self.version == version:
+            self.sync_rollout()
+            return
+        source = self.model_path if version == 0 else run.layout.policy(version)
+        try:
+            self.rollout.update_weights(source)
+        except FileNotFoundError as e:
+            raise RuntimeError(f"the rollout needs the weights after update {version}, but {source} holds none "
+                               f"({e}); they are published by the update of iteration {version}") from e
+        self.rollout_version = version
 
     def close(self) -> None:
         self.trainer = self.ref = self.critic = self.rollout = None

@@ -50,7 +50,12 @@ def optional_stages(cfg: Any) -> dict[str, bool]:
 
 def run_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
     """rollout -> gate -> {reward, log-probs, values} -> advantages -> update -> weight sync ->
-    commit. Returns every stage's manifest URI (None for stages the algorithm does not need)."""
+    commit. Returns every stage's manifest URI (None for stages the algorithm does not need).
+
+    With async_training.staleness_threshold = s > 0 the rollout runs ahead: iteration k's own
+    rollout was made during iteration k-s (with the weights after update k-1-s), and iteration k
+    starts the rollout of k+s with the weights after update k-1, concurrently with update k.
+    """
     need = optional_stages(cfg)
     rollout = calls("rollout", k)
     baseline = calls("baseline", k, rollout) if need["baseline"] else None  # ReMax only
@@ -60,9 +65,31 @@ def run_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
     reward = calls("reward", k, batch)
     logprobs, values = (pending[n]() if n in pending else None for n in ("logprobs", "values"))
     advantages = calls("advantages", k, batch, reward, logprobs, values, baseline)
-    update = calls("update", k, advantages)
-    sync_s = calls("weight-sync", k)
+    if cfg.async_training.staleness_threshold == 0:
+        update = calls("update", k, advantages)
+        sync_s = calls("weight-sync", k)
+    else:
+        update, sync_s = _update_with_rollout_ahead(calls, cfg, k, advantages)
     uris = {"rollout": rollout, "baseline": baseline, "gate": batch, "reward": reward, "logprobs": logprobs,
             "values": values, "advantages": advantages, "update": update}
     uris["commit"] = calls("commit", k, uris, {"timing_s/weight_sync": sync_s})
     return uris
+
+
+def _update_with_rollout_ahead(calls: StageCalls, cfg: Any, k: int, advantages: str) -> tuple[str, float]:
+    """Update k while the rollout of k+s samples with the weights after update k-1.
+
+    Rollouts k+1 .. k+s-1 use older weights and were made by earlier iterations (after a resume
+    they are made here first, one by one, from published weights). The engine then takes the
+    trainer's weights (still those after update k-1) before anything runs concurrently, so the
+    rollout started next never races the update for them.
+    """
+    s, last = cfg.async_training.staleness_threshold, cfg.trainer.total_iterations
+    for j in range(k + 1, min(k + s, last + 1)):
+        calls("rollout", j)
+    sync_s = calls("weight-sync", k)
+    ahead = calls.start("rollout", k + s) if k + s <= last else None
+    update = calls("update", k, advantages)
+    if ahead is not None:
+        ahead()
+    return update, sync_s

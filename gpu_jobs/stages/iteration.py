@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from gpu_jobs.stages.engines import Engines
-from gpu_jobs.stages.run import Run
+from gpu_jobs.stages.run import Run, exists
 from gpu_jobs.stages.samples import FLOAT_LIST, join_by_uid, sample_table
 from gpu_jobs.stages.scoring import greedy_evaluate, reward_rows
 from gpu_jobs.stages.shell import Output, read, stage
@@ -33,15 +33,20 @@ def sampling_seed(seed: int, k: int) -> int:
     return (seed * 1_000_003 + k * 7919) % (2**31 - 1)
 
 
-def _policy_ref(run: Run, k: int) -> str:
-    """The committed thing the iteration-k policy came from: update k-1, or the start model."""
-    return (committed(run.layout.stage(k - 1, "update"), run.storage) if k > 1 else None) or run.model_path
+def _policy_ref(run: Run, version: int) -> str:
+    """The committed thing the weights after update `version` came from: that update's manifest,
+    or the start model."""
+    return (committed(run.layout.stage(version, "update"), run.storage) if version > 0 else None) or run.model_path
 
 
 # -------------------------------------------------------------------------------- rollout
 @stage("rollout")
 def rollout(run: Run, engines: Engines, k: int) -> Output:
+    """Iteration k's samples, drawn with the weights the async schedule names for k (the
+    previous update's in the synchronous loop); the manifest records that version."""
     cfg = run.cfg
+    version = cfg.async_training.weights_version(k)
+    engines.put_rollout_at(run, version)
     t0 = time.perf_counter()
     if cfg.algorithm.filter_groups.enable:
         table, metrics = _refilled_rollout(run, engines, k)
@@ -56,8 +61,9 @@ def rollout(run: Run, engines: Engines, k: int) -> Output:
         "response_length/clip_ratio": float(np.mean(np.asarray(table.column("finish_reason").to_pylist()) == "length")),
         "perf/gen_tokens_per_s": float(lens.sum() / max(metrics["timing_s/gen"], 1e-9)),
         "data/epoch": run.sampler.epoch(k - 1),
+        "async/weights_version": version,
     })
-    return Output(table, metrics, [_policy_ref(run, k)])
+    return Output(table, metrics, [_policy_ref(run, version)])
 
 
 def _refilled_rollout(run: Run, engines: Engines, k: int) -> tuple[pa.Table, dict]:
@@ -220,7 +226,10 @@ def _agreement(run: Run, engines: Engines, k: int, table: pa.Table) -> dict[str,
         probe = table.take(pa.array(probe_rows(len(table), cfg.agreement.rows), pa.int64()))
         trainer_lp = engines.trainer.compute_log_probs(probe)
     metrics = rows_agreement(probe.column("rollout_logprobs").to_pylist(), trainer_lp)
-    check_agreement(metrics, cfg.agreement.threshold(cfg.rollout, cfg.actor), f"the update of iteration {k}")
+    # A stale batch (async) was sampled with older weights than the trainer's: the gap is then
+    # policy drift plus any mismatch, reported but not a fault; the limit applies on-policy.
+    if cfg.async_training.weights_version(k) == k - 1:
+        check_agreement(metrics, cfg.agreement.threshold(cfg.rollout, cfg.actor), f"the update of iteration {k}")
     metrics["timing_s/agreement"] = time.perf_counter() - t0
     return metrics
 
@@ -267,20 +276,35 @@ def update(run: Run, engines: Engines, k: int, adv_uri: str) -> Output:
             raise RuntimeError(f"trainer holds update {engines.version}, cannot apply update {k}: restore first")
         table = read(run, adv_uri)
         probe = _agreement(run, engines, k, table)
-        metrics = {**train_on(run, engines, k, table), **probe}
+        staleness = float(k - 1 - run.cfg.async_training.weights_version(k))
+        metrics = {**train_on(run, engines, k, table), **probe,
+                   "async/staleness_mean": staleness, "async/staleness_max": staleness}
         engines.update_metrics[k] = metrics
     if _checkpoint_due(run, k) and (run.layout.latest_checkpoint() or 0) < k:
         t0 = time.perf_counter()
         save_checkpoint(run, engines, k, metrics)
         metrics = {**metrics, "timing_s/save_checkpoint": time.perf_counter() - t0}
+    elif run.cfg.async_training.staleness_threshold > 0:
+        # Stale rollouts sample with older weights than the trainer's: publish every version, so
+        # a resumed run (or a rollout on another pool) loads exactly the weights the schedule names.
+        t0 = time.perf_counter()
+        _publish_policy(run, engines, k)
+        metrics = {**metrics, "timing_s/publish_weights": time.perf_counter() - t0}
     return Output(pa.table({"iteration": [k]}), metrics, [adv_uri])
+
+
+def _publish_policy(run: Run, engines: Engines, k: int) -> None:
+    from storage import INDEX_NAME
+
+    if not exists(join(run.layout.policy(k), INDEX_NAME), run.storage):  # a retry after publishing
+        engines.trainer.save_hf(run.layout.policy(k))
 
 
 def sync_weights(run: Run, engines: Engines, k: int) -> float:
     """Hand the trainer's full weights to the rollout engine in memory (nothing to commit: a
     retried or resumed run derives them from storage); returns seconds."""
     t0 = time.perf_counter()
-    engines.sync_rollout()
+    engines.put_rollout_at(run, engines.version)
     return time.perf_counter() - t0
 
 
@@ -304,6 +328,7 @@ def commit(run: Run, engines: Engines, k: int, stage_uris: dict[str, str | None]
 @stage("validate", timer="timing_s/validate")
 def validate(run: Run, engines: Engines, k: int) -> Output:
     """Greedy decoding of the held-out set with the weights after update k; val/acc = mean score."""
+    engines.put_rollout_at(run, engines.version)
     prompts, ids = run.prompts(run.val, list(range(len(run.val))), None)
     table, metrics = greedy_evaluate(engines.rollout, run.tokenizer, prompts, ids, run.cfg.reward,
                                      run.cfg.rollout.max_response_length, iteration=k, tag="val")

@@ -48,8 +48,8 @@ def restore(run: Run, engines: Engines) -> int:
     for k in range(engines.version + 1, last + 1):
         log.info("replaying committed update of iteration %d", k)
         replay_update(run, engines, k)
-    if engines.version > 0 and engines.rollout is not None:
-        engines.sync_rollout()
+    if engines.rollout is not None:
+        engines.put_rollout_at(run, engines.version)
     return engines.version
 
 
@@ -93,8 +93,7 @@ def _load_checkpoint(run: Run, engines: Engines, newest: int) -> None:
 def load_policy_into_rollout(run: Run, engines: Engines, k: int) -> None:
     """Remote placement: the rollout engine takes the weights checkpointed after update k.
     (The update stage that consumes its samples checks them against its trainer.)"""
-    if k > 0:
-        engines.rollout.update_weights(run.layout.policy(k))
+    engines.put_rollout_at(run, k)
     engines.version = k
 
 

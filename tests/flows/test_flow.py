@@ -119,3 +119,26 @@ def test_a_second_live_process_on_the_same_run_is_refused(prefect_api, tmp_path,
     with RunLock(str(root), "busy"):
         with pytest.raises(Exception, match="already being trained"):
             rl_training(config=str(example_path), overrides=tiny(str(root), "run_id=busy"), iterations=1)
+
+
+async def _task_runs_of(flow_run_name: str) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    async with get_client() as client:
+        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name])))
+        tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [r.id for r in runs]}))
+    return [t.name for t in tasks]
+
+
+def test_one_step_off_async_run_through_the_flow(prefect_api, tmp_path, example_path, tiny):
+    """Iteration k's flow run holds the rollout of k+1, named with the weights it sampled with."""
+    from flows.training import rl_training
+
+    extra = ("run_id=async-flow", "async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true",
+             "algorithm.rollout_correction.rollout_is=token")
+    summary = rl_training(config=str(example_path), overrides=tiny(str(tmp_path / "r"), *extra), iterations=3)
+    assert summary["iterations"] == 3
+    names = _read(_task_runs_of("iter-0002"))
+    assert "rollout-3 (weights of update 1)" in names, names
+    assert any(n.startswith("update") for n in names)

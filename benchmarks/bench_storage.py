@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from storage import join, load_state_dict, read_table, save_checkpoint, url_to_fs, write_table
-from storage.testing import MotoServer
+from tests.servers import MotoServer
 
 
 def rollout_table(rows: int, tokens: int, seed: int = 0) -> pa.Table:

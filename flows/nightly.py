@@ -5,16 +5,19 @@ promote the new one only if it is not worse.
     prefect deployment run 'rl-nightly/nightly'          # what the 02:00 schedule triggers
     python -m flows.nightly --config examples/grpo_arith.yaml --model-name arith root=/tmp/rl
 
-One night, as Prefect tasks and one `rl-training` subflow:
-  1. list verl-format Parquet files under `new_data_prefix` (default <root>/incoming/<model>/)
-     that the last successful night did not process; none -> a "nothing to do" artifact, done;
-  2. validate them (great-expectations, storage.quality.validate_prompts);
-  3. rl_training starting from the promoted version (models/<name>/CURRENT) or, before the
+One night, as Prefect tasks and one `rl-training` subflow (each step is one plain function):
+  1. new data: verl-format Parquet files under `new_data_prefix` (default <root>/incoming/<model>/)
+     that the last successful night did not process (storage.incoming); none -> a "nothing to do"
+     artifact, done;
+  2. the gate: validate them (great-expectations, storage.quality.validate_prompts);
+  3. train: rl_training starting from the promoted version (models/<name>/CURRENT) or, before the
      first promotion, from the config's model; run id nightly-<YYYYMMDD>;
-  4. greedy decoding of both models on the held-out set, scored by the run's reward;
-  5. promote (copy the HF folder to models/<name>/versions/<run id>, index last, then CURRENT)
-     if new - promoted >= min_gain; a markdown artifact shows the decision and both scores;
-  6. write models/<name>/nightly_state.json (only on success): which files are done.
+  4. evaluate: greedy decoding of both models on the fixed held-out set, scored by the run's reward;
+  5. decide: promote if new - promoted >= min_gain;
+  6. promote: copy the HF folder to models/<name>/versions/<run id> through storage's commit
+     primitive (every file verified, index last, create-only), then point CURRENT at it;
+     a markdown artifact shows the decision and both scores;
+  7. record: write models/<name>/nightly_state.json (only on success): which files are done.
 
 A night that fails leaves the state untouched, so the next night sees the same files again and,
 on the same date, resumes the same run id from its committed stages.
@@ -34,84 +37,38 @@ from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.config import load_run_config
 from flows.reporting import artifact_key
-from storage import ModelLayout, RunLayout, join, read_pointer, url_to_fs, write_pointer
+from storage import ModelLayout, RunLayout, copy_checkpoint, join, url_to_fs
+from storage.incoming import NewFile, list_new_files, pick_run_id, read_state, record_success, state_url
 
 if TYPE_CHECKING:
     from flows.config import RunConfig
 
 log = logging.getLogger("rlmill")
 
-STATE_NAME = "nightly_state.json"
-HISTORY_KEPT = 60  # nights remembered in the state file (the artifacts keep the rest)
+
+# ------------------------------------------------------------------------------------ the gate
+def gate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: str) -> list[str]:
+    """Validate the new prompts; returns the files to train on (a clean copy when rows were
+    quarantined). A failed gate in 'raise' mode fails the night and leaves the state as it was."""
+    from gpu_jobs.models import load_tokenizer, resolve_model_path
+    from storage.datasets import read_prompts, write_prompts
+    from storage.quality import validate_prompts
+
+    df = read_prompts(files, storage=cfg.storage)
+    gate = cfg.gate.model_copy(update={"max_prompt_length": cfg.gate.max_prompt_length or cfg.data.max_prompt_length})
+    tok = load_tokenizer(resolve_model_path(model, cfg.storage, cfg.model.seed))
+    result = validate_prompts(df, gate, join(out_dir, "_QUALITY.json"), tokenizer=tok,
+                              quarantine_url=join(out_dir, "quarantine.parquet"), storage=cfg.storage)
+    _logger().info("new data: %d rows in %d file(s), %d quarantined", result.n_rows, len(files),
+                   result.n_quarantined)
+    if not result.n_quarantined:
+        return list(files)
+    if len(result.clean) == 0:
+        raise ValueError(f"every new row failed the data-quality gate; see {result.report_url}")
+    return [write_prompts(result.clean.to_dict("records"), join(out_dir, "clean.parquet"), storage=cfg.storage)]
 
 
-# ------------------------------------------------------------------------------------ state
-def state_url(models: ModelLayout) -> str:
-    return join(models.root, STATE_NAME)
-
-
-def read_state(url: str, storage=None) -> dict[str, Any]:
-    """The state file, or an empty state before the first successful night."""
-    text = read_pointer(url, storage)
-    state = json.loads(text) if text else {}
-    state.setdefault("processed", {})
-    state.setdefault("history", [])
-    return state
-
-
-def write_state(url: str, state: dict[str, Any], storage=None) -> None:
-    """Atomically replace the state (os.replace locally, one PUT on S3)."""
-    state = {**state, "history": state["history"][-HISTORY_KEPT:]}
-    write_pointer(url, json.dumps(state, indent=1, sort_keys=True), storage)
-
-
-# ------------------------------------------------------------------------------------ new data
-@dataclass(frozen=True)
-class NewFile:
-    url: str
-    rel: str  # path under the prefix: the key in state["processed"]
-    size: int
-
-
-def list_new_files(prefix: str, processed: dict[str, int], storage=None) -> list[NewFile]:
-    """Parquet files under `prefix` that are not in `processed` (or whose size changed), by path.
-
-    Files are matched by name, not by modification time: object-store clocks and local clocks
-    disagree, and a file re-uploaded under the same name with new content is new again.
-    Hidden names ('.x', '_x') are skipped: write_prompts stages '.name.tmp-*' files.
-    """
-    fs, root = url_to_fs(prefix, storage)
-    if not fs.exists(root):
-        return []
-    root = root.rstrip("/")
-    out = []
-    for path, info in sorted(fs.find(root, detail=True).items()):
-        rel = path[len(root):].lstrip("/")
-        if not rel.endswith(".parquet") or any(p.startswith((".", "_")) for p in rel.split("/")):
-            continue
-        size = int(info.get("size") or 0)
-        if processed.get(rel) != size:
-            out.append(NewFile(join(prefix, rel), rel, size))
-    return out
-
-
-def pick_run_id(night: str, state: dict[str, Any], train_files: list[str], root: str, storage=None) -> str:
-    """nightly-<night>, or -2, -3 ... when that id already finished or trained on other files.
-
-    A run that failed on this date with the same files keeps its id, so it resumes.
-    """
-    done = {h.get("run_id") for h in state["history"]}
-    for n in range(1, 100):
-        run_id = f"nightly-{night}" + (f"-{n}" if n > 1 else "")
-        if run_id in done:
-            continue
-        frozen = RunLayout(root, run_id, storage).read_run_json()
-        if frozen is None or frozen["config"]["data"]["train_files"] == train_files:
-            return run_id
-    raise RuntimeError(f"more than 99 nightly runs on {night}: clean up {root}/runs/nightly-{night}*")
-
-
-# ------------------------------------------------------------------------------------ evaluation
+# ------------------------------------------------------------------------------------ held-out set
 def ensure_heldout(cfg: "RunConfig", models: ModelLayout, size: int, heldout_files: list[str] | None) -> list[str]:
     """The fixed held-out set: `heldout_files`, else the config's data.val_files, else the
     config's built-in generator's test split, written once under models/<name>/heldout/."""
@@ -131,20 +88,31 @@ def ensure_heldout(cfg: "RunConfig", models: ModelLayout, size: int, heldout_fil
     return [test_url]
 
 
+# ------------------------------------------------------------------------------------ training
+def train_night(config: str | None, overrides: list[str], *, base: str, train_files: list[str],
+                heldout: list[str], run_id: str, iterations: int) -> dict[str, Any]:
+    """The `rl-training` subflow on tonight's files, from `base`; returns its summary."""
+    from flows.training import rl_training
+
+    return rl_training(config=config, overrides=[
+        *overrides, f"model.path={json.dumps(base)}", f"data.train_files={json.dumps(train_files)}",
+        f"data.val_files={json.dumps(heldout)}", f"run_id={run_id}", f"trainer.total_iterations={iterations}"])
+
+
+# ------------------------------------------------------------------------------------ evaluation
 def evaluate_model(model: str, heldout_files: list[str], eval_size: int, cfg: "RunConfig") -> dict[str, float]:
     """Greedy decoding of `model` (alias, folder or storage URL) on the first `eval_size`
     held-out rows, scored by the run's reward. Returns mean reward, exact match and n."""
     import gc
 
+    from gpu_jobs.models import load_tokenizer, resolve_model_path
     from gpu_jobs.reward import score_batch
     from gpu_jobs.rollout import get_rollout_engine
-    from gpu_jobs.stages.context import resolve_model
     from gpu_jobs.stages.samples import ground_truth_of
-    from gpu_jobs.models import load_tokenizer
     from storage.datasets import read_prompts, render_many
 
     rows = read_prompts(heldout_files, storage=cfg.storage).iloc[:eval_size]
-    path = resolve_model(model, cfg.model.seed, cfg.storage)
+    path = resolve_model_path(model, cfg.storage, cfg.model.seed)
     tok = load_tokenizer(path)
     engine = get_rollout_engine(cfg.rollout.engine, path, cfg.rollout.engine_options)
     try:
@@ -163,6 +131,7 @@ def evaluate_model(model: str, heldout_files: list[str], eval_size: int, cfg: "R
             "n": n}
 
 
+# ------------------------------------------------------------------------------------ decision
 @dataclass(frozen=True)
 class Decision:
     promote: bool
@@ -187,34 +156,13 @@ def decide(new_score: float, current_score: float, min_gain: float = 0.0) -> Dec
 
 
 # ------------------------------------------------------------------------------------ promotion
-def copy_checkpoint(src_url: str, dest_url: str, storage=None) -> str:
-    """Copy a committed HF folder to `dest_url`, writing model.safetensors.index.json last and
-    create-only: the version is either absent or complete. A retry after a crash re-copies the
-    files and commits; an already committed destination is left as it is."""
-    from storage import INDEX_NAME, ObjectExistsError, read_index, write_once
-
-    fs, src = url_to_fs(src_url, storage)
-    dfs, dst = url_to_fs(dest_url, storage)
-    if dfs.exists(f"{dst.rstrip('/')}/{INDEX_NAME}"):
-        return dest_url
-    read_index(src_url, storage)  # raises NotCommittedError for a half-written source
-    src = src.rstrip("/")
-    for path in sorted(fs.find(src)):
-        rel = path[len(src):].lstrip("/")
-        if rel == INDEX_NAME:
-            continue
-        target = f"{dst.rstrip('/')}/{rel}"
-        dfs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-        if fs is dfs:
-            fs.cp_file(path, target)
-        else:
-            dfs.pipe_file(target, fs.cat_file(path))
-    try:
-        write_once(join(dest_url, INDEX_NAME), fs.cat_file(f"{src}/{INDEX_NAME}"), storage)
-    except ObjectExistsError:  # another try committed it meanwhile: same bytes
-        pass
-    read_index(dest_url, storage)
-    return dest_url
+def promote_version(src_url: str, models: ModelLayout, version: str) -> str:
+    """Publish the checkpoint at `src_url` as models/<name>/versions/<version> (storage's commit
+    primitive: every file verified, index last, create-only), then point CURRENT at it.
+    Safe to retry: a version already committed is not copied again."""
+    dest = copy_checkpoint(src_url, models.version(version), models.storage)
+    models.promote(version)
+    return dest
 
 
 # ------------------------------------------------------------------------------------ artifacts
@@ -264,7 +212,7 @@ def _logger():
         return log
 
 
-# Each stage is idempotent on its own (files are compared by name, the copy commits create-only),
+# Each step is idempotent on its own (files are compared by name, the copy commits create-only),
 # so no Prefect result cache is needed: NO_CACHE also avoids hashing the config on every call.
 @task(name="find-new-data", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def find_new_data(prefix: str, state_file: str, cfg: "RunConfig") -> list[NewFile]:
@@ -273,25 +221,7 @@ def find_new_data(prefix: str, state_file: str, cfg: "RunConfig") -> list[NewFil
 
 @task(name="validate-new-data", cache_policy=NO_CACHE)
 def validate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: str) -> list[str]:
-    """Gate the new prompts; returns the files to train on (a clean copy when rows were
-    quarantined). A failed gate in 'raise' mode fails the night and leaves the state as it was."""
-    from gpu_jobs.models import load_tokenizer
-    from gpu_jobs.stages.context import resolve_model
-    from storage.datasets import read_prompts, write_prompts
-    from storage.quality import validate_prompts
-
-    df = read_prompts(files, storage=cfg.storage)
-    gate = cfg.gate.model_copy(update={"max_prompt_length": cfg.gate.max_prompt_length or cfg.data.max_prompt_length})
-    tok = load_tokenizer(resolve_model(model, cfg.model.seed, cfg.storage))
-    result = validate_prompts(df, gate, join(out_dir, "_QUALITY.json"), tokenizer=tok,
-                              quarantine_url=join(out_dir, "quarantine.parquet"), storage=cfg.storage)
-    _logger().info("new data: %d rows in %d file(s), %d quarantined", result.n_rows, len(files),
-                   result.n_quarantined)
-    if not result.n_quarantined:
-        return list(files)
-    if len(result.clean) == 0:
-        raise ValueError(f"every new row failed the data-quality gate; see {result.report_url}")
-    return [write_prompts(result.clean.to_dict("records"), join(out_dir, "clean.parquet"), storage=cfg.storage)]
+    return gate_new_data(files, cfg, model, out_dir)
 
 
 @task(name="evaluate", retries=1, cache_policy=NO_CACHE)
@@ -301,9 +231,7 @@ def evaluate(model: str, heldout_files: list[str], eval_size: int, cfg: "RunConf
 
 @task(name="promote", retries=2, cache_policy=NO_CACHE)
 def promote(src_url: str, models: ModelLayout, version: str) -> str:
-    dest = copy_checkpoint(src_url, models.version(version), models.storage)
-    models.promote(version)
-    return dest
+    return promote_version(src_url, models, version)
 
 
 # ------------------------------------------------------------------------------------ the flow
@@ -333,25 +261,21 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
     night = str(night or _today())  # `-p night=20260101` on the CLI arrives as an int
     logger = get_run_logger()
     with tags("rlmill", "nightly", f"model:{model_name}"):
+        # 1. new data
         new = find_new_data(prefix, state_file, cfg)
         if not new:
             logger.info("no new data under %s: nothing to do", prefix)
             _markdown_artifact(model_name, nothing_markdown(model_name, night, prefix, state), "nothing to do")
             return {"status": "nothing to do", "model": model_name, "prefix": prefix}
-
-        base_version = models.current_version()
-        base = models.current_url() or cfg.model.path
+        base_version, base = models.current_version(), models.current_url() or cfg.model.path
         run_id = pick_run_id(night, state, [f.url for f in new], cfg.root, cfg.storage)
         logger.info("%d new file(s); run %s starts from %s", len(new), run_id, base)
+        # 2. the gate, 3. training
         train_files = validate_new_data([f.url for f in new], cfg, base, join(models.root, "nightly", run_id))
         heldout = ensure_heldout(cfg, models, max(eval_size, cfg.data.val_size), heldout_files)
-
-        from flows.training import rl_training
-
-        run = rl_training(config=config, overrides=[
-            *overrides, f"model.path={json.dumps(base)}", f"data.train_files={json.dumps(train_files)}",
-            f"data.val_files={json.dumps(heldout)}", f"run_id={run_id}", f"trainer.total_iterations={iterations}"])
-
+        run = train_night(config, overrides, base=base, train_files=train_files, heldout=heldout,
+                          run_id=run_id, iterations=iterations)
+        # 4. evaluation, 5. decision, 6. promotion
         new_url = RunLayout(cfg.root, run_id, cfg.storage).policy(iterations)
         new_eval = evaluate.with_options(task_run_name="evaluate-new")(new_url, heldout, eval_size, cfg)
         cur_eval = evaluate.with_options(task_run_name="evaluate-promoted")(base, heldout, eval_size, cfg)
@@ -361,27 +285,16 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
             promote(new_url, models, run_id)
             promoted_to = run_id
         logger.info("decision: %s (%s)", "promote" if decision.promote else "refuse", decision.reason)
-
         _markdown_artifact(model_name, decision_markdown(model_name, night, run_id, decision, new_eval, cur_eval,
                                                          new_url, base, base_version, new, promoted_to),
                            f"Nightly {night}: {'promoted' if decision.promote else 'refused'}")
+        # 7. record
         record = {"night": night, "run_id": run_id, "files": [f.rel for f in new], "new": new_eval,
                   "promoted_before": cur_eval, "base": base, "decision": "promote" if decision.promote else "refuse",
                   "reason": decision.reason, "promoted_version": promoted_to}
         record_success(state_file, state, new, record, cfg.storage)
         return {"status": "promoted" if decision.promote else "refused", "model": model_name, **record,
                 "run": {k: run[k] for k in ("val/acc before", "val/acc after") if k in run}}
-
-
-def record_success(state_file: str, state: dict[str, Any], new: list[NewFile], record: dict[str, Any],
-                   storage=None) -> None:
-    """The night's last step: its files count as processed from now on, whatever the decision
-    (retraining on them tomorrow would repeat tonight's run)."""
-    record["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat()
-    state["processed"].update({f.rel: f.size for f in new})
-    state["history"].append(record)
-    state["last_success"] = {"night": record["night"], "run_id": record["run_id"], "finished_at": record["finished_at"]}
-    write_state(state_file, state, storage)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,11 +1,19 @@
-"""rlmill storage: one URL -> filesystem entry point, run layout, sharded Parquet tables
-committed by a manifest, and safetensors checkpoints as HF folders.
+"""rlmill storage: one URL -> filesystem entry point, run layout, one commit primitive (files,
+then a create-only manifest with each file's size and sha256) and one verifier, and on top of
+them sharded Parquet tables and safetensors checkpoints as HF folders.
 
 `import storage` stays light: torch, safetensors and transformers load only inside the
 checkpoint functions, s3fs only when an s3:// URL is used.
 """
 
-from .checkpoints import INDEX_NAME, download_checkpoint, load_state_dict, read_index, save_checkpoint
+from .checkpoints import (
+    INDEX_NAME,
+    copy_checkpoint,
+    download_checkpoint,
+    load_state_dict,
+    read_index,
+    save_checkpoint,
+)
 from .config import StorageConfig
 from .errors import (
     BucketNotFoundError,
@@ -20,16 +28,19 @@ from .errors import (
 )
 from .fs import join, read_pointer, redact_url, url_to_fs, write_once, write_pointer
 from .layout import ModelLayout, RunLayout, check_name
-from .tables import (
+from .manifest import (
     MANIFEST_NAME,
     Manifest,
     ManifestFile,
+    commit,
     committed,
-    gc_uncommitted,
+    download_file,
+    read_file,
     read_manifest,
-    read_table,
-    write_table,
+    verify,
+    write_files,
 )
+from .tables import gc_uncommitted, read_table, write_table
 
 __all__ = [
     # URLs and configuration
@@ -44,14 +55,20 @@ __all__ = [
     "RunLayout",
     "ModelLayout",
     "check_name",
-    # tables
+    # the commit primitive and the verifier
     "MANIFEST_NAME",
     "Manifest",
     "ManifestFile",
+    "write_files",
+    "commit",
+    "committed",
+    "read_manifest",
+    "read_file",
+    "download_file",
+    "verify",
+    # tables
     "write_table",
     "read_table",
-    "read_manifest",
-    "committed",
     "gc_uncommitted",
     # checkpoints
     "INDEX_NAME",
@@ -59,6 +76,7 @@ __all__ = [
     "load_state_dict",
     "download_checkpoint",
     "read_index",
+    "copy_checkpoint",
     # errors
     "StorageError",
     "UnsupportedURLError",

@@ -1,14 +1,15 @@
 """safetensors checkpoints as Hugging Face folders, on any storage URL.
 
 A folder holds config.json, the tokenizer files, `model-0000k-of-0000N.safetensors` shards and
-`model.safetensors.index.json`, which is written LAST and create-only: it is the commit marker,
-and a folder without it is not a checkpoint. The index also records each shard's size and
-sha256 (under the extra key "rlmill"), which loads verify. torch is imported lazily.
+`model.safetensors.index.json`. The index is the folder's manifest (storage.manifest.commit,
+kind "checkpoint"): written LAST and create-only, it lists every file with its size and sha256
+beside HF's own `weight_map` and `metadata`, so `from_pretrained` and vLLM read it as an HF index
+and every rlmill read checks the files with the one verifier. A folder without it is not a
+checkpoint. torch is imported lazily.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
 import os
@@ -18,18 +19,29 @@ import uuid
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .config import StorageConfig
-from .errors import CorruptShardError, ManifestExistsError, NotCommittedError, ObjectExistsError
-from .fs import create_only, is_local, join, redact_url, url_to_fs
+from .errors import CorruptShardError
+from .fs import is_local, redact_url, url_to_fs
 from .layout import check_name
+from .manifest import (
+    Manifest,
+    commit,
+    copy_committed,
+    download_file,
+    ensure_uncommitted,
+    read_file,
+    read_manifest,
+    write_files,
+)
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["INDEX_NAME", "save_checkpoint", "load_state_dict", "download_checkpoint", "read_index"]
+__all__ = ["INDEX_NAME", "CHECKPOINT_KIND", "save_checkpoint", "load_state_dict", "download_checkpoint",
+           "read_index", "copy_checkpoint"]
 
 INDEX_NAME = "model.safetensors.index.json"
+CHECKPOINT_KIND = "checkpoint"
 _COMPLETE_MARKER = ".rlmill-complete"
-CHECKPOINT_FORMAT = "rlmill.checkpoint/1"
 
 
 def _prepare(state_dict: Mapping[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
@@ -96,99 +108,72 @@ def save_checkpoint(
     """Save an HF folder at `dest_url` and commit it by writing the index last; returns dest_url.
 
     Raises ManifestExistsError if a checkpoint is already committed there. Peak extra memory is
-    about one shard (shards are serialised and uploaded one at a time).
+    about one shard (shards are serialised and uploaded one at a time). HF fixes the file names,
+    so unlike a table's they are not fresh: two writers racing to one URL can overwrite each
+    other's shards; the index's create-only write picks one, and the verifier catches the rest.
     """
     import safetensors.torch
 
-    fs, root = url_to_fs(dest_url, storage)
-    index_path = join(root, INDEX_NAME)
-    if fs.exists(index_path):
-        raise ManifestExistsError(f"{redact_url(join(dest_url, INDEX_NAME))} exists: checkpoint already committed")
+    ensure_uncommitted(dest_url, "a checkpoint", storage, name=INDEX_NAME)
     small = {"config.json": _config_bytes(config), **_tokenizer_files(tokenizer)}
     for name, data in (extra_files or {}).items():
         for segment in name.split("/"):
             check_name(segment, "extra file name")
         small[name] = data
-    fs.pipe({join(root, name): data for name, data in small.items()})
+    files = write_files(dest_url, small, storage)
 
     tensors = _prepare(state_dict)
     groups = _plan_shards(tensors, shard_bytes)
-    weight_map, files = {}, {}
+    weight_map = {}
     for i, names in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         data = safetensors.torch.save({k: tensors[k] for k in names}, metadata={"format": "pt"})
-        fs.pipe_file(join(root, fname), data)
-        files[fname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        files += write_files(dest_url, {fname: data}, storage)
         weight_map.update({k: fname for k in names})
-    index = {
-        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-        "weight_map": weight_map,
-        "rlmill": {"format": CHECKPOINT_FORMAT, "files": files,
-                   "created_at": dt.datetime.now(dt.timezone.utc).isoformat()},
-    }
-    try:
-        create_only(fs, index_path, json.dumps(index, indent=1).encode(), url=join(dest_url, INDEX_NAME))
-    except ObjectExistsError:
-        raise ManifestExistsError(f"{redact_url(dest_url)} was committed by another writer first") from None
+    hf_index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                "weight_map": weight_map}
+    commit(dest_url, files, kind=CHECKPOINT_KIND, extra=hf_index, name=INDEX_NAME, storage=storage)
     return dest_url
 
 
-def read_index(src_url: str, storage: StorageConfig | None = None) -> dict[str, Any]:
-    """The checkpoint's index, checked for consistency; NotCommittedError if there is none."""
-    fs, root = url_to_fs(src_url, storage)
-    return _check_index(_read_index_bytes(fs, root, src_url), src_url)[0]
-
-
-def _read_index_bytes(fs: Any, root: str, src_url: str) -> bytes:
-    try:
-        return fs.cat_file(join(root, INDEX_NAME))
-    except FileNotFoundError:
-        raise NotCommittedError(
-            f"no {INDEX_NAME} at {redact_url(src_url)}: not a committed checkpoint"
-        ) from None
-
-
-def _check_index(data: bytes, src_url: str) -> tuple[dict[str, Any], list[str]]:
-    index = json.loads(data)
-    shards = sorted(set(index.get("weight_map", {}).values()))
-    listed = set(index.get("rlmill", {}).get("files", shards))
-    if not shards or set(shards) != listed:
-        raise CorruptShardError(f"{redact_url(src_url)}/{INDEX_NAME}: weight_map and file list disagree")
-    n = len(shards)
-    expected = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    if all(s.startswith("model-") for s in shards) and shards != expected:
-        raise CorruptShardError(f"{redact_url(src_url)}/{INDEX_NAME}: lists {shards}, expected {expected}")
-    return index, shards
-
-
-def _fetch_shard(fs: Any, root: str, src_url: str, fname: str, index: dict[str, Any]) -> bytes:
-    shown = f"{redact_url(src_url).rstrip('/')}/{fname}"
-    try:
-        data = fs.cat_file(join(root, fname))
-    except FileNotFoundError:
-        raise CorruptShardError(f"{shown}: listed by the index but missing") from None
-    expect = index.get("rlmill", {}).get("files", {}).get(fname)
-    if expect:
-        if len(data) != expect["size"]:
-            raise CorruptShardError(f"{shown}: size {len(data)} != {expect['size']} in the index (truncated?)")
-        if hashlib.sha256(data).hexdigest() != expect["sha256"]:
-            raise CorruptShardError(f"{shown}: sha256 does not match the index (corrupted)")
-    return data
+def read_index(src_url: str, storage: StorageConfig | None = None) -> Manifest:
+    """The checkpoint's index (its manifest; `extra["weight_map"]` is HF's), checked for
+    consistency; NotCommittedError if there is none."""
+    manifest = read_manifest(src_url, storage, name=INDEX_NAME, kind=CHECKPOINT_KIND)
+    shards = set(manifest.extra.get("weight_map", {}).values())
+    unlisted = sorted(shards - {f.path for f in manifest.files})
+    if not shards or unlisted:
+        raise CorruptShardError(f"{redact_url(manifest.uri)}: the weight_map's shards {sorted(shards)[:5]} "
+                                "are not all listed with their sha256 (edited or not written by rlmill)")
+    return manifest
 
 
 def load_state_dict(src_url: str, storage: StorageConfig | None = None) -> dict[str, "torch.Tensor"]:
     """Load a committed checkpoint's tensors, one shard in memory at a time, verified."""
     import safetensors.torch
 
-    fs, root = url_to_fs(src_url, storage)
-    index, shards = _check_index(_read_index_bytes(fs, root, src_url), src_url)
+    index = read_index(src_url, storage)
+    shards = set(index.extra["weight_map"].values())
     out: dict[str, torch.Tensor] = {}
-    for fname in shards:
-        out.update(safetensors.torch.load(_fetch_shard(fs, root, src_url, fname, index)))
-    missing = set(index["weight_map"]) - set(out)
+    for f in index.files:
+        if f.path in shards:
+            out.update(safetensors.torch.load(read_file(index, f, storage)))
+    missing = set(index.extra["weight_map"]) - set(out)
     if missing:
         raise CorruptShardError(f"{redact_url(src_url)}: tensors in the index but in no shard: {sorted(missing)[:5]}")
     return out
+
+
+def copy_checkpoint(src_url: str, dest_url: str, storage: StorageConfig | None = None) -> str:
+    """Copy a committed HF folder to `dest_url` (e.g. a promoted model version); returns dest_url.
+
+    Every file is verified against the source's index before the copy's index is committed
+    (create-only), so the version is either absent or complete and intact. A source without an
+    index raises NotCommittedError; an already committed destination is left as it is.
+    """
+    read_index(src_url, storage)  # a checkpoint, not another kind of commit
+    copy_committed(src_url, dest_url, storage, name=INDEX_NAME)
+    return dest_url
 
 
 def _cache_dir(src_url: str) -> str:
@@ -205,20 +190,13 @@ def _is_complete(local_dir: str, index_sha: str) -> bool:
         return False
 
 
-def _fetch_into(fs: Any, root: str, src_url: str, dest: str, index: dict[str, Any], index_bytes: bytes) -> None:
-    shards = set(index["weight_map"].values())
-    for full in fs.find(root):
-        rel = full[len(root):].lstrip("/")
-        if not rel or rel == INDEX_NAME or ".tmp-" in rel or rel == _COMPLETE_MARKER:
-            continue
-        data = _fetch_shard(fs, root, src_url, rel, index) if rel in shards else fs.cat_file(full)
-        os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
-        with open(os.path.join(dest, rel), "wb") as f:
-            f.write(data)
+def _fetch_into(index: Manifest, dest: str, storage: StorageConfig | None) -> None:
+    for f in index.files:  # each file verified as it lands
+        download_file(index, f, os.path.join(dest, *f.path.split("/")), storage)
     with open(os.path.join(dest, INDEX_NAME), "wb") as f:
-        f.write(index_bytes)
+        f.write(index.to_json())
     with open(os.path.join(dest, _COMPLETE_MARKER), "w") as f:
-        f.write(hashlib.sha256(index_bytes).hexdigest())
+        f.write(index.sha256)
 
 
 def download_checkpoint(src_url: str, local_dir: str | None = None, storage: StorageConfig | None = None) -> str:
@@ -228,32 +206,30 @@ def download_checkpoint(src_url: str, local_dir: str | None = None, storage: Sto
     Otherwise files go to `local_dir`, or to a cache folder keyed by the URL's hash
     ($RLMILL_CACHE_DIR or ~/.cache/rlmill), reused when a previous download completed.
     """
+    index = read_index(src_url, storage)
     fs, root = url_to_fs(src_url, storage)
-    index_bytes = _read_index_bytes(fs, root, src_url)
-    index, _ = _check_index(index_bytes, src_url)
     if local_dir is None and is_local(fs):
         return root
-    index_sha = hashlib.sha256(index_bytes).hexdigest()
     if local_dir is not None:
-        if not _is_complete(local_dir, index_sha):
+        if not _is_complete(local_dir, index.sha256):
             os.makedirs(local_dir, exist_ok=True)
-            _fetch_into(fs, root, src_url, local_dir, index, index_bytes)
+            _fetch_into(index, local_dir, storage)
         return local_dir
     final = _cache_dir(src_url)
-    if _is_complete(final, index_sha):
+    if _is_complete(final, index.sha256):
         return final
     # Download beside the final folder, then rename: a crash never leaves a half folder that
     # looks complete, and concurrent downloaders do not write into each other's files.
     tmp = f"{final}.tmp-{uuid.uuid4().hex}"
     os.makedirs(tmp)
     try:
-        _fetch_into(fs, root, src_url, tmp, index, index_bytes)
-        if os.path.isdir(final) and not _is_complete(final, index_sha):
+        _fetch_into(index, tmp, storage)
+        if os.path.isdir(final) and not _is_complete(final, index.sha256):
             shutil.rmtree(final, ignore_errors=True)
         try:
             os.rename(tmp, final)
         except OSError:
-            if not _is_complete(final, index_sha):  # lost a race to a complete copy: fine
+            if not _is_complete(final, index.sha256):  # lost a race to a complete copy: fine
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

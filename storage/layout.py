@@ -3,7 +3,7 @@
     runs/<run_id>/run.json                      frozen config, written once
     runs/<run_id>/iterations/<k>/<stage>/       _MANIFEST.json + part-*.parquet
     runs/<run_id>/checkpoints/<k>/policy/       HF folder (index.json written last)
-    runs/<run_id>/checkpoints/<k>/trainer/      optimizer/engine state
+    runs/<run_id>/checkpoints/<k>/trainer/      optimizer/engine state (_MANIFEST.json last)
     runs/<run_id>/checkpoints/LATEST            "<k>", written after the checkpoint
     models/<name>/versions/<v>/ , models/<name>/CURRENT
 
@@ -21,7 +21,11 @@ from .config import StorageConfig
 from .errors import InvalidNameError
 from .fs import join, read_pointer, url_to_fs, write_once, write_pointer
 
-__all__ = ["RunLayout", "ModelLayout", "check_name", "check_root"]
+__all__ = ["RunLayout", "ModelLayout", "check_name", "check_root", "DAMAGED_MARK"]
+
+# `rlmill verify --repair` copies a damaged stage folder to <stage>.damaged-<utc time>: a copy kept
+# for inspection, never a stage of the run.
+DAMAGED_MARK = ".damaged-"
 
 # Letters, digits, '.', '_', '-'; must start with a letter or digit (so no '.', '..', hidden
 # files or option-looking names) and is at most 128 characters.
@@ -111,6 +115,25 @@ class RunLayout:
     @property
     def latest(self) -> str:
         return join(self.root, "checkpoints", "LATEST")
+
+    def committed_stages(self) -> list[tuple[int, str, str]]:
+        """(k, stage, manifest URI) of every committed stage, in iteration order. A stage set aside
+        by `rlmill verify --repair` (<stage>.damaged-<time>) is not one. Costs one recursive
+        listing of iterations/ (every shard's name)."""
+        from .manifest import MANIFEST_NAME
+
+        base = join(self.root, "iterations")
+        fs, root = url_to_fs(base, self.storage)
+        if not fs.exists(root):
+            return []
+        out = []
+        root = root.rstrip("/")
+        for path in fs.find(root):
+            parts = path[len(root) + 1:].split("/")
+            if (len(parts) == 3 and parts[2] == MANIFEST_NAME and parts[0].isdigit()
+                    and DAMAGED_MARK not in parts[1]):
+                out.append((int(parts[0]), parts[1], join(base, *parts)))
+        return sorted(out)
 
     def write_run_json(self, config: dict[str, Any]) -> str:
         """Freeze the run's config; raises ObjectExistsError if run.json already exists."""

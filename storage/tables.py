@@ -1,106 +1,30 @@
 """Sharded Parquet tables committed by a manifest written last.
 
 A stage writes `part-<uuid>-<i>.parquet` shards under fresh names, then publishes them by
-creating `_MANIFEST.json` create-only. Readers read only what a manifest lists and check each
-file's size and sha256, so a half-written or second attempt is invisible until it commits.
+creating `_MANIFEST.json` create-only (storage.manifest.commit, kind "table", with the Arrow
+schema). Readers read only what a manifest lists and check each file's size and sha256 (the one
+verifier), so a half-written or second attempt is invisible until it commits.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import io
-import json
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import StorageConfig
-from .errors import CorruptShardError, ManifestExistsError, NotCommittedError, ObjectExistsError
-from .fs import create_only, join, redact_url, url_to_fs
+from .fs import join, url_to_fs
+from .manifest import MANIFEST_NAME, commit, ensure_uncommitted, read_files, read_manifest, write_files
 
-__all__ = [
-    "MANIFEST_NAME",
-    "Manifest",
-    "ManifestFile",
-    "write_table",
-    "read_table",
-    "read_manifest",
-    "committed",
-    "gc_uncommitted",
-]
+__all__ = ["TABLE_KIND", "write_table", "read_table", "gc_uncommitted"]
 
-MANIFEST_NAME = "_MANIFEST.json"
-MANIFEST_FORMAT = "rlmill.table/1"
+TABLE_KIND = "table"
 _TARGET_SHARD_BYTES = 128 << 20  # in-memory Arrow bytes per shard when rows_per_shard is None
-
-
-@dataclass(frozen=True)
-class ManifestFile:
-    """One shard: path relative to the manifest's folder, byte size, sha256 hex, row count."""
-
-    path: str
-    size: int
-    sha256: str
-    rows: int
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A committed table. `uri` is where it was read from (not stored in the file).
-
-    Example:
-        >>> import pyarrow as pa
-        >>> from storage import write_table, read_manifest
-        >>> uri = write_table("memory://rlmill-doc/m1", pa.table({"x": [1, 2]}), metrics={"n": 2})
-        >>> m = read_manifest(uri); (m.num_rows, m.metrics, len(m.files))
-        (2, {'n': 2}, 1)
-    """
-
-    files: list[ManifestFile]
-    schema_version: int
-    inputs: list[str]
-    metrics: dict[str, Any]
-    created_at: str
-    num_rows: int
-    arrow_schema: str
-    uri: str = ""
-    format: str = MANIFEST_FORMAT
-
-    @property
-    def sha256(self) -> str:
-        """Content hash of the manifest's listing (stable cache key for downstream stages)."""
-        body = json.dumps([asdict(f) for f in self.files], sort_keys=True).encode()
-        return hashlib.sha256(body).hexdigest()
-
-    def to_json(self) -> bytes:
-        body = asdict(self)
-        body.pop("uri")
-        return json.dumps(body, indent=1, sort_keys=True, default=_json_default).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, uri: str = "") -> "Manifest":
-        body = json.loads(data)
-        if body.get("format") != MANIFEST_FORMAT:
-            raise CorruptShardError(f"{uri} is not an rlmill table manifest (format {body.get('format')!r})")
-        body["files"] = [ManifestFile(**f) for f in body["files"]]
-        return cls(uri=uri, **body)
-
-
-def _json_default(x: Any) -> Any:
-    # Metrics often hold numpy scalars or tensors' .item(); store plain numbers.
-    if hasattr(x, "item"):
-        return x.item()
-    return str(x)
-
-
-def _manifest_uri(url: str) -> str:
-    url = url.rstrip("/")
-    return url if url.endswith(MANIFEST_NAME) else join(url, MANIFEST_NAME)
 
 
 def _shard_bytes(table: pa.Table) -> bytes:
@@ -129,10 +53,6 @@ def _slices(table: pa.Table, rows_per_shard: int | None) -> Iterable[pa.Table]:
         yield table.slice(start, rows_per_shard)
 
 
-def _manifest_exists(fs: Any, path: str) -> bool:
-    return fs.exists(path)
-
-
 def write_table(
     dest_url: str,
     table: pa.Table,
@@ -148,94 +68,24 @@ def write_table(
     Raises ManifestExistsError if `dest_url` already committed (the first commit stays intact;
     this attempt's shards become orphans for `gc_uncommitted`).
     """
-    fs, root = url_to_fs(dest_url, storage)
-    uri = _manifest_uri(dest_url)
-    manifest_path = join(root, MANIFEST_NAME)
-    if _manifest_exists(fs, manifest_path):  # early exit; the create-only write is the real guard
-        raise ManifestExistsError(f"{redact_url(uri)} already committed: the stage is done")
+    ensure_uncommitted(dest_url, "the stage", storage)  # early exit; commit's create-only write decides
     attempt = uuid.uuid4().hex
-    files, blobs = [], {}
+    blobs, rows = {}, {}
     for i, part in enumerate(_slices(table, rows_per_shard)):
-        data = _shard_bytes(part)
         name = f"part-{attempt}-{i:05d}.parquet"
-        blobs[join(root, name)] = data
-        files.append(ManifestFile(name, len(data), hashlib.sha256(data).hexdigest(), part.num_rows))
-    fs.pipe(blobs)  # concurrent PUTs on S3
-    manifest = Manifest(
-        files=files,
-        schema_version=schema_version,
-        inputs=[redact_url(str(u)) for u in inputs],
-        metrics=dict(metrics or {}),
-        created_at=dt.datetime.now(dt.timezone.utc).isoformat(),
-        num_rows=table.num_rows,
-        arrow_schema=str(table.schema),
-    )
-    try:
-        create_only(fs, manifest_path, manifest.to_json(), url=uri)
-    except ObjectExistsError:
-        raise ManifestExistsError(
-            f"{redact_url(uri)} was committed by another attempt first; it is left intact"
-        ) from None
-    return uri
-
-
-def read_manifest(uri: str, storage: StorageConfig | None = None) -> Manifest:
-    """Read a manifest given its URI or its folder; NotCommittedError if there is none."""
-    uri = _manifest_uri(uri)
-    fs, path = url_to_fs(uri, storage)
-    try:
-        data = fs.cat_file(path)
-    except FileNotFoundError:
-        raise NotCommittedError(f"no {MANIFEST_NAME} at {redact_url(uri)}: the stage has not committed") from None
-    return Manifest.from_json(data, uri=uri)
-
-
-def committed(dest_url: str, storage: StorageConfig | None = None) -> str | None:
-    """The manifest URI if `dest_url` has committed, else None."""
-    uri = _manifest_uri(dest_url)
-    fs, path = url_to_fs(uri, storage)
-    return uri if fs.exists(path) else None
-
-
-def _verified(name: str, data: bytes, f: ManifestFile) -> bytes:
-    if len(data) != f.size:
-        raise CorruptShardError(f"{name}: size {len(data)} != {f.size} listed in the manifest (truncated or replaced)")
-    if hashlib.sha256(data).hexdigest() != f.sha256:
-        raise CorruptShardError(f"{name}: sha256 does not match the manifest (corrupted)")
-    return data
+        blobs[name], rows[name] = _shard_bytes(part), part.num_rows
+    files = write_files(dest_url, blobs, storage, rows=rows)
+    return commit(dest_url, files, kind=TABLE_KIND, schema_version=schema_version, inputs=inputs,
+                  metrics=metrics, extra={"arrow_schema": str(table.schema)}, storage=storage)
 
 
 def read_table(
     manifest_uri_or_dir: str, columns: list[str] | None = None, storage: StorageConfig | None = None
 ) -> pa.Table:
     """Read the shards a manifest lists, verifying each one's size and sha256."""
-    manifest = read_manifest(manifest_uri_or_dir, storage)
-    fs, mpath = url_to_fs(manifest.uri, storage)
-    folder = mpath.rsplit("/", 1)[0]
-    dir_url = manifest.uri.rsplit("/", 1)[0]
-    paths = {join(folder, f.path): f for f in manifest.files}
-    try:
-        blobs = fs.cat(list(paths), on_error="raise")  # concurrent GETs on S3
-    except FileNotFoundError as e:
-        raise CorruptShardError(f"a shard listed by {redact_url(manifest.uri)} is missing: {e}") from None
-    if len(paths) == 1 and not isinstance(blobs, dict):
-        blobs = {next(iter(paths)): blobs}
-    parts = []
-    for path, f in paths.items():
-        data = _verified(join(dir_url, f.path), _lookup(blobs, path, fs), f)
-        parts.append(pq.read_table(pa.BufferReader(data), columns=columns))
+    manifest = read_manifest(manifest_uri_or_dir, storage, kind=TABLE_KIND)
+    parts = [pq.read_table(pa.BufferReader(data), columns=columns) for data in read_files(manifest, storage=storage)]
     return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-
-
-def _lookup(blobs: dict[str, bytes], path: str, fs: Any) -> bytes:
-    # fs.cat keys results by the filesystem's own path form, which may add or drop a prefix.
-    if path in blobs:
-        return blobs[path]
-    stripped = fs._strip_protocol(path)
-    for key, value in blobs.items():
-        if fs._strip_protocol(key) == stripped:
-            return value
-    raise CorruptShardError(f"{path}: listed by the manifest but not found")
 
 
 def _mtime(info: dict[str, Any]) -> float | None:

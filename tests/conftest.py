@@ -26,7 +26,7 @@ except ImportError:  # torch-less environments can still run the storage tests t
 
 
 def _start_moto(extra_env=None):
-    from storage.testing import moto_server_exe, start_moto_server
+    from tests.servers import moto_server_exe, start_moto_server
 
     if moto_server_exe() is None:
         pytest.skip("moto_server not installed (pip install 'moto[server]')")
@@ -36,7 +36,7 @@ def _start_moto(extra_env=None):
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server for the whole session: {'endpoint_url', 'key', 'secret'}."""
-    from storage.testing import MOTO_KEY, MOTO_SECRET, stop_process
+    from tests.servers import MOTO_KEY, MOTO_SECRET, stop_process
 
     proc, endpoint = _start_moto()
     try:
@@ -103,7 +103,7 @@ def storage_root(request, tmp_path) -> StorageRoot:
 def moto_server_factory():
     """Start extra moto servers (e.g. with auth on: {'INITIAL_NO_AUTH_ACTION_COUNT': '0'});
     each is stopped by PID at the end of the session. Returns start(extra_env) -> endpoint."""
-    from storage.testing import stop_process
+    from tests.servers import stop_process
 
     procs = []
 

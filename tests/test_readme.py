@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.testing import free_port
+from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

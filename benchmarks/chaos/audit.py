@@ -11,21 +11,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from storage import RunLayout, join, read_table, url_to_fs
-from storage.tables import MANIFEST_NAME
+from storage import MANIFEST_NAME, RunLayout, join, read_table, url_to_fs
 
 
 def committed_manifests(layout: RunLayout) -> dict[str, str]:
-    """URL -> sha256 of every committed manifest of the run (stages of every iteration)."""
-    fs, root = url_to_fs(join(layout.root, "iterations"), layout.storage)
+    """URL -> sha256 of every committed stage manifest of the run (storage's one walk of them)."""
     out = {}
-    if not fs.exists(root):
-        return out
-    for path in fs.find(root):
-        # A stage set aside by `rlmill verify --repair` keeps its damaged copy in <stage>.damaged-*.
-        if path.endswith("/" + MANIFEST_NAME) and ".damaged-" not in path:
-            url = join(layout.root, "iterations", path[len(root.rstrip("/")) + 1:])
-            out[url] = hashlib.sha256(fs.cat_file(path)).hexdigest()
+    for _, _, uri in layout.committed_stages():
+        fs, path = url_to_fs(uri, layout.storage)
+        out[uri] = hashlib.sha256(fs.cat_file(path)).hexdigest()
     return out
 
 
@@ -52,7 +46,7 @@ class AuditReport:
 
 def _check_table(uri: str, layout: RunLayout, report: AuditReport) -> None:
     try:
-        table = read_table(uri, storage=layout.storage)  # verifies every shard's size and sha256
+        table = read_table(uri, storage=layout.storage)  # storage's verifier: every shard's size and sha256
     except Exception as e:  # noqa: BLE001 - any failure to read committed data is a loss
         report.unreadable.append(f"{uri} ({type(e).__name__})")
         return

@@ -172,7 +172,7 @@ def _moto():
 
     from moto.server import ThreadedMotoServer
 
-    from storage.testing import free_port
+    from tests.servers import free_port
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 

@@ -284,12 +284,43 @@ def _string_leaves(node: Any, prefix: str = ""):
 
 
 def _format_validation_error(exc: ValidationError) -> str:
+    """One line per problem, naming the dotted key; an unknown key gets the closest valid key
+    ("did you mean rollout.n?"), looked up among its siblings first, then among every key."""
+    import difflib
+    import typing
+
+    def submodels(annotation: Any) -> list[type[BaseModel]]:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return [annotation]
+        return [m for arg in typing.get_args(annotation) for m in submodels(arg)]
+
+    def dotted(model: type[BaseModel], prefix: str = "") -> list[str]:
+        keys = []
+        for name, field in model.model_fields.items():
+            key = prefix + (field.alias or name)
+            keys.append(key)
+            for sub in submodels(field.annotation):
+                keys += dotted(sub, key + ".")
+        return keys
+
+    def closest(key: str) -> str | None:
+        valid = dotted(RunConfig)
+        parent, _, leaf = key.rpartition(".")
+        siblings = [k for k in valid if k.rpartition(".")[0] == parent]
+        near = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.6)
+        if near:
+            return f"{parent}.{near[0]}" if parent else near[0]
+        near = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+        return near[0] if near else None
+
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; `rlmill config show` lists every key)"
+            guess = closest(key)
+            hint = f"did you mean {guess}?" if guess else "check the spelling;"
+            msg = f"unknown key ({hint} `rlmill config show` lists every key)"
         lines.append(f"  {key}: {msg}")
     return "invalid run config:\n" + "\n".join(lines)
 
@@ -307,10 +338,13 @@ def config_from_run_json(frozen: dict[str, Any]) -> RunConfig:
     credentials come from this process's environment (AWS_* variables), as on a cluster."""
     data = dict(frozen["config"])
     data["storage"] = {k: v for k, v in data.get("storage", {}).items() if k not in ("key", "secret", "token")}
+    # The trainer's temperature is derived from rollout.temperature, never a setting of its own.
+    data["actor"] = {k: v for k, v in data.get("actor", {}).items() if k != "temperature"}
     # The files were checked when the run was created, maybe on another machine.
     return build_run_config(data, check_files=False)
 
 
 def frozen_config(cfg: RunConfig) -> dict[str, Any]:
-    """The config as written to run.json: secrets stay masked (SecretStr dumps as '**********')."""
-    return cfg.model_dump(mode="json")
+    """The config as written to run.json: secrets stay masked (SecretStr dumps as '**********');
+    actor.temperature is left out (it is rollout.temperature, derived on load)."""
+    return cfg.model_dump(mode="json", exclude={"actor": {"temperature"}})

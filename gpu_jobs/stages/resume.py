@@ -14,7 +14,7 @@ import logging
 
 from gpu_jobs.stages.engines import Engines
 from gpu_jobs.stages.iteration import sampling_seed, train_on
-from gpu_jobs.stages.run import Run, exists, last_committed
+from gpu_jobs.stages.run import Run, last_committed
 from gpu_jobs.stages.shell import read
 from storage import committed, join
 
@@ -63,21 +63,20 @@ def replay_update(run: Run, engines: Engines, k: int) -> None:
 
 def _load_checkpoint(run: Run, engines: Engines, newest: int) -> None:
     """Load the newest intact checkpoint <= `newest` into the trainer (and critic)."""
-    from gpu_jobs.train.checkpoint import STATE_FILE
     from storage import CorruptShardError
 
     # Each load checks every file before it touches a weight; only a damaged critic after a
     # good policy load leaves a half-loaded pair, which an older checkpoint overwrites.
     half_loaded = False
     for k in range(newest, engines.version, -1):
-        if not exists(join(run.layout.trainer(k), "trainer", STATE_FILE), run.storage):
+        if not committed(run.layout.trainer(k), run.storage):
             continue  # never checkpointed there, or the save did not finish
         critic = join(run.layout.checkpoint(k), "critic")
         log.info("resuming %s from checkpoint %d", run.cfg.run_id, k)
         try:
             engines.trainer.load(run.layout.trainer(k))
             half_loaded = engines.critic is not None
-            if engines.critic is not None and exists(critic, run.storage):
+            if engines.critic is not None and committed(critic, run.storage):
                 engines.critic.load(critic)
         except CorruptShardError as e:
             log.warning("checkpoint %d of %s is damaged (%s); trying an older one", k, run.cfg.run_id, e)

@@ -1,13 +1,16 @@
 """Exact-resume checkpoints of a DeepSpeed engine in object storage.
 
-Layout under ``<url>/trainer/``: DeepSpeed's own ``save_checkpoint`` folder (weights, ZeRO
-optimizer shards, ``latest``), then ``trainer_state.json`` written LAST: it lists every file
-and carries step, data cursor, RNG states, world size and parameter shapes. A folder without it
-is an unfinished save and is not loaded.
+``save(url)`` makes ``url`` (e.g. ``runs/<id>/checkpoints/<k>/trainer``) one commit of the
+storage primitive: DeepSpeed's own ``save_checkpoint`` folder uploaded under a fresh name
+``<url>/<attempt>/`` (each rank its own ZeRO shards), then ``<url>/_MANIFEST.json`` (kind
+"trainer") written LAST and create-only by rank 0. The manifest lists every file with its size
+and sha256 and carries, under ``trainer_state``, the step, data cursor, RNG states, world size and
+parameter shapes. A folder without it is an unfinished save and is not loaded
+(``storage.committed(url)`` tells).
 
-Every file's size and sha256 are recorded in trainer_state.json and checked on load: a file
-damaged after the save raises ``storage.CorruptShardError`` (naming it) instead of loading
-wrong weights, so a resume can fall back to an older checkpoint (gpu_jobs.stages.context).
+Every file is checked on load by storage's verifier: a file damaged after the save raises
+``storage.CorruptShardError`` (naming it) before any weight changes, so a resume can fall back
+to an older checkpoint (gpu_jobs.stages.resume).
 
 Same world size: ``engine.load_checkpoint`` restores weights and optimizer bit for bit.
 Different world size: ZeRO shards do not re-split, so the consolidated fp32 weights are loaded
@@ -17,14 +20,13 @@ Different world size: ZeRO shards do not re-split, so the consolidated fp32 weig
 from __future__ import annotations
 
 import base64
-import hashlib
-import json
 import logging
 import os
 import posixpath
 import random
 import shutil
 import tempfile
+import uuid
 from typing import Any
 
 import numpy as np
@@ -34,11 +36,10 @@ from .errors import TrainInputError
 
 log = logging.getLogger("gpu_jobs.train")
 
-__all__ = ["Resumable", "save_engine_state", "load_engine_state", "rng_state", "set_rng_state", "STATE_FILE"]
+__all__ = ["Resumable", "save_engine_state", "load_engine_state", "rng_state", "set_rng_state", "TRAINER_KIND"]
 
-STATE_FILE = "trainer_state.json"
+TRAINER_KIND = "trainer"
 TAG = "zero"
-FORMAT = "rlmill.trainer/1"
 
 
 def _b64(t: Any) -> str:
@@ -75,9 +76,10 @@ def set_rng_state(state: dict[str, Any], generator: Any) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def _shared_tmpdir() -> str:
-    path = tempfile.mkdtemp(prefix="rlmill-ds-") if dist.is_rank0() else None
-    return dist.broadcast_object(path)
+def _shared_attempt() -> tuple[str, str]:
+    """(local temp folder, fresh attempt name), the same on every rank."""
+    mine = (tempfile.mkdtemp(prefix="rlmill-ds-"), uuid.uuid4().hex[:16]) if dist.is_rank0() else None
+    return dist.broadcast_object(mine)
 
 
 def _mine(rel: str, rank: int) -> bool:
@@ -88,28 +90,6 @@ def _mine(rel: str, rank: int) -> bool:
     return rank == 0
 
 
-def _file_digest(path: str) -> dict[str, Any]:
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": h.hexdigest()}
-
-
-def _verify_file(path: str, expected: dict[str, Any] | None, shown: str) -> None:
-    """Raise CorruptShardError if the downloaded file differs from what the save recorded."""
-    from storage import CorruptShardError
-
-    if expected is None:  # checkpoints written before checksums were recorded
-        return
-    got = _file_digest(path)
-    if got["size"] != expected["size"]:
-        raise CorruptShardError(f"{shown}: size {got['size']} != {expected['size']} recorded at save (truncated or replaced)")
-    if got["sha256"] != expected["sha256"]:
-        raise CorruptShardError(f"{shown}: sha256 does not match the one recorded at save (corrupted)")
-
-
 def _local_files(root: str) -> list[str]:
     out = []
     for base, _, files in os.walk(root):
@@ -118,32 +98,27 @@ def _local_files(root: str) -> list[str]:
 
 
 def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
-    """DeepSpeed checkpoint of ``module.engine`` plus ``extra`` (JSON-able) to ``<url>/trainer/``.
-    All ranks call it. Returns the URL of trainer_state.json."""
-    from storage import url_to_fs
+    """Commit ``module.engine``'s DeepSpeed checkpoint plus ``extra`` (JSON-able) at ``url``.
+    All ranks call it. Returns the manifest's URI; ManifestExistsError if ``url`` committed."""
+    from storage import ManifestFile, commit, join, url_to_fs
+    from storage.manifest import ensure_uncommitted, manifest_uri
 
-    from storage import ManifestExistsError
-
-    fs, root = url_to_fs(url, getattr(module, "storage", None))
-    dest = posixpath.join(root, "trainer")
-    if fs.exists(posixpath.join(dest, STATE_FILE)):
-        # Never write over the last good checkpoint: each save goes to a fresh URL.
-        raise ManifestExistsError(f"{url}/trainer/{STATE_FILE} exists: trainer state already saved there")
-    tmp = _shared_tmpdir()
+    storage = getattr(module, "storage", None)
+    # Never write over the last good checkpoint: each save goes to a fresh URL.
+    ensure_uncommitted(url, "trainer state", storage)
+    fs, root = url_to_fs(url, storage)
+    tmp, attempt = _shared_attempt()
     try:
         module.engine.save_checkpoint(tmp, tag=TAG, client_state={})
         dist.barrier()
-        files = _local_files(tmp)
-        for rel in (f for f in files if _mine(f, module.rank)):
-            fs.makedirs(posixpath.dirname(posixpath.join(dest, rel)), exist_ok=True)
-            fs.put_file(os.path.join(tmp, rel), posixpath.join(dest, rel))
+        rels = _local_files(tmp)
+        for rel in (r for r in rels if _mine(r, module.rank)):
+            fs.put_file(os.path.join(tmp, rel), join(root, attempt, rel))
         dist.barrier()
         if module.rank == 0:
             state = {
-                "format": FORMAT,
                 "tag": TAG,
-                "files": files,
-                "checksums": {rel: _file_digest(os.path.join(tmp, rel)) for rel in files},
+                "folder": attempt,
                 "world_size": module.world_size,
                 "zero_stage": module.config.zero_stage,
                 "pipeline_parallel_size": module.config.pipeline_parallel_size,
@@ -151,69 +126,64 @@ def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
                 "step": module.step,
                 **extra,
             }
-            fs.pipe_file(posixpath.join(dest, STATE_FILE), json.dumps(state).encode())
+            files = [ManifestFile.of_local_file(f"{attempt}/{rel}", os.path.join(tmp, rel)) for rel in rels]
+            commit(url, files, kind=TRAINER_KIND, metrics={"step": module.step},
+                   extra={"trainer_state": state}, storage=storage)
         dist.barrier()
     finally:
         if module.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    return url.rstrip("/") + f"/trainer/{STATE_FILE}"
+    return manifest_uri(url)
 
 
-def _read_state(fs: Any, dest: str, url: str) -> dict[str, Any]:
-    path = posixpath.join(dest, STATE_FILE)
-    if not fs.exists(path):
+def _read_manifest(url: str, storage: Any) -> Any:
+    from storage import NotCommittedError, read_manifest
+
+    try:
+        return read_manifest(url, storage, kind=TRAINER_KIND)
+    except NotCommittedError:
         raise TrainInputError(
-            f"no trainer state at {url}/trainer/{STATE_FILE}: the save did not finish or this is "
-            f"not a trainer checkpoint; pass the URL given to save() (the folder holding trainer/)."
-        )
-    state = json.loads(fs.cat_file(path))
-    if state.get("format") != FORMAT:
-        raise TrainInputError(f"{url}: unknown trainer state format {state.get('format')!r}")
-    return state
+            f"no trainer state at {url}: the save did not finish or this is not a trainer "
+            "checkpoint; pass the URL given to save() (e.g. runs/<id>/checkpoints/<k>/trainer)."
+        ) from None
 
 
 def load_engine_state(module: Any, url: str) -> dict[str, Any]:
     """Restore ``module.engine`` from ``save_engine_state(url)``; returns the saved JSON state.
-    Raises TrainInputError (before touching any weight) for a checkpoint of another model."""
-    from storage import url_to_fs
+    Raises TrainInputError (before touching any weight) for a checkpoint of another model, and
+    CorruptShardError naming a file that is missing or fails its size/sha256."""
+    from storage import download_file
 
-    fs, root = url_to_fs(url, getattr(module, "storage", None))
-    dest = posixpath.join(root, "trainer")
-    state = _read_state(fs, dest, url)
+    storage = getattr(module, "storage", None)
+    manifest = _read_manifest(url, storage)
+    state = manifest.extra["trainer_state"]
     module.check_shapes(state["param_shapes"], url)
     tmp = tempfile.mkdtemp(prefix="rlmill-ds-load-")  # per rank: every rank reads the files it needs
     try:
-        sums = state.get("checksums", {})
-        for rel in state["files"]:
-            os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
-            try:
-                fs.get_file(posixpath.join(dest, rel), os.path.join(tmp, rel))
-            except FileNotFoundError:
-                from storage import CorruptShardError
-
-                raise CorruptShardError(f"{url}/trainer/{rel}: listed in {STATE_FILE} but missing") from None
-            _verify_file(os.path.join(tmp, rel), sums.get(rel), f"{url}/trainer/{rel}")
+        for f in manifest.files:  # every file checked before any weight changes
+            download_file(manifest, f, os.path.join(tmp, *f.path.split("/")), storage)
+        folder = os.path.join(tmp, state["folder"])
         saved = (state["world_size"], state["zero_stage"], state.get("pipeline_parallel_size", 1))
         mine = (module.world_size, module.config.zero_stage, module.config.pipeline_parallel_size)
         # ZeRO-0 data-parallel states are whole on every rank, so any world size can load them.
         full_copies = saved[1:] == mine[1:] == (0, 1)
         if saved == mine or full_copies:
             module.engine.load_checkpoint(
-                tmp, tag=state["tag"], load_optimizer_states=module.optimizer is not None,
+                folder, tag=state["tag"], load_optimizer_states=module.optimizer is not None,
                 load_lr_scheduler_states=False,
             )
         else:
-            _load_consolidated(module, tmp, state, url)
+            _load_consolidated(module, folder, state, url)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     return state
 
 
-def _load_consolidated(module: Any, tmp: str, state: dict[str, Any], url: str) -> None:
+def _load_consolidated(module: Any, folder: str, state: dict[str, Any], url: str) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    weights = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=state["tag"])
+    weights = get_fp32_state_dict_from_zero_checkpoint(folder, tag=state["tag"])
     module.load_weights(weights)
     log.warning(
         "%s was saved with world_size=%s zero_stage=%s and is loaded with world_size=%s "
@@ -230,8 +200,8 @@ class Resumable:
     and ``load_weights(state_dict)``."""
 
     def save(self, url: str) -> str:
-        """Everything exact resume needs under ``<url>/trainer/`` (all ranks call it): DeepSpeed
-        weights + optimizer, step, data cursor, RNG states. Returns the state file's URL."""
+        """Commit everything exact resume needs at ``url`` (all ranks call it): DeepSpeed
+        weights + optimizer, step, data cursor, RNG states. Returns the manifest's URI."""
         extra = {
             "samples_seen": self.samples_seen,
             "rng": rng_state(self._shuffle),

@@ -1,4 +1,5 @@
-"""The nightly flow's plain functions and the deployment files, without a Prefect server.
+"""The nightly flow's plain functions (and the storage.incoming ones it uses) and the deployment
+files, without a Prefect server.
 
     .venv/bin/python -m pytest -q tests/deployments/test_nightly_unit.py
 """
@@ -15,6 +16,7 @@ import yaml
 
 from flows import nightly as N
 from storage import ModelLayout, RunLayout
+from storage import incoming as I
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,18 +49,18 @@ def _touch(path: Path, size: int) -> None:
 
 def test_list_new_files(tmp_path):
     prefix = tmp_path / "incoming"
-    assert N.list_new_files(str(prefix), {}) == []  # prefix not there yet: nothing to do
+    assert I.list_new_files(str(prefix), {}) == []  # prefix not there yet: nothing to do
     _touch(prefix / "a.parquet", 10)
     _touch(prefix / "day2" / "b.parquet", 20)
     _touch(prefix / ".b.parquet.tmp-123", 5)       # write_prompts' staging name
     _touch(prefix / "_quarantine" / "c.parquet", 5)
     _touch(prefix / "notes.txt", 5)
-    found = N.list_new_files(str(prefix), {})
+    found = I.list_new_files(str(prefix), {})
     assert [(f.rel, f.size) for f in found] == [("a.parquet", 10), ("day2/b.parquet", 20)]
     assert found[1].url == f"{prefix}/day2/b.parquet"
     # Processed files are skipped; a file rewritten with another size is new again.
-    assert [f.rel for f in N.list_new_files(str(prefix), {"a.parquet": 10, "day2/b.parquet": 20})] == []
-    assert [f.rel for f in N.list_new_files(str(prefix), {"a.parquet": 9, "day2/b.parquet": 20})] == ["a.parquet"]
+    assert [f.rel for f in I.list_new_files(str(prefix), {"a.parquet": 10, "day2/b.parquet": 20})] == []
+    assert [f.rel for f in I.list_new_files(str(prefix), {"a.parquet": 9, "day2/b.parquet": 20})] == ["a.parquet"]
 
 
 def test_list_new_files_memory_url():
@@ -67,7 +69,7 @@ def test_list_new_files_memory_url():
     fs = fsspec.filesystem("memory")
     fs.pipe("/rlmill-nightly-unit/in/x.parquet", b"123")
     try:
-        found = N.list_new_files("memory://rlmill-nightly-unit/in", {})
+        found = I.list_new_files("memory://rlmill-nightly-unit/in", {})
         assert [(f.url, f.rel, f.size) for f in found] == [
             ("memory://rlmill-nightly-unit/in/x.parquet", "x.parquet", 3)]
     finally:
@@ -76,55 +78,65 @@ def test_list_new_files_memory_url():
 
 # ------------------------------------------------------------------------------------ state
 def test_state_roundtrip(tmp_path):
-    url = N.state_url(ModelLayout(str(tmp_path), "arith"))
+    url = I.state_url(ModelLayout(str(tmp_path), "arith"))
     assert url.endswith("models/arith/nightly_state.json")
-    state = N.read_state(url)
+    state = I.read_state(url)
     assert state == {"processed": {}, "history": []}
     state["processed"]["a.parquet"] = 10
-    state["history"] = [{"run_id": f"r{i}"} for i in range(N.HISTORY_KEPT + 5)]
-    N.write_state(url, state)
-    again = N.read_state(url)
+    state["history"] = [{"run_id": f"r{i}"} for i in range(I.HISTORY_KEPT + 5)]
+    I.write_state(url, state)
+    again = I.read_state(url)
     assert again["processed"] == {"a.parquet": 10}
     assert [h["run_id"] for h in again["history"]][0] == "r5"  # only the last HISTORY_KEPT nights
-    assert len(again["history"]) == N.HISTORY_KEPT
+    assert len(again["history"]) == I.HISTORY_KEPT
 
 
 def test_pick_run_id(tmp_path):
     root = str(tmp_path)
     state = {"processed": {}, "history": []}
-    assert N.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101"
+    assert I.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101"
     # A run of that id that failed with the same files is resumed under the same id ...
     RunLayout(root, "nightly-20260101").write_run_json({"config": {"data": {"train_files": ["f1"]}}})
-    assert N.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101"
+    assert I.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101"
     # ... but new files that day get a new id, and so does a second night after a success.
-    assert N.pick_run_id("20260101", state, ["f2"], root) == "nightly-20260101-2"
+    assert I.pick_run_id("20260101", state, ["f2"], root) == "nightly-20260101-2"
     state["history"].append({"run_id": "nightly-20260101"})
-    assert N.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101-2"
+    assert I.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101-2"
 
 
 # ------------------------------------------------------------------------------------ promotion
-def test_copy_checkpoint(tmp_path):
+def test_promote_version_copies_through_the_commit_primitive(tmp_path):
     import torch
 
-    from storage import INDEX_NAME, NotCommittedError, load_state_dict, save_checkpoint
+    from storage import INDEX_NAME, CorruptShardError, NotCommittedError, load_state_dict, save_checkpoint, verify
 
     sd = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}
     src = save_checkpoint(str(tmp_path / "run" / "policy"), sd, config={"model_type": "qwen2"}, shard_bytes=16)
     models = ModelLayout(str(tmp_path), "arith")
-    dest = N.copy_checkpoint(src, models.version("v1"))
+    dest = N.promote_version(src, models, "v1")
+    assert dest == models.version("v1") and models.current_version() == "v1"
     got = load_state_dict(dest)
     assert set(got) == {"w", "b"} and torch.equal(got["w"], sd["w"])
     assert sorted(p.name for p in Path(dest).iterdir()) == sorted(p.name for p in Path(src).iterdir())
-    assert N.copy_checkpoint(src, dest) == dest  # committed already: a retry changes nothing
+    assert verify(dest, name=INDEX_NAME).inputs == [f"{src}/{INDEX_NAME}"]  # the copy names its source
+    assert N.promote_version(src, models, "v1") == dest  # committed already: a retry changes nothing
+    # A flipped byte in the source is caught by the verifier; CURRENT stays on the good version.
+    shard = Path(src) / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError, match="model-00002-of-00002.safetensors: sha256"):
+        N.promote_version(src, models, "v2")
+    assert models.current_version() == "v1" and not (Path(models.version("v2")) / INDEX_NAME).exists()
     # A source without its index (a half-written checkpoint) is never copied.
     (Path(src) / INDEX_NAME).unlink()
     with pytest.raises(NotCommittedError):
-        N.copy_checkpoint(src, models.version("v2"))
-    assert not (Path(models.version("v2")) / INDEX_NAME).exists()
+        N.promote_version(src, models, "v3")
+    assert models.current_version() == "v1" and not (Path(models.version("v3")) / INDEX_NAME).exists()
 
 
 def test_markdown_shows_both_scores_and_decision():
-    files = [N.NewFile("/in/a.parquet", "a.parquet", 10)]
+    files = [I.NewFile("/in/a.parquet", "a.parquet", 10)]
     md = N.decision_markdown("arith", "20260101", "nightly-20260101", N.decide(0.4, 0.5),
                              {"mean_reward": 0.4, "exact_match": 0.4, "n": 50},
                              {"mean_reward": 0.5, "exact_match": 0.5, "n": 50},

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_jobs import stages
 from gpu_jobs.stages import DirectCalls, open_warm, run_iteration
 from storage import committed, read_manifest, read_table
 

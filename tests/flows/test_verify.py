@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from gpu_jobs.stages.verify import set_aside, verify_run
-from storage import RunLayout, committed, read_table, write_table
+from storage import RunLayout, commit, committed, join, read_table, write_files, write_table
 
 
 def _flip(path) -> None:
@@ -74,3 +74,17 @@ def test_the_cli_exits_nonzero_until_repaired(run, capsys, tmp_path):
     assert "set aside as" in capsys.readouterr().out
     main(args)
     assert "intact" in capsys.readouterr().out
+
+
+def test_a_damaged_trainer_or_critic_state_is_found_by_the_same_verifier(run):
+    """Checkpoint states are commits of the same primitive (here written without DeepSpeed):
+    a flipped byte in any listed file is named; nothing needs repairing (restore falls back)."""
+    for url in (run.trainer(1), join(run.checkpoint(1), "critic")):
+        files = write_files(url, {"attempt/zero/mp_rank_00_model_states.pt": b"weights" * 100}, run.storage)
+        commit(url, files, kind="trainer", storage=run.storage)
+    run.set_latest(1)
+    assert verify_run(run) == []
+    _flip(Path(run.trainer(1)) / "attempt" / "zero" / "mp_rank_00_model_states.pt")
+    (damage,) = verify_run(run)
+    assert damage.what == "checkpoint 1 trainer" and damage.url == run.trainer(1) and not damage.repairable
+    assert "mp_rank_00_model_states.pt: sha256" in damage.error

@@ -14,11 +14,13 @@ from storage import (  # noqa: E402 - after the importorskip
     CorruptShardError,
     ManifestExistsError,
     NotCommittedError,
+    copy_checkpoint,
     download_checkpoint,
     join,
     load_state_dict,
     save_checkpoint,
     url_to_fs,
+    verify,
 )
 
 
@@ -96,6 +98,42 @@ def test_damaged_shard_names_the_file(storage_root, damage):
         fs.rm_file(shard)
     with pytest.raises(CorruptShardError, match=name):
         load_state_dict(url, storage=s)
+
+
+def test_the_index_is_the_manifest_of_every_file(storage_root, tmp_path):
+    """The HF index is the folder's manifest: every file (config too) is verified by storage's
+    one verifier, and a download checks each file as it lands."""
+    s = storage_root.storage
+    url = join(storage_root.url, "ckpt")
+    save_checkpoint(url, random_state_dict(), config={"model_type": "toy"}, shard_bytes=8 << 10,
+                    extra_files={"generation_config.json": b"{}"}, storage=s)
+    m = verify(url, s, name=INDEX_NAME, kind="checkpoint")
+    listed = {f.path for f in m.files}
+    assert {"config.json", "generation_config.json"} | set(m.extra["weight_map"].values()) == listed
+    fs, path = url_to_fs(url, s)
+    fs.pipe_file(join(path, "config.json"), b'{"model_type": "evil"}')
+    with pytest.raises(CorruptShardError, match="config.json"):
+        verify(url, s, name=INDEX_NAME)
+    with pytest.raises(CorruptShardError, match="config.json"):
+        download_checkpoint(url, local_dir=str(tmp_path / "dl"), storage=s)
+
+
+def test_copy_checkpoint_commits_a_verified_copy(storage_root):
+    s = storage_root.storage
+    sd = random_state_dict()
+    src = save_checkpoint(join(storage_root.url, "run", "policy"), sd, config={}, shard_bytes=8 << 10, storage=s)
+    dest = copy_checkpoint(src, join(storage_root.url, "models", "v1"), s)
+    assert_bit_exact(sd, load_state_dict(dest, storage=s))
+    assert copy_checkpoint(src, dest, s) == dest  # committed already: a retry changes nothing
+    fs, path = url_to_fs(src, s)
+    name = sorted(set(json.loads(fs.cat_file(join(path, INDEX_NAME)))["weight_map"].values()))[1]
+    data = bytearray(fs.cat_file(join(path, name)))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(join(path, name), bytes(data))
+    with pytest.raises(CorruptShardError, match=f"{name}: sha256"):
+        copy_checkpoint(src, join(storage_root.url, "models", "v2"), s)
+    with pytest.raises(NotCommittedError):  # the damaged copy was never published
+        load_state_dict(join(storage_root.url, "models", "v2"), storage=s)
 
 
 def tiny_qwen2():

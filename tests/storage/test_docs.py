@@ -11,7 +11,8 @@ import storage
 
 
 @pytest.mark.parametrize("module", ["storage.config", "storage.fs", "storage.layout", "storage.tables",
-                                    "storage.checkpoints", "storage.testing"])
+                                    "storage.checkpoints", "storage.manifest",
+                                    "storage.incoming"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0

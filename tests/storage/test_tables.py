@@ -53,7 +53,8 @@ def test_round_trip_lists_exact(storage_root):
     m = read_manifest(dest, storage=storage_root.storage)
     assert len(m.files) == 4 and sum(f.rows for f in m.files) == 50 == m.num_rows
     assert m.inputs == ["s3://x/in/_MANIFEST.json"] and m.metrics == {"n": 50}
-    assert "list<item: int32>" in m.arrow_schema and m.schema_version == 1 and m.created_at
+    assert "list<item: int32>" in m.extra["arrow_schema"] and m.schema_version == 1 and m.created_at
+    assert m.kind == "table"
 
 
 def test_empty_table_keeps_schema(storage_root):
@@ -79,7 +80,7 @@ def test_create_only_commit_race_leaves_first_intact(storage_root, monkeypatch):
     dest = join(storage_root.url, "stage")
     write_table(dest, rollout_table(10, seed=1), storage=s)
     fs, _ = url_to_fs(dest, s)
-    monkeypatch.setattr(tables, "_manifest_exists", lambda fs, path: False)
+    monkeypatch.setattr(tables, "ensure_uncommitted", lambda *a, **kw: None)
     with pytest.raises(ManifestExistsError):
         tables.write_table(dest, rollout_table(10, seed=2), storage=s)
     assert read_table(dest, storage=s).equals(rollout_table(10, seed=1))

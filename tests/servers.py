@@ -1,10 +1,11 @@
-"""Test and benchmark helper: a real S3 endpoint on loopback via `moto_server`.
+"""Test servers for tests and benchmarks: a real S3 endpoint on loopback via `moto_server`.
 
     with MotoServer() as s3:
         cfg = s3.config()          # StorageConfig for it
         url = s3.new_bucket()      # 's3://bucket-<hex>'
 
-Not part of the storage API (`storage.__all__`); it needs `moto[server]` installed.
+Lives in tests/, not in the product packages; it needs `moto[server]` installed. Benchmarks import
+it as `tests.servers` (they run as `python -m benchmarks...` from the repository root).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from .config import StorageConfig
+from storage import StorageConfig
 
 __all__ = ["MotoServer", "free_port", "start_moto_server", "stop_process"]
 

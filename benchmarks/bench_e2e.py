@@ -169,7 +169,8 @@ def trl_args(w: Workload, cfg, *, max_steps: int, output_dir: str, seed: int = 0
 def arith_splits(cfg, folder: str):
     """(train, held-out) DataFrames exactly as Run.open reads them for `cfg`: the same
     generator, sizes and seed, so the rows equal those under the run's own root."""
-    from storage.datasets import make_dataset, read_prompts
+    from storage.datasets import read_prompts
+    from gpu_jobs.data import make_dataset
 
     train_url, test_url = os.path.join(folder, "train.parquet"), os.path.join(folder, "test.parquet")
     if not (os.path.exists(train_url) and os.path.exists(test_url)):  # written once per benchmark
@@ -187,7 +188,7 @@ def prompt_text(messages, tokenizer) -> str:
 
 def trl_rows(cfg, train, tokenizer, steps: int) -> dict[str, list]:
     """The prompts of rlmill iterations 1..steps, in order, as TRL dataset columns."""
-    from storage.datasets import PromptSampler
+    from gpu_jobs.data import PromptSampler
 
     sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
     rows = [i for k in range(steps) for i in sampler.indices(k)]

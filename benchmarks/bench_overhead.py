@@ -46,7 +46,7 @@ def memory_loop(cfg, iterations: int) -> list[float]:
     from gpu_jobs.stages.advantage_math import batch_advantages
     from gpu_jobs.stages.iteration import sampling_seed
     from gpu_jobs.stages.samples import sample_table
-    from storage.datasets import render_prompt
+    from gpu_jobs.data import render_prompt
     import pyarrow as pa
 
     run = Run.open(cfg)

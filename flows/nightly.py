@@ -26,6 +26,7 @@ on the same date, resumes the same run id from its committed stages.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 import math
@@ -50,6 +51,7 @@ log = logging.getLogger("rlmill")
 def gate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: str) -> list[str]:
     """Validate the new prompts; returns the files to train on (a clean copy when rows were
     quarantined). A failed gate in 'raise' mode fails the night and leaves the state as it was."""
+    from gpu_jobs.data import render_many
     from gpu_jobs.models import load_tokenizer, resolve_model_path
     from storage.datasets import read_prompts, write_prompts
     from storage.quality import validate_prompts
@@ -57,7 +59,8 @@ def gate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: str) 
     df = read_prompts(files, storage=cfg.storage)
     gate = cfg.gate.model_copy(update={"max_prompt_length": cfg.gate.max_prompt_length or cfg.data.max_prompt_length})
     tok = load_tokenizer(resolve_model_path(model, cfg.storage, cfg.model.seed))
-    result = validate_prompts(df, gate, join(out_dir, "_QUALITY.json"), tokenizer=tok,
+    result = validate_prompts(df, gate, join(out_dir, "_QUALITY.json"),
+                              render=functools.partial(render_many, tokenizer=tok),
                               quarantine_url=join(out_dir, "quarantine.parquet"), storage=cfg.storage)
     _logger().info("new data: %d rows in %d file(s), %d quarantined", result.n_rows, len(files),
                    result.n_quarantined)
@@ -72,7 +75,7 @@ def gate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: str) 
 def ensure_heldout(cfg: "RunConfig", models: ModelLayout, size: int, heldout_files: list[str] | None) -> list[str]:
     """The fixed held-out set: `heldout_files`, else the config's data.val_files, else the
     config's built-in generator's test split, written once under models/<name>/heldout/."""
-    from storage.datasets import make_dataset
+    from gpu_jobs.data import make_dataset
 
     if heldout_files:
         return list(heldout_files)
@@ -109,7 +112,8 @@ def evaluate_model(model: str, heldout_files: list[str], eval_size: int, cfg: "R
     from gpu_jobs.reward import score_batch
     from gpu_jobs.rollout import get_rollout_engine
     from gpu_jobs.stages.samples import ground_truth_of
-    from storage.datasets import read_prompts, render_many
+    from storage.datasets import read_prompts
+    from gpu_jobs.data import render_many
 
     rows = read_prompts(heldout_files, storage=cfg.storage).iloc[:eval_size]
     path = resolve_model_path(model, cfg.storage, cfg.model.seed)

@@ -1,7 +1,7 @@
 """Data-quality gates (great-expectations) for prompt datasets and rollout batches.
 
     >>> from storage.quality import GateConfig, validate_prompts, validate_rollout
-    >>> res = validate_prompts(df, GateConfig(max_prompt_length=64), tokenizer=tok,
+    >>> res = validate_prompts(df, GateConfig(max_prompt_length=64), render=partial(render_many, tokenizer=tok),
     ...                        report_url="s3://bucket/runs/r1/data/_QUALITY.json")
     >>> res.passed, res.n_rows
     (True, 4096)
@@ -37,7 +37,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from storage.datasets import _url_to_fs, normalize_messages, render_many
+from storage.datasets import _url_to_fs, normalize_messages
 
 __all__ = [
     "GateConfig",
@@ -122,21 +122,23 @@ def _len(x: Any) -> int:
         return -1
 
 
-def prompt_derived_columns(df, *, tokenizer=None) -> dict[str, list]:
+def prompt_derived_columns(df, *, render=None) -> dict[str, list]:
     """dq_* columns for a verl prompt dataset: message count, well-formed messages (each a
     dict with a string role and string content), content characters, rule rows with a ground
-    truth, and (given a tokenizer, or a `prompt_ids` column) the rendered prompt length."""
+    truth, and (given `render`, lists of messages -> token id lists, e.g.
+    `functools.partial(gpu_jobs.data.render_many, tokenizer=tok)`, or a `prompt_ids` column)
+    the rendered prompt length. Storage knows no tokenizer: the caller brings the renderer."""
     cols: dict[str, list] = {}
     if "prompt" in df.columns:
         msgs = [_messages_or_none(p) for p in df["prompt"]]
         cols["dq_prompt_n_messages"] = [len(m) if m is not None else 0 for m in msgs]
         cols["dq_prompt_well_formed"] = [m is not None for m in msgs]
         cols["dq_prompt_chars"] = [sum(len(c["content"]) for c in m) if m else 0 for m in msgs]
-        if tokenizer is not None:
+        if render is not None:
             # Only well-formed, non-empty prompts are rendered; the others fail above anyway.
             lengths = [0] * len(msgs)
             ok = [i for i, m in enumerate(msgs) if m]
-            for i, ids in zip(ok, render_many([msgs[i] for i in ok], tokenizer)):
+            for i, ids in zip(ok, render([msgs[i] for i in ok])):
                 lengths[i] = len(ids)
             cols["dq_prompt_length"] = lengths
     if "dq_prompt_length" not in cols and "prompt_ids" in df.columns:
@@ -421,18 +423,18 @@ def validate_prompts(
     cfg: GateConfig,
     report_url: str | None = None,
     *,
-    tokenizer=None,
+    render=None,
     quarantine_url: str | None = None,
     storage=None,
 ) -> GateResult:
     """Gate a verl prompt dataset (pandas DataFrame as read by `read_prompts`).
 
     Checks: required columns present, data_source non-null, prompt has >= 1 message and
-    non-empty content, rendered prompt length <= cfg.max_prompt_length (rendered with
-    `tokenizer`, or from a `prompt_ids` column; skipped when neither is given), and a ground
-    truth on every row whose reward_model style is "rule".
+    non-empty content, rendered prompt length <= cfg.max_prompt_length (rendered with `render`,
+    see `prompt_derived_columns`, or from a `prompt_ids` column; skipped when neither is given),
+    and a ground truth on every row whose reward_model style is "rule".
     """
-    derived = prompt_derived_columns(df, tokenizer=tokenizer)
+    derived = prompt_derived_columns(df, render=render)
     build = lambda gxe: _prompt_expectations(gxe, df, cfg, derived)  # noqa: E731
     return _gate("prompts", df, cfg, derived, build, report_url, quarantine_url, storage)
 

@@ -60,7 +60,7 @@ from .policy_losses import (
     known_policy_loss_params,
     register_policy_loss,
 )
-from .registry import DuplicateNameError, Registry, UnknownNameError
+from gpu_jobs.registry import DuplicateNameError, Registry, UnknownNameError
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .functional import masked_whiten
-from .registry import Registry
+from gpu_jobs.registry import Registry
 
 __all__ = [
     "AdvantageEstimator",

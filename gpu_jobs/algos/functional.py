@@ -11,7 +11,7 @@ from enum import Enum
 
 import torch
 
-from .registry import Registry
+from gpu_jobs.registry import Registry
 
 __all__ = [
     "LossAggMode",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .functional import masked_mean
-from .registry import Registry
+from gpu_jobs.registry import Registry
 
 __all__ = [
     "KLPenalty",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .functional import agg_loss, masked_mean
-from .registry import Registry
+from gpu_jobs.registry import Registry
 
 __all__ = [
     "PolicyLossMode",

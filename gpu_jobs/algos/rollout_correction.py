@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import Registry
+from gpu_jobs.registry import Registry
 
 __all__ = ["ROLLOUT_IS", "ROLLOUT_RS", "rollout_is_weights", "rollout_rs_mask", "rollout_correction_metrics"]
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from gpu_jobs.registry import Registry
+
 from . import rules
 
 __all__ = [
@@ -32,8 +34,8 @@ __all__ = [
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
 
-REWARD_FNS: dict[str, RewardFn] = {}
-REWARD_PREFIXES: dict[str, RewardFn] = {}
+REWARD_FNS: Registry = Registry("reward function for data_source")
+REWARD_PREFIXES: Registry = Registry("reward function for data_source prefix")
 
 
 class UnknownDataSourceError(KeyError, NotImplementedError):
@@ -49,9 +51,7 @@ def register_reward_fn(*data_sources: str, prefix: bool = False) -> Callable[[Re
 
     def deco(fn: RewardFn) -> RewardFn:
         for name in data_sources:
-            if name in table:
-                raise ValueError(f"reward function for data_source {name!r} is already registered")
-            table[name] = fn
+            table.register(name)(fn)
         return fn
 
     return deco
@@ -63,9 +63,8 @@ def known_data_sources() -> list[str]:
 
 def get_reward_fn(data_source: str) -> RewardFn:
     """The registered function for `data_source`; raises UnknownDataSourceError listing the known ones."""
-    fn = REWARD_FNS.get(data_source)
-    if fn is not None:
-        return fn
+    if data_source in REWARD_FNS:
+        return REWARD_FNS[data_source]
     for prefix, fn in REWARD_PREFIXES.items():
         if data_source.startswith(prefix) and len(data_source) > len(prefix):
             return fn

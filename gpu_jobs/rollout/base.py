@@ -19,9 +19,11 @@ A response includes its final EOS token when finish_reason is "stop".
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gpu_jobs.registry import Registry
 
 
 class SamplingConfig(BaseModel):
@@ -86,19 +88,9 @@ class RolloutEngine(Protocol):
         ...
 
 
-ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
-
-
-def register_rollout_engine(name: str):
-    """Decorator registering a backend factory `(model, config, **kwargs) -> RolloutEngine`."""
-
-    def deco(factory):
-        if name in ROLLOUT_ENGINES:
-            raise ValueError(f"rollout engine {name!r} is already registered")
-        ROLLOUT_ENGINES[name] = factory
-        return factory
-
-    return deco
+ROLLOUT_ENGINES: Registry = Registry("rollout engine")
+register_rollout_engine = ROLLOUT_ENGINES.register
+"""Decorator registering a backend factory `(model, config, **kwargs) -> RolloutEngine`."""
 
 
 def get_rollout_engine(name: str, model_path, config: RolloutConfig | None = None,
@@ -108,8 +100,6 @@ def get_rollout_engine(name: str, model_path, config: RolloutConfig | None = Non
     the backend (both take `storage=StorageConfig`; "hf" also `tokenizer=`)."""
     from gpu_jobs.rollout import hf_engine, vllm_engine  # noqa: F401  (they register themselves)
 
-    if name not in ROLLOUT_ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}; choose one of {sorted(ROLLOUT_ENGINES)}")
     return ROLLOUT_ENGINES[name](model_path, config or RolloutConfig(), **kwargs)
 
 

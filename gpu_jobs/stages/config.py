@@ -18,7 +18,7 @@ from gpu_jobs.reward.config import RewardConfig
 from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig
 from gpu_jobs.train.config import CriticConfig, TrainerConfig
 from storage.config import StorageConfig
-from storage.datasets import DatasetConfig
+from gpu_jobs.data import DatasetConfig
 from storage.fs import redact_url
 from storage.layout import check_name, check_root
 from storage.quality import GateConfig

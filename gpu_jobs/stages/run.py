@@ -10,6 +10,7 @@ config differs. The warm engines that compute on it live in `engines.py`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -18,7 +19,8 @@ from typing import Any
 
 from gpu_jobs.stages.config import RunConfig, config_from_run_json, frozen_config
 from storage import ObjectExistsError, RunLayout, join
-from storage.datasets import PromptSampler, make_dataset, read_prompts
+from storage.datasets import read_prompts
+from gpu_jobs.data import PromptSampler, make_dataset
 
 log = logging.getLogger("rlmill")
 
@@ -52,7 +54,7 @@ class Run:
 
     def prompts(self, df: Any, rows: list[int], max_len: int | None) -> tuple[list[dict], list[list[int]]]:
         """Rows of a prompt dataset (verl fields plus `row`, their index) and their token ids."""
-        from storage.datasets import render_prompt
+        from gpu_jobs.data import render_prompt
 
         prompts = [dict(df.iloc[i].to_dict(), row=int(i)) for i in rows]
         return prompts, [render_prompt(p[self.cfg.data.prompt_key], self.tokenizer, max_len) for p in prompts]
@@ -166,7 +168,7 @@ def _prompts_within_length(cfg: RunConfig, split: str, df: Any, tokenizer: Any) 
     """data.overlong_prompts: 'error' refuses a prompt longer than data.max_prompt_length (naming
     its row) before anything of the run is written; 'filter' drops such rows and says how many
     (verl's filter_overlong_prompts)."""
-    from storage.datasets import OverlongPromptError, render_prompts
+    from gpu_jobs.data import OverlongPromptError, render_prompts
 
     try:
         _, kept, n_filtered = render_prompts(df[cfg.data.prompt_key].tolist(), tokenizer, cfg.data)
@@ -184,11 +186,13 @@ def _prompts_within_length(cfg: RunConfig, split: str, df: Any, tokenizer: Any) 
 
 def _gate_prompts(cfg: RunConfig, layout: RunLayout, split: str, df: Any, tokenizer: Any) -> Any:
     """great-expectations suite over a prompt dataset; quarantined rows are counted and written."""
+    from gpu_jobs.data import render_many
     from storage.quality import validate_prompts
 
     gate = cfg.gate.model_copy(update={"max_prompt_length": cfg.data.max_prompt_length})
     where = join(layout.root, "data_gate")
-    result = validate_prompts(df, gate, join(where, f"{split}_report.json"), tokenizer=tokenizer,
+    result = validate_prompts(df, gate, join(where, f"{split}_report.json"),
+                              render=functools.partial(render_many, tokenizer=tokenizer),
                               quarantine_url=join(where, f"{split}_quarantine.parquet"), storage=cfg.storage)
     if result.n_quarantined:
         log.warning("%s prompts: %d of %d rows quarantined (see %s)", split, result.n_quarantined,

@@ -69,7 +69,8 @@ def test_unknown_name_lists_valid(call, listed):
 def test_docstring_examples_run():
     import doctest
 
-    from gpu_jobs.algos import advantages, config, kl, registry
+    from gpu_jobs import registry
+    from gpu_jobs.algos import advantages, config, kl
 
     for module in (registry, advantages, kl, config):
         result = doctest.testmod(module)

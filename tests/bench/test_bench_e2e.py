@@ -89,7 +89,7 @@ def test_shared_evaluation_agrees_with_rlmill_engine_and_can_fail(builtin, tmp_p
 
 def test_trl_gets_exactly_the_prompts_of_rlmill_iterations(builtin, tmp_path):
     from gpu_jobs.stages import Run
-    from storage.datasets import render_prompt
+    from gpu_jobs.data import render_prompt
 
     _, _, tok = builtin
     w = be.Workload(prompts=4)

@@ -7,21 +7,8 @@ import json
 import pandas as pd
 import pytest
 
-from storage.datasets import (
-    DatasetConfig,
-    OverlongPromptError,
-    PromptSampler,
-    epoch_and_step,
-    epoch_permutation,
-    get_generator,
-    make_dataset,
-    read_prompts,
-    register_generator,
-    render_prompt,
-    render_prompts,
-    sample_batch,
-    write_prompts,
-)
+from storage.datasets import read_prompts, write_prompts
+from gpu_jobs.data import DatasetConfig, OverlongPromptError, PromptSampler, epoch_and_step, epoch_permutation, get_generator, make_dataset, register_generator, render_prompt, render_prompts, sample_batch
 
 
 @pytest.fixture(scope="module")

@@ -192,7 +192,8 @@ def test_nightly_cli_parses(monkeypatch):
 @pytest.mark.slow  # imports great_expectations (~5 s) and loads the built-in model's tokenizer
 def test_validate_new_data_gate(tmp_path):
     from flows.config import load_run_config
-    from storage.datasets import arith_row, read_prompts, write_prompts
+    from storage.datasets import read_prompts, write_prompts
+    from gpu_jobs.data import arith_row
     from storage.quality import DataQualityError
 
     rows = [arith_row(10 + i, 20, "train", i) for i in range(6)]

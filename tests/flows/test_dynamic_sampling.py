@@ -25,7 +25,7 @@ from gpu_jobs.stages.dynamic_sampling import (
     round_tag,
 )
 from gpu_jobs.stages.samples import SAMPLE_SCHEMA, sample_table
-from storage.datasets import PromptSampler
+from gpu_jobs.data import PromptSampler
 
 K = 1  # the iteration the fakes generate for
 

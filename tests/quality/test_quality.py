@@ -10,15 +10,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from storage.datasets import arith_row
+from gpu_jobs.data import arith_row
 from storage.quality import DataQualityError, GateConfig, validate_prompts, validate_rollout
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    """The gate's renderer: the built-in tokenizer's chat template (messages -> ids)."""
+    import functools
+
+    from gpu_jobs.data import render_many
     from gpu_jobs.models.tokenizer import build_tokenizer
 
-    return build_tokenizer()
+    return functools.partial(render_many, tokenizer=build_tokenizer())
 
 
 def prompts_df(n: int = 32) -> pd.DataFrame:
@@ -55,7 +59,7 @@ def _set(df: pd.DataFrame, row: int, col: str, value) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------- prompts
 def test_clean_prompts_pass_and_the_report_is_written(tokenizer, tmp_path):
     report = tmp_path / "_QUALITY.json"
-    res = validate_prompts(prompts_df(), GateConfig(max_prompt_length=6), str(report), tokenizer=tokenizer)
+    res = validate_prompts(prompts_df(), GateConfig(max_prompt_length=6), str(report), render=tokenizer)
     assert res.passed and res.n_rows == 32 and res.n_quarantined == 0 and res.failures == []
     body = json.loads(report.read_text())
     assert body["gate"] == "prompts" and body["validation"]["success"] is True
@@ -81,7 +85,7 @@ def test_each_prompt_violation_is_named(tokenizer, tmp_path, col, value, expecta
     df = _set(prompts_df(), 3, col, value)
     report = tmp_path / "r.json"
     with pytest.raises(DataQualityError) as err:
-        validate_prompts(df, GateConfig(max_prompt_length=6), str(report), tokenizer=tokenizer)
+        validate_prompts(df, GateConfig(max_prompt_length=6), str(report), render=tokenizer)
     msg = str(err.value)
     assert expectation in msg and f"column='{column}'" in msg and "rows [3]" in msg and str(report) in msg
     [failure] = [f for f in err.value.result.failures if f["column"] == column]
@@ -96,18 +100,18 @@ def test_a_malformed_message_in_a_file_is_named_by_the_gate(tokenizer, tmp_path)
     df["prompt"] = [p if i != 2 else [{"role": "user", "text": "2+2="}] for i, p in enumerate(df["prompt"])]
     df.to_parquet(tmp_path / "train.parquet")
     with pytest.raises(DataQualityError, match=r"dq_prompt_well_formed.*rows \[2\]"):
-        validate_prompts(read_prompts(str(tmp_path / "train.parquet")), GateConfig(), tokenizer=tokenizer)
+        validate_prompts(read_prompts(str(tmp_path / "train.parquet")), GateConfig(), render=tokenizer)
 
 
 def test_a_model_reward_row_needs_no_ground_truth(tokenizer):
     df = _set(prompts_df(), 0, "reward_model", {"style": "model", "ground_truth": None})
-    assert validate_prompts(df, GateConfig(max_prompt_length=6), tokenizer=tokenizer).passed
+    assert validate_prompts(df, GateConfig(max_prompt_length=6), render=tokenizer).passed
 
 
 def test_missing_column_raises_even_in_quarantine_mode(tokenizer):
     df = prompts_df().drop(columns=["reward_model"])
     with pytest.raises(DataQualityError) as err:
-        validate_prompts(df, GateConfig(max_prompt_length=6, on_failure="quarantine"), tokenizer=tokenizer)
+        validate_prompts(df, GateConfig(max_prompt_length=6, on_failure="quarantine"), render=tokenizer)
     assert "expect_column_to_exist(column='reward_model')" in str(err.value)
     assert "cannot be quarantined" in str(err.value)
 
@@ -204,7 +208,7 @@ def test_gates_write_reports_to_object_storage(s3_bucket_url, storage_config_s3,
     from storage import url_to_fs
 
     url = f"{s3_bucket_url}/runs/r1/data/_QUALITY.json"
-    validate_prompts(prompts_df(), GateConfig(max_prompt_length=6), url, tokenizer=tokenizer, storage=storage_config_s3)
+    validate_prompts(prompts_df(), GateConfig(max_prompt_length=6), url, render=tokenizer, storage=storage_config_s3)
     fs, path = url_to_fs(url, storage_config_s3)
     assert json.loads(fs.cat_file(path))["validation"]["success"] is True
 

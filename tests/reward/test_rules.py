@@ -108,7 +108,8 @@ def test_registering_a_data_source_twice_raises():
 
 
 def test_reasoning_gym_rows_score_with_their_task(tmp_path):
-    from storage.datasets import make_dataset, read_prompts
+    from storage.datasets import read_prompts
+    from gpu_jobs.data import make_dataset
 
     train_url, _ = make_dataset("gsm_symbolic", str(tmp_path), train_size=3, test_size=1, seed=0)
     for row in read_prompts(train_url).to_dict("records"):
@@ -128,7 +129,8 @@ def test_reasoning_gym_without_stored_entry_uses_the_ground_truth():
 @pytest.mark.parametrize("task", ["arc_agi", "countdown", "chain_sum"])
 def test_reasoning_gym_entries_survive_parquet_for_scoring(task, tmp_path):
     # arc_agi keeps its boards as tuples in the metadata: they must come back as tuples
-    from storage.datasets import make_dataset, read_prompts
+    from storage.datasets import read_prompts
+    from gpu_jobs.data import make_dataset
 
     train_url, _ = make_dataset(f"rg:{task}", str(tmp_path), train_size=2, test_size=0, seed=1)
     for row in read_prompts(train_url).to_dict("records"):

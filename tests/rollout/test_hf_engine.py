@@ -96,8 +96,10 @@ def test_seed_reproducibility(engine, prompts):
     c = engine.generate(prompts, 4, s.model_copy(update={"seed": 12}))
     assert a == b
     assert _responses(a) != _responses(c)
-    # samples of one prompt differ from each other (they are not copies of one stream)
-    assert len({tuple(r["response_ids"]) for r in a if r["prompt_index"] == 7}) > 1
+    # samples of one prompt differ from each other (they are not copies of one stream); at
+    # temperature 3 the distribution is near uniform, so this holds for any trained weights
+    hot = engine.generate(prompts, 4, s.model_copy(update={"temperature": 3.0}))
+    assert len({tuple(r["response_ids"]) for r in hot if r["prompt_index"] == 7}) > 1
 
 
 def test_finish_reasons_and_eos(engine, builtin, prompts):
@@ -170,7 +172,7 @@ def test_registry_builds_from_path_and_rejects_unknown_names(builtin, builtin_pa
     from_module = get_rollout_engine("hf", model, tokenizer=tok)
     assert from_module.model is model  # shared, not copied
     assert _responses(from_module.generate(prompts, 1, GREEDY)) == _responses(eng.generate(prompts, 1, GREEDY))
-    with pytest.raises(ValueError, match=r"'hf'.*'vllm'"):
+    with pytest.raises(ValueError, match=r"valid names are: hf, vllm"):
         get_rollout_engine("sglang", builtin_path)
     with pytest.raises(ValueError, match="already registered"):
         register_rollout_engine("hf")(lambda *a: None)

@@ -1,4 +1,6 @@
-"""A small name -> callable registry shared by every algorithm family in ``gpu_jobs.algos``.
+"""A small name -> callable registry, the one every family of variants uses: advantage
+estimators, policy losses and KL estimators (``gpu_jobs.algos``), rollout engines, reward
+functions and dataset generators.
 
 Registering a name twice raises; asking for an unknown name raises and lists the valid names
 (fsspec ``registry.py``, verl ``register_adv_est``). Keys are plain strings; members of a

@@ -1,0 +1,14 @@
+"""Prompt data for the stages: built-in dataset generators, batch sampling, chat rendering.
+
+Reading and writing verl-format Parquet is `storage.datasets`; this package is what needs a
+seed or a tokenizer.
+"""
+
+from gpu_jobs.data.generators import (ARITH_SOURCE, GENERATORS, RG_SOURCE_PREFIX, arith_pairs, arith_row,
+                                      get_generator, make_dataset, register_generator)
+from gpu_jobs.data.rendering import DatasetConfig, OverlongPromptError, render_many, render_prompt, render_prompts
+from gpu_jobs.data.sampling import PromptSampler, epoch_and_step, epoch_permutation, sample_batch
+
+__all__ = ["ARITH_SOURCE", "GENERATORS", "RG_SOURCE_PREFIX", "arith_pairs", "arith_row", "get_generator",
+           "make_dataset", "register_generator", "DatasetConfig", "OverlongPromptError", "render_many",
+           "render_prompt", "render_prompts", "PromptSampler", "epoch_and_step", "epoch_permutation", "sample_batch"]

@@ -1,0 +1,165 @@
+"""Built-in prompt datasets, generated offline in verl's Parquet format.
+
+    >>> from gpu_jobs.data import make_dataset
+    >>> train_url, test_url = make_dataset("arith", "/tmp/data/arith", train_size=512, test_size=64, seed=0)
+
+Generators are registered by name: "arith" (the built-in 2-digit addition task),
+"gsm_symbolic" (reasoning-gym's GSM8K-style word problems) and "rg:<task>" for any other
+reasoning-gym task. A reasoning-gym row keeps the generated entry as a JSON string in
+`extra_info["rg_entry"]`, which is what the reward needs to call that task's `score_answer`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from gpu_jobs.registry import Registry
+from storage import join
+from storage.datasets import write_prompts
+
+ARITH_SOURCE = "rlmill/arith"
+RG_SOURCE_PREFIX = "reasoning_gym/"
+
+__all__ = ["ARITH_SOURCE", "RG_SOURCE_PREFIX", "GENERATORS", "register_generator", "get_generator", "make_dataset",
+           "arith_pairs", "arith_row"]
+
+
+def _json_safe(value: Any) -> Any:
+    """Metadata from task generators -> JSON-representable data.
+
+    Tuples and sets become {"__tuple__": [...]} / {"__set__": [...]} so the scorer can rebuild
+    them (`gpu_jobs.reward.rules.decode_rg_entry`): some tasks' score_answer compares a parsed
+    answer with a tuple in the metadata, and a list would never be equal. Fractions and other
+    objects become their str().
+    """
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_json_safe(v) for v in value]}
+    if isinstance(value, (set, frozenset)):
+        return {"__set__": [_json_safe(v) for v in sorted(value, key=repr)]}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Fraction):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+Generator = Callable[[str, int, int], list[dict[str, Any]]]
+"""(split, size, seed) -> verl rows. Must be deterministic in its arguments."""
+
+GENERATORS: Registry = Registry("dataset generator")
+register_generator = GENERATORS.register
+"""Decorator: register a dataset generator under `name`; registering a name twice raises."""
+
+
+def get_generator(name: str) -> Generator:
+    """The generator for `name`; "rg:<task>" builds any reasoning-gym task. Unknown names raise."""
+    if name.startswith("rg:") and len(name) > 3:
+        task = name[3:]
+        return lambda split, size, seed: _reasoning_gym_rows(task, split, size, seed)
+    return GENERATORS[name]  # raises UnknownNameError (a KeyError) listing the known names
+
+
+def _split_seed(seed: int, split: str) -> int:
+    # Train and test draw from different streams, so test is not a prefix of train.
+    return int(np.random.SeedSequence([seed, {"train": 0, "test": 1}.get(split, 2)]).generate_state(1)[0])
+
+
+def arith_pairs(n_total: int, seed: int) -> list[tuple[int, int]]:
+    """n_total distinct (a, b) pairs with a, b in 10..99, in a seeded random order."""
+    if n_total > 90 * 90:
+        raise ValueError(f"arith has only {90 * 90} distinct prompts; asked for {n_total}")
+    order = np.random.default_rng(seed).permutation(90 * 90)[:n_total]
+    return [(10 + int(k) // 90, 10 + int(k) % 90) for k in order]
+
+
+def arith_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
+    """One row of the built-in task (the contract): prompt "a+b=", ground truth str(a+b)."""
+    return {
+        "data_source": ARITH_SOURCE,
+        "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": index, "a": a, "b": b},
+    }
+
+
+@register_generator("arith")
+def _arith(split: str, size: int, seed: int) -> list[dict[str, Any]]:
+    # Standalone use: one split's stream. make_dataset uses _arith_splits so that test
+    # prompts never appear in train.
+    return [arith_row(a, b, split, i) for i, (a, b) in enumerate(arith_pairs(size, _split_seed(seed, split)))]
+
+
+def _arith_splits(train_size: int, test_size: int, seed: int):
+    pairs = arith_pairs(train_size + test_size, seed)
+    test = [arith_row(a, b, "test", i) for i, (a, b) in enumerate(pairs[:test_size])]
+    train = [arith_row(a, b, "train", i) for i, (a, b) in enumerate(pairs[test_size:])]
+    return train, test
+
+
+def _reasoning_gym_rows(task: str, split: str, size: int, seed: int) -> list[dict[str, Any]]:
+    import reasoning_gym
+
+    if size == 0:  # reasoning-gym refuses size 0
+        return []
+    ds = reasoning_gym.create_dataset(task, size=size, seed=_split_seed(seed, split))
+    rows = []
+    for i in range(size):
+        entry = ds[i]
+        answer = entry.get("answer")
+        stored = _json_safe({"question": entry["question"], "answer": answer, "metadata": entry.get("metadata", {})})
+        rows.append(
+            {
+                "data_source": RG_SOURCE_PREFIX + task,
+                "prompt": [{"role": "user", "content": entry["question"]}],
+                "ability": "reasoning",
+                "reward_model": {"style": "rule", "ground_truth": "" if answer is None else str(answer)},
+                "extra_info": {"split": split, "index": i, "rg_task": task, "rg_entry": json.dumps(stored)},
+            }
+        )
+    return rows
+
+
+@register_generator("gsm_symbolic")
+def _gsm_symbolic(split: str, size: int, seed: int) -> list[dict[str, Any]]:
+    return _reasoning_gym_rows("gsm_symbolic", split, size, seed)
+
+
+def make_dataset(
+    name: str, out_url: str, *, train_size: int, test_size: int, seed: int, storage=None
+) -> tuple[str, str]:
+    """Generate `name` and write `<out_url>/train.parquet` and `<out_url>/test.parquet`.
+
+    Deterministic in (name, sizes, seed), so re-running (a retried task) rewrites identical
+    files. Each file is moved into place whole; a reader never sees a partial file.
+    """
+    if train_size < 0 or test_size < 0:
+        raise ValueError("train_size and test_size must be >= 0")
+    if name == "arith":
+        train, test = _arith_splits(train_size, test_size, seed)
+    else:
+        gen = get_generator(name)
+        train, test = gen("train", train_size, seed), gen("test", test_size, seed)
+    train_url, test_url = join(out_url, "train.parquet"), join(out_url, "test.parquet")
+    write_prompts(test, test_url, storage=storage)
+    write_prompts(train, train_url, storage=storage)
+    return train_url, test_url
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling: a pure function of (seed, epoch, iteration)
+# --------------------------------------------------------------------------------------------

@@ -105,32 +105,32 @@ def train_night(config: str | None, overrides: list[str], *, base: str, train_fi
 # ------------------------------------------------------------------------------------ evaluation
 def evaluate_model(model: str, heldout_files: list[str], eval_size: int, cfg: "RunConfig") -> dict[str, float]:
     """Greedy decoding of `model` (alias, folder or storage URL) on the first `eval_size`
-    held-out rows, scored by the run's reward. Returns mean reward, exact match and n."""
+    held-out rows, scored by the run's reward exactly as the run's validation scores
+    (gpu_jobs.stages.scoring.greedy_evaluate). Returns mean reward, exact match and n."""
     import gc
 
-    from gpu_jobs.models import load_tokenizer, resolve_model_path
-    from gpu_jobs.reward import score_batch
-    from gpu_jobs.rollout import get_rollout_engine
-    from gpu_jobs.stages.samples import ground_truth_of
-    from storage.datasets import read_prompts
     from gpu_jobs.data import render_many
+    from gpu_jobs.models import load_tokenizer, resolve_model_path
+    from gpu_jobs.reward import decode_ground_truth
+    from gpu_jobs.rollout import get_rollout_engine
+    from gpu_jobs.stages.scoring import greedy_evaluate
+    from storage.datasets import read_prompts
 
     rows = read_prompts(heldout_files, storage=cfg.storage).iloc[:eval_size]
     path = resolve_model_path(model, cfg.storage, cfg.model.seed)
     tok = load_tokenizer(path)
+    prompts = [dict(r, row=i) for i, r in enumerate(rows.to_dict("records"))]
     engine = get_rollout_engine(cfg.rollout.engine, path, cfg.rollout.engine_options)
     try:
-        out = engine.generate(render_many(rows[cfg.data.prompt_key], tok), 1, cfg.rollout.greedy())
+        table, metrics = greedy_evaluate(engine, tok, prompts, render_many(rows[cfg.data.prompt_key], tok),
+                                         cfg.reward, cfg.rollout.max_response_length)
     finally:
         del engine
         gc.collect()
-    texts = tok.batch_decode([r["response_ids"] for r in out], skip_special_tokens=True)
-    truths = [ground_truth_of(rm) for rm in rows["reward_model"]]
-    extras = rows["extra_info"] if "extra_info" in rows else [None] * len(rows)
-    scores, _, _ = score_batch([{"data_source": d, "solution_str": s, "ground_truth": g, "extra_info": e}
-                                for d, s, g, e in zip(rows["data_source"], texts, truths, extras)], cfg.reward)
-    n = len(scores)
-    return {"mean_reward": sum(scores) / n if n else float("nan"),
+    texts = table.column("response_text").to_pylist()
+    truths = [str(decode_ground_truth(g)) for g in table.column("ground_truth").to_pylist()]
+    n = int(metrics["val/n"])
+    return {"mean_reward": metrics["val/acc"] if n else float("nan"),
             "exact_match": sum(t.strip() == g for t, g in zip(texts, truths)) / n if n else float("nan"),
             "n": n}
 

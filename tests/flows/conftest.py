@@ -6,23 +6,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "grpo_arith.yaml"
-
-# Small enough that an iteration takes a second or two on 2 busy cores.
-TINY = [
-    "data.train_batch_size=8",
-    "rollout.n=4",
-    "data.val_size=32",
-    "data.train_size=600",
-    "actor.ppo_mini_batch_size=4",
-    "trainer.tensorboard=false",
-    "trainer.samples_in_artifact=2",
-]
-
-
-def tiny_overrides(root: str, *extra: str) -> list[str]:
-    return [f"root={root}", *TINY, *extra]
+from tests.tiny import EXAMPLE, tiny_overrides
 
 
 @pytest.fixture(scope="session")

@@ -12,19 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "grpo_arith.yaml"
-
-# Small enough that an iteration takes a second or two on 2 busy cores (as tests/flows).
-TINY = [
-    "data.train_batch_size=8",
-    "rollout.n=4",
-    "data.val_size=32",
-    "data.train_size=600",
-    "actor.ppo_mini_batch_size=4",
-    "trainer.tensorboard=false",
-    "trainer.samples_in_artifact=2",
-]
+from tests.tiny import EXAMPLE, REPO, tiny_overrides  # noqa: F401  (REPO: used by the security tests)
 
 
 @dataclass(frozen=True)
@@ -51,4 +39,4 @@ def example_path() -> Path:
 @pytest.fixture(scope="session")
 def tiny():
     """tiny(root, *extra) -> the override list of a tiny run under `root`."""
-    return lambda root, *extra: [f"root={root}", *TINY, *extra]
+    return tiny_overrides

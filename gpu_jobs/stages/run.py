@@ -167,21 +167,35 @@ def _datasets(cfg: RunConfig) -> tuple[list[str], list[str]]:
 def _prompts_within_length(cfg: RunConfig, split: str, df: Any, tokenizer: Any) -> Any:
     """data.overlong_prompts: 'error' refuses a prompt longer than data.max_prompt_length (naming
     its row) before anything of the run is written; 'filter' drops such rows and says how many
-    (verl's filter_overlong_prompts)."""
+    (verl's filter_overlong_prompts). Malformed prompts are left for the data gate to name."""
     from gpu_jobs.data import OverlongPromptError, render_prompts
+    from storage.datasets import normalize_messages
 
-    try:
-        _, kept, n_filtered = render_prompts(df[cfg.data.prompt_key].tolist(), tokenizer, cfg.data)
-    except OverlongPromptError as e:
-        raise OverlongPromptError(f"{split} prompts: {e}") from None
+    prompts = df[cfg.data.prompt_key].tolist()
+    well_formed = [i for i, p in enumerate(prompts) if _normalizes(normalize_messages, p)]
+    as_filter = cfg.data.model_copy(update={"overlong_prompts": "filter"})
+    _, kept, n_filtered = render_prompts([prompts[i] for i in well_formed], tokenizer, as_filter)
     if not n_filtered:
         return df
+    dropped = sorted(set(well_formed) - {well_formed[i] for i in kept})
+    if cfg.data.overlong_prompts == "error":
+        raise OverlongPromptError(
+            f"{split} prompts: {len(dropped)} longer than data.max_prompt_length={cfg.data.max_prompt_length} "
+            f"tokens, first at row {dropped[0]}; raise data.max_prompt_length or set data.overlong_prompts=filter")
     log.warning("%s prompts: dropped %d of %d longer than data.max_prompt_length=%d (data.overlong_prompts=filter)",
                 split, n_filtered, len(df), cfg.data.max_prompt_length)
-    if not kept:
+    if len(dropped) == len(df):
         raise OverlongPromptError(f"every {split} prompt is longer than data.max_prompt_length="
                                   f"{cfg.data.max_prompt_length}: raise it")
-    return df.iloc[kept].reset_index(drop=True)
+    return df.drop(index=df.index[dropped]).reset_index(drop=True)
+
+
+def _normalizes(normalize: Any, prompt: Any) -> bool:
+    try:
+        msgs = normalize(prompt)
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return False
+    return bool(msgs) and all(isinstance(m["content"], str) and isinstance(m["role"], str) for m in msgs)
 
 
 def _gate_prompts(cfg: RunConfig, layout: RunLayout, split: str, df: Any, tokenizer: Any) -> Any:

@@ -55,6 +55,7 @@ def test_list_new_files(tmp_path):
     _touch(prefix / ".b.parquet.tmp-123", 5)       # write_prompts' staging name
     _touch(prefix / "_quarantine" / "c.parquet", 5)
     _touch(prefix / "notes.txt", 5)
+    _touch(prefix / "day3" / "test.parquet", 7)      # a `rlmill data make` folder's held-out split
     found = I.list_new_files(str(prefix), {})
     assert [(f.rel, f.size) for f in found] == [("a.parquet", 10), ("day2/b.parquet", 20)]
     assert found[1].url == f"{prefix}/day2/b.parquet"

@@ -122,7 +122,8 @@ def test_ui_flow_run_page_shows_subflows_and_metrics_artifact(manual_run, prefec
 
 # ------------------------------------------------------------------------------ (d) nightly
 def _write_arith(url: Path, n: int, seed: int) -> None:
-    from storage.datasets import arith_pairs, arith_row, write_prompts
+    from storage.datasets import write_prompts
+    from gpu_jobs.data import arith_pairs, arith_row
 
     write_prompts([arith_row(a, b, "train", i) for i, (a, b) in enumerate(arith_pairs(n, seed))], str(url))
 

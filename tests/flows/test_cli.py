@@ -1,5 +1,7 @@
 """The rlmill command line (in-process: argument parsing and the cheap commands)."""
 
+import sys
+
 import pytest
 
 from flows.cli import main
@@ -83,7 +85,11 @@ def test_verify_names_a_missing_run_and_the_runs_there(example_path, tmp_path):
     message = _refused(["verify", "--config", str(example_path), f"root={root}", "run_id=my-rn"])
     assert f"no run 'my-rn' under {root}; runs there: my-run" in message
     assert "intact" not in message
-    assert "runs there: none" in _refused(["verify", "--config", str(example_path), f"root={tmp_path / 'empty'}"])
+    # Without run_id there is no run to check (the examples name none): say so, listing the runs.
+    message = _refused(["verify", "--config", str(example_path), f"root={tmp_path / 'empty'}"])
+    assert "add run_id=<id>" in message and "runs there: none" in message
+    message = _refused(["verify", "--config", str(example_path), f"root={root}"])
+    assert "add run_id=<id>" in message and "runs there: my-run" in message
 
 
 def _frozen_run(tiny_config, root):
@@ -105,8 +111,9 @@ def test_train_refuses_a_reused_run_id_with_another_config_before_prefect_starts
     cfg = _frozen_run(tiny_config, root)
     cli._check_startable(cfg)  # the same config resumes
     cli._check_startable(tiny_config("trainer.total_iterations=50", root=root))  # so does a longer run
-    message = _refused(["train", "--config", str(example_path), *tiny(root, "rollout.n=2")])
+    message = _refused(["train", "--config", str(example_path), *tiny(root, "rollout.n=2", f"run_id={cfg.run_id}")])
     assert f"run '{cfg.run_id}' already exists" in message and "(rollout.n)" in message
+    assert "\n" not in message and "another run_id" in message
 
 
 def test_train_refuses_missing_data_files_and_model_folders(example_path, tiny, tmp_path, monkeypatch):
@@ -130,8 +137,8 @@ def test_train_refuses_a_run_another_process_holds(example_path, tiny, tmp_path,
     monkeypatch.setattr(cli, "_start_ephemeral_api", lambda: pytest.fail("Prefect started"))
     root = str(tmp_path / "root")
     # flock is per open file: a second RunLock in this process conflicts like another process.
-    with RunLock(root, "grpo-arith"):
-        message = _refused(["train", "--config", str(example_path), *tiny(root)])
+    with RunLock(root, "held"):
+        message = _refused(["train", "--config", str(example_path), *tiny(root, "run_id=held")])
     assert "already being trained by pid" in message
 
 
@@ -170,3 +177,191 @@ def test_overrides_may_follow_options(example_path, capsys):
     with pytest.raises(SystemExit) as err:
         main(["config", "show", "--bogus"])
     assert err.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- run ids
+def test_examples_name_no_run_id_so_runs_never_collide(example_path):
+    import yaml
+
+    for path in sorted(example_path.parent.glob("*.yaml")):
+        assert "run_id" not in (yaml.safe_load(path.read_text()) or {}), f"{path.name} fixes a run id"
+
+
+def test_the_run_id_rule(example_path):
+    from flows.overrides import fresh_run_id, with_run_id
+
+    when = 1796117400.0  # fixed: local time of that instant names the run
+    stamp = __import__("time").strftime("%Y%m%d-%H%M%S", __import__("time").localtime(when))
+    assert fresh_run_id(str(example_path), when) == f"grpo-arith-{stamp}"
+    assert fresh_run_id(None, when) == f"run-{stamp}"
+    # Not named: a fresh id is added (and returned); named (override or YAML): left alone.
+    overrides, fresh = with_run_id(str(example_path), ["rollout.n=4"])
+    assert fresh and fresh.startswith("grpo-arith-") and overrides == ["rollout.n=4", f"run_id={fresh}"]
+    assert with_run_id(str(example_path), ["run_id=mine"]) == (["run_id=mine"], None)
+    # A fresh id already used (two runs in one second) gets -2, -3, ...
+    _, again = with_run_id(str(example_path), [], taken=lambda r: not r.endswith("-3"))
+    assert again.endswith("-3")
+
+
+def test_train_prints_the_fresh_run_id_first_and_passes_it_to_the_flow(example_path, tiny, tmp_path, monkeypatch,
+                                                                      capsys):
+    import flows.cli as cli
+    import flows.training as training
+
+    monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setattr(cli, "_start_ephemeral_api", lambda: None)
+    seen = []
+
+    def fake_rl_training(config, overrides):
+        seen.append(overrides)
+        run_id = next(o.split("=", 1)[1] for o in overrides if o.startswith("run_id="))
+        return {"run_id": run_id, "val/acc before": 0.4, "val/acc after": 0.5, "iterations": 1,
+                "train seconds (this process)": 1.0, "curves": "x.png", "val_curve": [(0, 0.0, 0.4)]}
+
+    monkeypatch.setattr(training, "rl_training", fake_rl_training)
+    main(["train", "--config", str(example_path), *tiny(str(tmp_path / "root"))])
+    out = capsys.readouterr().out
+    run_id = seen[0][-1].split("=", 1)[1]
+    assert run_id.startswith("grpo-arith-") and seen[0][-1] == f"run_id={run_id}"
+    first = out.lstrip().splitlines()[0]
+    assert first == f"rlmill: new run {run_id}; to resume it, run the same command with run_id={run_id}"
+    assert "held-out mean score (val/acc), before RL" in out and "exact match" not in out
+    # Naming it resumes it: no new id, and the line says so.
+    main(["train", "--config", str(example_path), *tiny(str(tmp_path / "root")), f"run_id={run_id}"])
+    assert seen[1].count(f"run_id={run_id}") == 1
+    assert capsys.readouterr().out.lstrip().startswith(f"rlmill: run {run_id} (new)")
+
+
+def test_run_uses_the_embedded_copy_of_grpo_arith_yaml(example_path):
+    """`rlmill run` must work from an installed wheel, which has no examples/ folder."""
+    import yaml
+
+    from flows.cli import DEFAULT_RUN_CONFIG, as_overrides
+    from flows.config import load_run_config
+
+    assert yaml.safe_load(example_path.read_text()) == DEFAULT_RUN_CONFIG
+    assert load_run_config(None, as_overrides(DEFAULT_RUN_CONFIG)) == load_run_config(example_path)
+
+
+# ----------------------------------------------------------------------------- one-line errors
+def test_user_error_lines_are_one_line_with_the_fix(tiny_config):
+    from flows.config import ConfigError, load_run_config
+    from flows.reporting import UserError, user_error_line
+    from flows.run_lock import RunLockedError
+    from gpu_jobs.stages import RunConfigMismatchError
+    from gpu_jobs.data import OverlongPromptError
+    from storage.quality import DataQualityError, GateResult
+
+    try:
+        load_run_config(None, ["rollout.nn=4", "actor.lr=0"])
+    except ConfigError as exc:
+        line = user_error_line(exc)
+        assert line.startswith("invalid run config: rollout.nn: unknown key (did you mean rollout.n?")
+        assert "; actor.lr: Input should be greater than 0" in line and "fix: change these keys" in line
+        assert user_error_line(exc, one_line=False) == str(exc)  # the CLI's one-key-per-line form
+    cases = {
+        RunConfigMismatchError("run 'r' already exists under /x with a different config (rollout.n); resume it "
+                               "with the same config, or start a new run with another run_id"): "leave run_id out",
+        RunLockedError("run 'r' under /x is already being trained by pid 1 on h; wait for it to finish"): "wait",
+        OverlongPromptError("train prompts: prompt at row 3 renders to 90 tokens > max_prompt_length=64; "
+                            "raise max_prompt_length or set overlong_prompts='filter'"): "data.overlong_prompts=filter",
+        OverlongPromptError("every train prompt is longer than data.max_prompt_length=4: raise it"): "raise it",
+        DataQualityError("data-quality gate 'prompts' failed 1 expectation(s) on 40 rows:\n empty prompt",
+                         GateResult(passed=False, n_rows=40, n_quarantined=0)): "gate.on_failure=quarantine",
+        UserError("model.path x is not a folder: name one"): "name one",
+    }
+    for exc, fix in cases.items():
+        line = user_error_line(exc)
+        assert line and "\n" not in line and fix in line, line
+    cfg = tiny_config("data.train_files=[/nope/train.parquet]")
+    missing = FileNotFoundError(2, "No such file or directory", "/nope/train.parquet")
+    assert user_error_line(missing, cfg).startswith("data file /nope/train.parquet (data.train_files) does not exist")
+    assert user_error_line(FileNotFoundError("/elsewhere"), cfg) is None  # not a data file: a bug
+    assert user_error_line(KeyError("x")) is None
+
+
+def test_unexpected_errors_print_one_summary_line_then_the_traceback(monkeypatch, example_path, capsys):
+    import flows.cli as cli
+
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_config_show", broken)
+    with pytest.raises(KeyError):
+        main(["config", "show", "--config", str(example_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlmill: unexpected error: KeyError: 'a bug'")
+    assert "traceback follows" in err[0]
+
+
+def test_an_error_the_flow_already_reported_is_not_printed_again(monkeypatch, example_path, capsys):
+    """The rl-training flow logs its summary line and Prefect logs the traceback: the console
+    script then only exits 1 (a second traceback would bury the first)."""
+    import flows.cli as cli
+
+    def reported(args):
+        exc = KeyError("in the flow")
+        exc.rlmill_reported = True
+        raise exc
+
+    monkeypatch.setattr(cli, "cmd_config_show", reported)
+    monkeypatch.setattr(sys, "argv", ["rlmill", "config", "show", "--config", str(example_path)])
+    with pytest.raises(SystemExit) as err:
+        cli.entry()
+    assert err.value.code == 1 and capsys.readouterr().err == ""
+
+
+def test_an_in_flow_user_error_ends_in_its_line(monkeypatch, example_path):
+    import flows.cli as cli
+
+    def failed(args):
+        exc = FileNotFoundError("s3://b/train.parquet")
+        exc.rlmill_line = "data file s3://b/train.parquet (data.train_files) does not exist: fix the path"
+        raise exc
+
+    monkeypatch.setattr(cli, "cmd_config_show", failed)
+    assert _refused(["config", "show"]) == ("rlmill: data file s3://b/train.parquet (data.train_files) does not "
+                                            "exist: fix the path")
+
+
+# ----------------------------------------------------------------------------- nightly data, models
+def test_data_make_train_only_writes_the_same_train_rows_and_no_test_file(tmp_path):
+    from storage.datasets import read_prompts
+
+    main(["data", "make", "arith", "--out", str(tmp_path / "full"), "--train-size", "60"])
+    main(["data", "make", "arith", "--out", str(tmp_path / "incoming" / "day1"), "--train-size", "60", "--train-only"])
+    assert sorted(p.name for p in (tmp_path / "incoming" / "day1").iterdir()) == ["train.parquet"]
+    full, only = (read_prompts(str(tmp_path / d / "train.parquet")) for d in ("full", "incoming/day1"))
+    assert full.equals(only)
+    test = {m[0]["content"] for m in read_prompts(str(tmp_path / "full" / "test.parquet"))["prompt"]}
+    assert not test & {m[0]["content"] for m in only["prompt"]}
+
+
+def test_models_fetch_knows_smollm2_only(tmp_path):
+    assert "knows smollm2" in _refused(["models", "fetch", "llama"])
+
+
+def test_run_names_its_run_and_resumes_a_named_one(tmp_path, monkeypatch, capsys):
+    import flows.cli as cli
+    import flows.training as training
+
+    monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setattr(cli, "_start_ephemeral_api", lambda: None)
+    seen = []
+
+    def fake_rl_training(config, overrides):
+        seen.append((config, overrides))
+        run_id = [o for o in overrides if o.startswith("run_id=")][-1].split("=", 1)[1]
+        return {"run_id": run_id, "val/acc before": 0.4, "val/acc after": 0.5, "iterations": 1,
+                "train seconds (this process)": 1.0, "curves": "x.png", "val_curve": []}
+
+    monkeypatch.setattr(training, "rl_training", fake_rl_training)
+    main(["run", f"root={tmp_path}"])
+    config, overrides = seen[-1]
+    assert config is None and f"root={tmp_path}" in overrides  # the embedded config, then the user's
+    fresh = overrides[-1].split("=", 1)[1]
+    assert fresh.startswith("grpo-arith-") and f"to resume it: rlmill run --run-id {fresh}" in capsys.readouterr().out
+    main(["run", f"root={tmp_path}", "run_id=mine"])
+    assert seen[-1][1][-1] == "run_id=mine"
+    main(["run", "--run-id", "again", f"root={tmp_path}"])
+    assert seen[-1][1][-1] == "run_id=again"

@@ -179,3 +179,24 @@ def test_remax_scores_a_greedy_baseline_per_prompt(tiny_config):
     adv = read_table(uris["advantages"], storage=run.storage)
     for g, score, a in zip(*(adv.column(c).to_pylist() for c in ("group_id", "score", "advantages"))):
         assert a == pytest.approx([score - by_group[g]] * len(a))
+
+
+def test_overlong_prompts_are_refused_or_filtered_as_configured(tiny_config, tmp_path):
+    """data.overlong_prompts in a real run: 'error' names the row before anything is written,
+    'filter' drops the row (verl's filter_overlong_prompts); malformed rows stay the gate's."""
+    from gpu_jobs.data import OverlongPromptError
+    from storage.datasets import write_prompts
+
+    rows = [{"data_source": "rlmill/arith", "prompt": [{"role": "user", "content": f"{a}+1="}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(a + 1)}, "extra_info": {"index": a}}
+            for a in range(10, 40)]
+    rows[5]["prompt"] = [{"role": "user", "content": "1+" * 40 + "1="}]  # 82 characters: overlong
+    data = tmp_path / "long.parquet"
+    write_prompts(rows, str(data))
+    files = (f"data.train_files=[{data}]", f"data.val_files=[{data}]", "data.max_prompt_length=16")
+    cfg = tiny_config(*files, "run_id=long", root=str(tmp_path / "root"))
+    with pytest.raises(OverlongPromptError, match="row 5"):
+        Run.open(cfg)
+    assert not (tmp_path / "root" / "runs" / "long" / "run.json").exists()
+    run = Run.open(tiny_config(*files, "data.overlong_prompts=filter", "run_id=filtered", root=str(tmp_path / "root")))
+    assert len(run.train) == 29 and "1+1+" not in str(run.train["prompt"].tolist())

@@ -304,7 +304,7 @@ def test_a_real_run_on_s3_leaks_no_credentials(prefect_api, secrets, s3_endpoint
     assert any(k.endswith("/_MANIFEST.json") for k in objects) and any(k.endswith("policy/config.json") for k in objects)
     assert any("tfevents" in k for k in local) and any("results" in k for k in local)
     assert "iterations committed" in prefect["prefect logs"] and f"{run_id}-metrics" in prefect["prefect artifacts"]
-    assert "iter-0001" in prefect["prefect flow_runs"] and "held-out exact match" in proc.stdout
+    assert "iter-0001" in prefect["prefect flow_runs"] and "held-out mean score (val/acc)" in proc.stdout
     haystacks = {**objects, **local, **prefect, "stdout": proc.stdout, "stderr": proc.stderr}
     assert _leaks(haystacks, secrets.all()) == []
 

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow, get_run_logger, tags, task
+from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig, frozen_config, load_run_config
 from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact, iteration_artifacts,
@@ -71,7 +72,7 @@ class PrefectCalls:
         return task
 
 
-@task(name="remote-stage")
+@task(name="remote-stage", cache_policy=NO_CACHE)  # the stage itself is idempotent; a Run cannot be hashed
 def _remote_stage(run: Run, k: int, stage: str, inputs: list[str]) -> str:
     """A run of the stage deployment, started from a task so Prefect's task runner can overlap
     it with another (async: a rollout on one pool while the update runs on another)."""

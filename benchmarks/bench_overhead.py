@@ -44,7 +44,7 @@ def memory_loop(cfg, iterations: int) -> list[float]:
     from gpu_jobs.reward import score_batch
     from gpu_jobs.stages import Engines, Run
     from gpu_jobs.stages.advantage_math import batch_advantages
-    from gpu_jobs.stages.iteration import sampling_seed
+    from gpu_jobs.stages.run import sampling_seed
     from gpu_jobs.stages.samples import sample_table
     from gpu_jobs.data import render_prompt
     import pyarrow as pa

@@ -96,12 +96,27 @@ class LoopConfig(_Section):
         "colocated", description="Where GPU stages run. 'colocated': in the flow process with warm engines. "
         "'remote': rollout, update and validation run as runs of the stage deployment on its work pool, "
         "handing weights over through checkpoints in storage.")
+    n_gpus_per_node: int = Field(
+        1, ge=1, description="Trainer ranks (verl's name; on CPU, processes). > 1 starts a warm group of DeepSpeed "
+        "ranks with torchrun on the first update and keeps it for the run: ZeRO-3 partitions parameters, "
+        "gradients and optimizer state across them; the reference model and critic stay on one rank.")
+    nnodes: int = Field(
+        1, ge=1, description="Nodes of the trainer group. Only 1 today: the group runs on the flow's node "
+        "(or the remote update's, with placement=remote).")
     stage_deployment: str = Field(
         "rl-stage/gpu", description="With placement=remote: the deployment (flow/deployment) that runs GPU stages.")
     samples_in_artifact: int = Field(4, ge=0, description="Prompts/responses shown in each iteration's markdown artifact.")
     tensorboard: bool = Field(True, description="Also write metrics as TensorBoard events under the run's folder.")
     loggers: list[Literal["wandb", "mlflow"]] = Field(
         default_factory=list, description="Extra metric loggers: 'wandb' and/or 'mlflow' (their packages must be installed).")
+
+    @field_validator("nnodes")
+    @classmethod
+    def _one_node(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("the trainer's rank group runs on one node for now: set trainer.nnodes=1 and "
+                             "trainer.n_gpus_per_node to the ranks you want")
+        return v
 
     @model_validator(mode="after")
     def _loggers_installed(self) -> "LoopConfig":
@@ -149,10 +164,34 @@ class AsyncConfig(_Section):
         return max(0, k - 1 - self.staleness_threshold)
 
 
+TASK_RETRY_DELAYS = (10.0, 40.0, 160.0)  # tasks.retry_delay_seconds' default (see its description)
+
+
 class TaskConfig(_Section):
     retries: int = Field(2, ge=0, description="Prefect retries of each stage task (stages are idempotent).")
-    retry_delay_seconds: float = Field(0.0, ge=0, description="Delay between retries.")
+    retry_delay_seconds: float | list[float] = Field(
+        default_factory=lambda: list(TASK_RETRY_DELAYS),
+        description="Wait before each retry of a failed stage task: one number for every retry, or a "
+        "list (retry i waits entry i; the last entry repeats; at most 50). The default [10, 40, 160] "
+        "backs off x4: transient storage faults are already waited out inside the task (up to "
+        "storage.retry_budget_seconds, 5 min), so what reaches a task retry is an outage longer "
+        "than that or another transient failure (an engine, a worker, the Prefect API). 10 s rides "
+        "out a blip, 40 s a service restart, and every attempt waits out storage for 5 min more; "
+        "a task that fails for good costs 50 s more with the default 2 retries. 0 = immediately "
+        "(all retries then fall inside the same outage).")
     timeout_seconds: float | None = Field(None, gt=0, description="Per-task timeout; None = none.")
+
+    @field_validator("retry_delay_seconds")
+    @classmethod
+    def _delays_are_valid(cls, v: float | list[float]) -> float | list[float]:
+        delays = v if isinstance(v, list) else [v]
+        if not delays:
+            raise ValueError("give at least one delay (or a single number)")
+        if len(delays) > 50:
+            raise ValueError(f"Prefect accepts at most 50 retry delays, got {len(delays)}")
+        if any(d < 0 for d in delays):
+            raise ValueError(f"retry delays must be >= 0, got {v}")
+        return v
 
 
 class RunConfig(_Section):

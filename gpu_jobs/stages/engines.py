@@ -61,15 +61,28 @@ class Engines:
         cfg, tok = run.cfg, run.tokenizer
         # The logprobs stage commits old_logprobs when asked to; the trainer must not redo it.
         actor = cfg.actor.model_copy(update={"recompute_old_logprobs": False})
-        self.trainer = PolicyTrainer(self.model_path, actor, tokenizer=tok, storage=cfg.storage)
+        ranks = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+        if self.trainer is not None and hasattr(self.trainer, "close"):
+            self.trainer.close()
+        if ranks > 1:
+            # A warm group of DeepSpeed ranks (torchrun), started on first use and kept for the
+            # run: every update/log-prob pass is a command to it, not a new launch.
+            from gpu_jobs.train.group import GroupTrainer
+
+            self.trainer = GroupTrainer(self.model_path, actor, n_ranks=ranks, tokenizer=tok, storage=cfg.storage)
+        else:
+            self.trainer = PolicyTrainer(self.model_path, actor, tokenizer=tok, storage=cfg.storage)
         self.ref = RefModel(self.model_path, cfg.actor, tokenizer=tok, storage=cfg.storage) if cfg.needs_ref else None
         self.critic = (Critic(self.model_path, cfg.critic, tokenizer=tok, storage=cfg.storage)
                        if cfg.critic is not None else None)
         self.version = 0
 
     def sync_rollout(self) -> None:
-        """Hand the trainer's full weights to the rollout engine, in memory."""
-        self.rollout.update_weights(self.trainer.gathered_state_dict())
+        """Hand the trainer's full weights to the rollout engine, in memory (from a rank group:
+        gathered on the ranks one tensor at a time and shipped in buckets)."""
+        from gpu_jobs.train.group import sync_weights
+
+        sync_weights(self.rollout, self.trainer)
         self.rollout_version = self.version
 
     def put_rollout_at(self, run: Run, version: int) -> None:
@@ -90,4 +103,6 @@ class Engines:
         self.rollout_version = version
 
     def close(self) -> None:
+        if self.trainer is not None and hasattr(self.trainer, "close"):
+            self.trainer.close()  # a rank group's processes go with it
         self.trainer = self.ref = self.critic = self.rollout = None

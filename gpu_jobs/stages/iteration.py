@@ -19,18 +19,15 @@ import numpy as np
 import pyarrow as pa
 
 from gpu_jobs.stages.engines import Engines
-from gpu_jobs.stages.run import Run, exists
+from gpu_jobs.stages.resume import recover_lost_trainer
+from gpu_jobs.stages.run import Run, exists, sampling_seed
+from gpu_jobs.stages.updates import train_on
 from gpu_jobs.stages.samples import FLOAT_LIST, join_by_uid, sample_table
 from gpu_jobs.stages.scoring import greedy_evaluate, reward_rows
 from gpu_jobs.stages.shell import Output, read, stage
 from storage import committed, join, read_manifest
 
 STAGES = ("rollout", "baseline", "gate", "reward", "logprobs", "values", "advantages", "update", "commit")
-
-
-def sampling_seed(seed: int, k: int) -> int:
-    """Per-iteration sampling seed: a retried rollout draws exactly the same responses."""
-    return (seed * 1_000_003 + k * 7919) % (2**31 - 1)
 
 
 def _policy_ref(run: Run, version: int) -> str:
@@ -192,24 +189,6 @@ def advantages(run: Run, engines: Engines, k: int, batch_uri: str, reward_uri: s
 
 
 # -------------------------------------------------------------------------------- update
-def train_on(run: Run, engines: Engines, k: int, table: pa.Table) -> dict[str, float]:
-    """Apply update k to the trainer (and critic). Also replays committed updates on resume, so
-    everything here depends only on (k, table, the engines' state)."""
-    t0 = time.perf_counter()
-    metrics: dict[str, float] = {}
-    warming_critic = engines.critic is not None and k <= run.cfg.critic.critic_warmup
-    if len(table) and not warming_critic:
-        metrics.update(engines.trainer.update(table))
-    t1 = time.perf_counter()
-    if engines.critic is not None and len(table):
-        metrics.update(engines.critic.update(table))
-        metrics["critic/warmup"] = float(warming_critic)
-    metrics["timing_s/update_actor"] = t1 - t0
-    metrics["timing_s/update_critic"] = time.perf_counter() - t1
-    engines.version = k
-    return metrics
-
-
 def _agreement(run: Run, engines: Engines, k: int, table: pa.Table) -> dict[str, float]:
     """The trainer's log-probs of (some of) the batch's sampled tokens against the rollout
     engine's; raises AgreementError past the configured limit, before anything trains."""
@@ -269,6 +248,7 @@ def _metrics_of_applied_update(run: Run, engines: Engines, k: int) -> dict:
 
 @stage("update")
 def update(run: Run, engines: Engines, k: int, adv_uri: str) -> Output:
+    recover_lost_trainer(run, engines)  # a rank group that died with updates in it: restore first
     if engines.version >= k:
         metrics = _metrics_of_applied_update(run, engines, k)
     else:

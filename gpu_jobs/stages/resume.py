@@ -13,14 +13,15 @@ from __future__ import annotations
 import logging
 
 from gpu_jobs.stages.engines import Engines
-from gpu_jobs.stages.iteration import sampling_seed, train_on
-from gpu_jobs.stages.run import Run, last_committed
+from gpu_jobs.stages.updates import train_on
+from gpu_jobs.stages.run import Run, last_committed, sampling_seed
 from gpu_jobs.stages.shell import read
 from storage import committed, join
 
 log = logging.getLogger("rlmill")
 
-__all__ = ["open_warm", "restore", "replay_update", "load_policy_into_rollout", "probe_agreement"]
+__all__ = ["open_warm", "restore", "recover_lost_trainer", "replay_update", "load_policy_into_rollout",
+           "probe_agreement"]
 
 
 def open_warm(cfg, *, probe: bool = True) -> tuple[Run, Engines]:
@@ -51,6 +52,20 @@ def restore(run: Run, engines: Engines) -> int:
     if engines.rollout is not None:
         engines.put_rollout_at(run, engines.version)
     return engines.version
+
+
+def recover_lost_trainer(run: Run, engines: Engines) -> None:
+    """A trainer rank group that died holding updates lost them with it: start a fresh group at
+    the start model and restore it from storage (checkpoint + replay), as a fresh process would.
+    A no-op for an in-process trainer and for a group that lost nothing."""
+    trainer = engines.trainer
+    if trainer is None or not getattr(trainer, "state_lost", False):
+        return
+    log.warning("the trainer's rank group died holding updates 1..%d: restoring from storage", engines.version)
+    trainer.reset()
+    engines.version = 0
+    engines.update_metrics.clear()
+    restore(run, engines)
 
 
 def replay_update(run: Run, engines: Engines, k: int) -> None:

@@ -95,6 +95,11 @@ class Run:
         return cls.open(config_from_run_json(frozen))
 
 
+def sampling_seed(seed: int, k: int) -> int:
+    """Per-iteration sampling seed: a retried rollout draws exactly the same responses."""
+    return (seed * 1_000_003 + k * 7919) % (2**31 - 1)
+
+
 def last_committed(layout: RunLayout, stage: str, limit: int = 1_000_000) -> int:
     """Highest k >= 1 whose `stage` committed, scanning up from 1 (0 when none)."""
     from storage import committed

@@ -1,0 +1,378 @@
+"""One rank of a warm rank group (gpu_jobs.train.group): started once by torchrun, then serves
+commands until told to stop.
+
+    python -m torch.distributed.run --standalone --nproc_per_node N \\
+        -m gpu_jobs.train.group_worker --address 127.0.0.1:PORT --workdir DIR
+
+Not a command to run by hand: RankGroup starts it with the control channel's authkey in
+RLMILL_GROUP_AUTHKEY (hex). Rank 0 connects to the parent's Listener, receives each command and
+broadcasts it to the other ranks (torch.distributed broadcast_object_list over gloo/nccl); every
+rank runs it on its own PolicyTrainer, a barrier closes it, and rank 0 replies. A rank that raises
+writes ``<workdir>/error-rank<k>.json`` (time, traceback) and exits at once: its peers then fail
+in their next collective, torchrun stops the rest, and the parent reports the first error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Rank 0 sends a no-op to the other ranks when the parent has said nothing for this long, so no
+# rank waits in one collective longer than the process group's timeout (gloo: 30 min).
+KEEPALIVE_S = 60.0
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent (torchrun) dies: torchrun starts ranks in their own
+    sessions, so killing its process group would not reach them."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() == 1:  # the parent died before prctl: nobody would stop this rank
+        os._exit(1)
+
+
+def error_path(workdir: str, rank: int) -> str:
+    return os.path.join(workdir, f"error-rank{rank}.json")
+
+
+def write_error(workdir: str, rank: int, exc: BaseException, command: str) -> dict[str, Any]:
+    """Record this rank's failure where the parent looks for it (atomically)."""
+    info = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "command": command,
+        "type": type(exc).__name__,
+        "message": " ".join(str(exc).split())[:2000],
+        "traceback": "".join(traceback.format_exception(exc)),
+        "comm": is_comm_error(exc),
+    }
+    tmp = error_path(workdir, rank) + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, error_path(workdir, rank))
+    except OSError:
+        pass
+    return info
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """A failure of a collective, usually the echo of another rank dying, not a cause."""
+    try:
+        import torch.distributed as td
+
+        if isinstance(exc, getattr(td, "DistError", ())):
+            return True
+    except ImportError:
+        pass
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(s in text for s in ("gloo", "connection closed by peer", "connection reset by peer",
+                                   "broken pipe", "nccl", "socket timeout", "timed out"))
+
+
+class Server:
+    """Runs the commands the parent sends; one instance per rank."""
+
+    def __init__(self, rank: int, conn: Any, workdir: str):
+        self.rank, self.conn, self.workdir = rank, conn, workdir
+        self.trainer: Any = None
+        self.shutdown_asked = False  # the parent closed the group in the middle of a stream
+
+    # ---- the loop -------------------------------------------------------------------------
+    def serve(self) -> None:
+        from . import dist
+
+        while True:
+            msg = None
+            if self.rank == 0:
+                msg = ("shutdown", {}) if self.shutdown_asked else self._next_command()
+            command, kwargs = dist.broadcast_object(msg)
+            if command == "ping":
+                continue
+            if command == "shutdown":
+                return
+            try:
+                result = getattr(self, f"cmd_{command}")(**kwargs)
+                dist.barrier()  # a rank that failed has exited: the others fail here, not later
+            except BaseException as exc:  # noqa: BLE001 - every failure ends this rank
+                self._die(exc, command)
+            if self.rank == 0:
+                try:
+                    self.conn.send(("ok", result))
+                except OSError:  # the parent went away: stop the group
+                    self.shutdown_asked = True
+
+    def _next_command(self) -> tuple[str, dict[str, Any]]:
+        try:
+            if not self.conn.poll(KEEPALIVE_S):
+                return ("ping", {})
+            msg = self.conn.recv()
+        except (EOFError, OSError):  # the parent went away
+            return ("shutdown", {})
+        return msg
+
+    def _die(self, exc: BaseException, command: str) -> None:
+        info = write_error(self.workdir, self.rank, exc, command)
+        if self.rank == 0:
+            try:
+                self.conn.send(("error", info))
+            except OSError:
+                pass
+        sys.stderr.write(f"[rank {self.rank}] {command} failed:\n{info['traceback']}")
+        sys.stderr.flush()
+        os._exit(1)  # peers blocked in a collective fail at once; torchrun stops the rest
+
+    # ---- commands -------------------------------------------------------------------------
+    def cmd_init(self, model_path: str, config: Any, tokenizer: Any = None, storage: Any = None) -> dict:
+        from .policy import PolicyTrainer
+
+        self.trainer = PolicyTrainer(model_path, config, tokenizer=tokenizer, storage=storage)
+        return {"step": self.trainer.step, "zero_stage": getattr(self.trainer, "zero_stage", None)}
+
+    def cmd_update(self, path: str) -> dict:
+        metrics = self.trainer.update(_read_table(path))
+        return {"metrics": metrics, "step": self.trainer.step}
+
+    def cmd_compute_log_probs(self, path: str) -> Any:
+        out = self.trainer.compute_log_probs(_read_table(path))
+        return out if self.rank == 0 else None
+
+    def cmd_save(self, url: str) -> Any:
+        return self.trainer.save(url)
+
+    def cmd_load(self, url: str) -> dict:
+        self.trainer.load(url)
+        return {"step": self.trainer.step}
+
+    def cmd_save_hf(self, url: str) -> Any:
+        return self.trainer.save_hf(url)
+
+    def cmd_load_weights(self, path: str) -> None:
+        """A full state dict from a safetensors file. Under ZeRO-3 only rank 0's values are used
+        (GatheredParameters with modifier_rank=0), so the other ranks read shapes only."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        if self.rank == 0 or getattr(self.trainer, "zero_stage", 3) != 3:
+            state = load_file(path)
+        else:
+            import torch
+
+            with safe_open(path, framework="pt") as f:
+                state = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+        self.trainer.load_weights(state)
+
+    def cmd_weights(self, workdir: str, bucket_bytes: int, dtype: str) -> int:
+        """Stream the full weights to the parent as safetensors bucket files (see
+        RankGroup.stream): each parameter is gathered on its own (ZeRO-3 GatheredParameters) and
+        rank 0 writes one bucket while the parent reads the one before. Returns the bucket count."""
+        import torch
+
+        from . import dist
+
+        target = getattr(torch, dtype)
+        buckets = plan_buckets(self._param_sizes(target), bucket_bytes)
+        sent = 0
+        for i, names in enumerate(buckets):
+            tensors = dict(self._gathered(names, target))
+            if i == len(buckets) - 1:
+                tensors.update(self._buffers(target))
+            go = True
+            if self.rank == 0 and i > 0:
+                go = self._acked(i - 1)
+            if not dist.broadcast_object(go):
+                break
+            if self.rank == 0:
+                from safetensors.torch import save_file
+
+                path = os.path.join(workdir, f"bucket-{i:05d}.safetensors")
+                save_file(tensors, path + ".tmp")
+                os.replace(path + ".tmp", path)
+                self.conn.send(("bucket", {"index": i, "path": path, "last": i == len(buckets) - 1}))
+                sent += 1
+            del tensors
+        if self.rank == 0 and sent == len(buckets) and sent:
+            self._acked(sent - 1)
+        return sent
+
+    def _acked(self, index: int) -> bool:
+        """Wait for the parent to take bucket ``index``: True to go on, False to stop."""
+        msg = self.conn.recv()
+        if msg[0] == "shutdown":
+            self.shutdown_asked = True
+        if msg[0] in ("stop", "shutdown"):
+            return False
+        if msg != ("ack", index):
+            raise RuntimeError(f"weight stream: expected ack of bucket {index}, got {msg!r}")
+        return True
+
+    def _param_sizes(self, dtype: Any) -> list[tuple[str, int]]:
+        import torch
+
+        size = torch.empty(0, dtype=dtype).element_size()
+        return [(n, int(getattr(p, "ds_numel", p.numel())) * size)
+                for n, p in self.trainer.engine.module.named_parameters()]
+
+    def _gathered(self, names: list[str], dtype: Any):
+        """(name, full tensor) on rank 0 for ``names``, one parameter gathered at a time; nothing
+        on the other ranks (they take part in each gather). bf16 training hands out the fp32
+        master weights, as ZeroModule.gathered_state_dict does."""
+        import torch
+
+        t = self.trainer
+        params = dict(t.engine.module.named_parameters())
+        master = t.optimizer is not None and t.config.dtype != "fp32"
+        for name in names:
+            p = params[name]
+            if master:
+                from deepspeed.utils import safe_get_full_fp32_param
+
+                full = safe_get_full_fp32_param(p)
+                if full is not None:
+                    if self.rank == 0:
+                        yield name, full.detach().reshape(t._param_shapes[name]).to(dtype, copy=True).cpu()
+                    continue
+            with t._gather_params([p]):
+                if self.rank == 0:
+                    with torch.no_grad():
+                        yield name, p.detach().to(dtype, copy=True).cpu().contiguous()
+
+    def _buffers(self, dtype: Any) -> dict[str, Any]:
+        if self.rank != 0:
+            return {}
+        module = self.trainer.engine.module
+        keys = set(module.state_dict().keys())
+        return {n: b.detach().to(dtype, copy=True).cpu() for n, b in module.named_buffers() if n in keys}
+
+    def cmd_rank_info(self) -> list[dict] | None:
+        """Per rank: pid, and how many parameter elements it holds: its ZeRO partitions
+        (ds_tensor), what is materialized now (p.data: ZeRO-3 keeps small 'persistent'
+        parameters gathered), the full model, and the optimizer's fp32 partition."""
+        import torch
+
+        from . import dist
+
+        t = self.trainer
+        part = mat = full = 0
+        for p in t.engine.module.parameters():
+            full += int(getattr(p, "ds_numel", p.numel()))
+            ds = getattr(p, "ds_tensor", None)
+            part += int(ds.numel()) if ds is not None else p.numel()
+            mat += int(p.data.numel())
+        opt = t.engine.optimizer
+        flats = getattr(opt, "fp32_partitioned_groups_flat", None)
+        if flats is None:
+            flats = getattr(opt, "single_partition_of_fp32_groups", None)
+        opt_numel = (sum(int(f.numel()) for f in flats) if flats is not None
+                     else sum(p.numel() for g in getattr(t.optimizer, "param_groups", []) for p in g["params"]))
+        info = {"rank": self.rank, "pid": os.getpid(), "zero_stage": getattr(t, "zero_stage", None),
+                "partition_numel": part, "materialized_numel": mat, "full_numel": full,
+                "optimizer_numel": opt_numel, "threads": torch.get_num_threads()}
+        gathered = dist.all_gather_object(info)
+        return gathered if self.rank == 0 else None
+
+    def cmd_debug_raise(self, rank: int, message: str = "debug_raise") -> None:
+        """Diagnostics and tests: raise on ``rank`` (a stand-in for any rank-local failure)."""
+        if self.rank == rank:
+            raise RuntimeError(message)
+
+
+def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Group parameters (name, bytes) into buckets of about ``bucket_bytes``. A bucket ends only
+    between two modules of different layers (decoder layer ``...layers.<i>``, else the parent
+    module), so no layer is split across buckets (engines that reload layer by layer need that);
+    a bucket exceeds ``bucket_bytes`` by at most one layer. Deterministic: every rank plans the
+    same buckets."""
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    used, last_key = 0, None
+    for name, size in sizes:
+        key = layer_key(name)
+        if current and key != last_key and used + size > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+        last_key = key
+    if current or not buckets:
+        buckets.append(current)
+    return buckets
+
+
+def layer_key(name: str) -> str:
+    """``model.layers.3`` for ``model.layers.3.self_attn.q_proj.weight``; else the module path
+    (``model.embed_tokens``, ``lm_head``)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i] in ("layers", "h", "blocks", "layer") and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2])
+    return ".".join(parts[:-1])
+
+
+def _read_table(path: str) -> Any:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, memory_map=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gpu_jobs.train.group_worker", description=__doc__.split("\n")[0])
+    p.add_argument("--address", required=True, help="host:port of the parent's Listener")
+    p.add_argument("--workdir", required=True, help="the group's local folder (errors, batches, buckets)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    args = _parser().parse_args(argv)
+    authkey = bytes.fromhex(os.environ.pop("RLMILL_GROUP_AUTHKEY", ""))
+    rank = int(os.environ.get("RANK", "0"))
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    except ImportError:
+        pass
+    try:
+        from . import dist
+
+        dist.init_distributed()
+        rank = dist.rank()
+        pids = dist.all_gather_object(os.getpid())
+        conn = None
+        if rank == 0:
+            from multiprocessing.connection import Client
+
+            host, port = args.address.rsplit(":", 1)
+            conn = Client((host, int(port)), authkey=authkey)
+            conn.send(("hello", {"pids": pids, "world_size": dist.world_size()}))
+        server = Server(rank, conn, args.workdir)
+    except BaseException as exc:  # noqa: BLE001
+        write_error(args.workdir, rank, exc, "start")
+        traceback.print_exc()
+        return 1
+    server.serve()
+    # Nothing left to save: skip the interpreter's teardown of torch/DeepSpeed (seconds).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

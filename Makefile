@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run test test-fast smollm2 bench-storage bench-rollout bench-update bench-overhead bench-e2e bench-scale chaos server worker deploy clean
+.PHONY: venv help run test test-fast smollm2 bench-storage bench-rollout bench-update bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -21,7 +21,7 @@ help:
 	@echo 'make worker        a process worker on the pool (same PORT, or PREFECT_API_URL)'
 	@echo '                   other settings: RLMILL_WORK_POOL=local RLMILL_NIGHTLY_TZ=UTC (read by deploy/worker)'
 	@echo 'make chaos         inject faults into real runs and print the recovery table'
-	@echo 'make bench-storage|bench-rollout|bench-update|bench-overhead|bench-e2e|bench-scale   benchmarks'
+	@echo 'make bench-storage|bench-rollout|bench-update|bench-overhead|bench-e2e|bench-scale|bench-async   benchmarks'
 	@echo 'make venv          only set up .venv (every target above does it first)'
 	@echo 'make clean         remove ./.rlmill (local runs) and pytest caches'
 
@@ -58,6 +58,9 @@ bench-e2e: venv
 
 bench-scale: venv
 	$(PY) -m benchmarks.bench_scale
+
+bench-async: venv
+	$(PY) -m benchmarks.bench_async
 
 # Faults injected into real runs; prints fault / outcome / recovered / data lost. `make test` runs
 # a reduced set (tests/chaos).

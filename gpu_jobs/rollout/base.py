@@ -97,9 +97,9 @@ def get_rollout_engine(name: str, model_path, config: RolloutConfig | None = Non
                        **kwargs) -> RolloutEngine:
     """Build the backend `name` ("hf" | "vllm") on `model_path` (a local HF folder, a storage
     URL, "builtin" for the built-in tiny model; "hf" also takes an nn.Module). kwargs go to
-    the backend (both take `storage=StorageConfig`; "hf" also `tokenizer=`)."""
-    from gpu_jobs.rollout import hf_engine, vllm_engine  # noqa: F401  (they register themselves)
-
+    the backend (both take `storage=StorageConfig`; "hf" also `tokenizer=`). The backends
+    register themselves when the package is imported (gpu_jobs/rollout/__init__.py), which
+    importing this module already did."""
     return ROLLOUT_ENGINES[name](model_path, config or RolloutConfig(), **kwargs)
 
 

@@ -2,14 +2,18 @@
 
     python -m benchmarks.bench_update                 # table on stdout, JSON in bench-results/
     python -m benchmarks.bench_update --quick         # the small model only
+    python -m benchmarks.bench_update --set use_remove_padding=false --set zero_stage=3
 
 Models: the built-in size (Qwen2, hidden 128, 2 layers, char vocabulary, ~0.5M params) and a
 ~16M one (hidden 384, 8 layers). Batch: 8 prompts x 4 samples, prompts 16 tokens, responses
-24-40 tokens; ZeRO-3 fp32, micro-batch 8, one mini-batch (one optimizer step) per update.
-Each configuration runs in a fresh process (torchrun for 2 ranks): one warm-up update, then
-``--updates`` timed ones. Columns: tokens/s per rank and for the job, seconds per update split
-into old-log-prob forward / forward / backward / optimizer, and the ZeRO-3 gather of full weights.
-On a shared 2-core machine the 2-rank numbers measure contention as much as scaling.
+24-40 tokens; TrainerConfig defaults (fp32, zero_stage auto: 0 on 1 rank, 3 on 2; packed rows;
+old log-probs from the update's own forward, as there is one optimizer step), micro-batch 8, one
+mini-batch (one optimizer step) per update; ``--set KEY=VALUE`` (YAML value) overrides a
+TrainerConfig field. Each configuration runs in a fresh process (torchrun for 2 ranks): one
+warm-up update, then ``--updates`` timed ones. Columns: the resolved ZeRO stage, tokens/s per
+rank and for the job, seconds per update split into old-log-prob forward / forward / backward /
+optimizer, and the gather of full weights. On a shared 2-core machine the 2-rank numbers measure
+contention as much as scaling.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def _batch(vocab: int, prompts: int = 8, n: int = 4, seed: int = 0):
     return pa.Table.from_pylist(rows)
 
 
-def worker(model_dir: str, updates: int, out: str) -> None:
+def worker(model_dir: str, updates: int, out: str, overrides: dict) -> None:
     """One configuration, in this process (1 rank, or one of N under torchrun)."""
     import torch
 
@@ -62,7 +66,8 @@ def worker(model_dir: str, updates: int, out: str) -> None:
     from gpu_jobs.train import PolicyTrainer, TrainerConfig
     from gpu_jobs.train import dist
 
-    cfg = TrainerConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8, lr=1e-5)
+    cfg = TrainerConfig(**{"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8, "lr": 1e-5,
+                           **overrides})
     trainer = PolicyTrainer(model_dir, cfg)
     batch = _batch(trainer.model_config.vocab_size)
     trainer.update(batch)  # warm-up
@@ -74,18 +79,20 @@ def worker(model_dir: str, updates: int, out: str) -> None:
         mean = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
         mean["timing_s/gather"] = gather
         mean["world_size"] = dist.world_size()
+        mean["zero_stage"] = trainer.zero_stage
         with open(out, "w") as f:
             json.dump(mean, f)
 
 
-def _launch(model_dir: str, ranks: int, updates: int, out: str) -> dict:
+def _launch(model_dir: str, ranks: int, updates: int, out: str, overrides: dict) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable]
     if ranks > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    cmd += ["-m", "benchmarks.bench_update", "--worker", model_dir, "--updates", str(updates), "--out", out]
+    cmd += ["-m", "benchmarks.bench_update", "--worker", model_dir, "--updates", str(updates), "--out", out,
+            "--overrides", json.dumps(overrides)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{ranks}-rank run failed:\n{proc.stderr[-3000:]}")
@@ -97,7 +104,7 @@ def _row(name: str, params: int, r: dict) -> str:
     w = r["world_size"]
     u = r["timing_s/update_actor"] + r.get("timing_s/old_log_prob", 0.0)  # mean seconds per update
     job_tps = r["perf/total_num_tokens"] / u
-    return (f"| {name} | {params / 1e6:.2f}M | {w} | {job_tps / w:,.0f} | {job_tps:,.0f} | "
+    return (f"| {name} | {params / 1e6:.2f}M | {w} | {r['zero_stage']} | {job_tps / w:,.0f} | {job_tps:,.0f} | "
             f"{u:.2f} | {r.get('timing_s/old_log_prob', 0):.2f} | "
             f"{r.get('timing_s/update_actor/forward', 0):.2f} | "
             f"{r.get('timing_s/update_actor/backward', 0):.2f} | "
@@ -108,14 +115,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a TrainerConfig field (value parsed as YAML); repeatable")
     p.add_argument("--updates", type=int, default=2, help="timed updates per configuration")
     p.add_argument("--ranks", default="1,2", help="comma-separated rank counts")
     p.add_argument("--quick", action="store_true", help="only the built-in-size model")
     args = p.parse_args()
     if args.worker:
-        return worker(args.worker, args.updates, args.out)
-    header = ("| model | params | ranks | tokens/s per rank | tokens/s job | s/update (all) | old-logprob s "
-              "| forward s | backward s | optimizer s | gather ms |\n" + "|---" * 11 + "|")
+        return worker(args.worker, args.updates, args.out, json.loads(args.overrides))
+    import yaml
+
+    overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    if overrides:
+        print("TrainerConfig overrides:", overrides, file=sys.stderr)
+    header = ("| model | params | ranks | zero | tokens/s per rank | tokens/s job | s/update (all) "
+              "| old-logprob s | forward s | backward s | optimizer s | gather ms |\n" + "|---" * 12 + "|")
     lines, results = [header], []
     with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
         for i, (name, spec) in enumerate(MODELS.items()):
@@ -124,8 +139,9 @@ def main() -> None:
             model_dir = os.path.join(tmp, f"m{i}")
             params = _build(model_dir, spec)
             for ranks in (int(x) for x in args.ranks.split(",")):
-                r = _launch(model_dir, ranks, args.updates, os.path.join(tmp, f"r{i}-{ranks}.json"))
-                results.append({"model": name, "params": params, **r})
+                r = _launch(model_dir, ranks, args.updates, os.path.join(tmp, f"r{i}-{ranks}.json"),
+                            overrides)
+                results.append({"model": name, "params": params, "overrides": overrides, **r})
                 lines.append(_row(name, params, r))
                 print(lines[-1], file=sys.stderr, flush=True)
     print("\n".join(lines))

@@ -40,7 +40,7 @@ DEFAULT_RUN_CONFIG: dict = {
     "algorithm": {"adv_estimator": "grpo"},
     "actor": {"lr": 1.0e-4, "ppo_mini_batch_size": 16, "ppo_epochs": 1, "use_dynamic_bsz": True,
               "ppo_max_token_len_per_gpu": 16384, "log_prob_micro_batch_size_per_gpu": 256,
-              "recompute_old_logprobs": False, "grad_clip": 1.0, "zero_stage": 3},
+              "recompute_old_logprobs": False, "grad_clip": 1.0, "zero_stage": "auto"},
     "trainer": {"total_iterations": 20, "val_every": 5, "checkpoint_every": 5},
 }
 

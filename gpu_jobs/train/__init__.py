@@ -1,4 +1,4 @@
-"""Policy, reference and value models on DeepSpeed (ZeRO-3 by default), and the update job.
+"""Policy, reference and value models on DeepSpeed (ZeRO-3 over ranks), and the update job.
 
     from gpu_jobs.train import PolicyTrainer, TrainerConfig
     trainer = PolicyTrainer(model_dir, TrainerConfig(lr=1e-5))

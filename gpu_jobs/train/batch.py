@@ -1,6 +1,6 @@
-"""From a committed sample table to padded tensors: validation, collation, mini/micro-batch plans.
+"""From a committed sample table to tensors: validation, collation, mini/micro-batch plans.
 
-Layout of one micro-batch of ``b`` rows (``P`` = widest prompt, ``R`` = widest response):
+Padded layout of one micro-batch of ``b`` rows (``P`` = widest prompt, ``R`` = widest response):
 
     input_ids      (b, P+R)  prompts left-padded, responses right-padded
     attention_mask (b, P+R)  1 on real tokens
@@ -8,6 +8,16 @@ Layout of one micro-batch of ``b`` rows (``P`` = widest prompt, ``R`` = widest r
     responses      (b, R)    the response tokens; logits at P-1 .. P+R-2 predict them
     response_mask  (b, R)    1 on real response tokens
     <column>       (b, R)    float32 per-token columns (advantages, old_logprobs, ...), 0-padded
+
+Packed layout (``collate(..., packed=True)``, verl's use_remove_padding): the ``T`` real tokens
+of the rows, prompt then response, one row after the other, no padding:
+
+    input_ids      (1, T)    row 0's prompt + response, row 1's, ...
+    position_ids   (1, T)    restarting at 0 for each row
+    cu_seq_lens    (b+1,)    int32 row boundaries in the packed sequence (flash-attention's name)
+    token_index    (n,)      the packed positions whose outputs predict the n real response tokens
+    token_slot     (n,)      where each of those n tokens sits in a flattened (b, R) tensor
+    responses, response_mask, <column>   (b, R) as in the padded layout
 """
 
 from __future__ import annotations
@@ -147,38 +157,73 @@ def read_rows(table: Any, *, require: Sequence[str] = (), vocab_size: int) -> Ro
     return Rows(prompts, responses, columns, _samples_per_prompt(table))
 
 
-def collate(rows: Rows, idx: Sequence[int], pad_response_to: int | None = None) -> dict[str, Any]:
-    """Padded tensors for rows ``idx`` (layout in the module docstring)."""
+def collate(rows: Rows, idx: Sequence[int], pad_response_to: int | None = None, *,
+            packed: bool = False) -> dict[str, Any]:
+    """Tensors for rows ``idx``: the padded layout, or the packed one (module docstring).
+    ``mb["packed"]`` says which."""
     import torch
 
     plen, rlen = rows.lengths(idx)
     P = int(plen.max())
     R = max(int(rlen.max()), pad_response_to or 0, 1)
     b = len(idx)
-    input_ids = np.zeros((b, P + R), dtype=np.int64)
-    attention = np.zeros((b, P + R), dtype=np.int64)
+    responses = np.zeros((b, R), dtype=np.int64)
     response_mask = np.zeros((b, R), dtype=np.float32)
     cols = {k: np.zeros((b, R), dtype=np.float32) for k in rows.columns}
+    for j, i in enumerate(idx):
+        r = rows.response_ids[i]
+        responses[j, : len(r)] = r
+        response_mask[j, : len(r)] = 1
+        for k, v in rows.columns.items():
+            cols[k][j, : len(r)] = v[i]
+    out = _packed_inputs(rows, idx, R) if packed else _padded_inputs(rows, idx, P, R)
+    out.update({
+        "responses": torch.from_numpy(responses),
+        "response_mask": torch.from_numpy(response_mask),
+        "response_width": R,
+        "packed": packed,
+    })
+    out.update({k: torch.from_numpy(v) for k, v in cols.items()})
+    return out
+
+
+def _padded_inputs(rows: Rows, idx: Sequence[int], P: int, R: int) -> dict[str, Any]:
+    import torch
+
+    input_ids = np.zeros((len(idx), P + R), dtype=np.int64)
+    attention = np.zeros((len(idx), P + R), dtype=np.int64)
     for j, i in enumerate(idx):
         p, r = rows.prompt_ids[i], rows.response_ids[i]
         input_ids[j, P - len(p) : P] = p
         input_ids[j, P : P + len(r)] = r
         attention[j, P - len(p) : P + len(r)] = 1
-        response_mask[j, : len(r)] = 1
-        for k, v in rows.columns.items():
-            cols[k][j, : len(r)] = v[i]
     position_ids = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
-    out = {
+    return {
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention),
         "position_ids": torch.from_numpy(position_ids),
-        "responses": torch.from_numpy(input_ids[:, P:].copy()),
-        "response_mask": torch.from_numpy(response_mask),
         "prompt_width": P,
-        "response_width": R,
     }
-    out.update({k: torch.from_numpy(v) for k, v in cols.items()})
-    return out
+
+
+def _packed_inputs(rows: Rows, idx: Sequence[int], R: int) -> dict[str, Any]:
+    import torch
+
+    plen, rlen = rows.lengths(idx)
+    seq = plen + rlen
+    starts = np.concatenate([[0], np.cumsum(seq)])
+    input_ids = np.concatenate([np.concatenate([rows.prompt_ids[i], rows.response_ids[i]]) for i in idx])
+    position_ids = np.concatenate([np.arange(n) for n in seq])
+    # Response token k of row j is predicted by the output at its own position - 1.
+    token_index = np.concatenate([starts[j] + plen[j] - 1 + np.arange(rlen[j]) for j in range(len(idx))])
+    token_slot = np.concatenate([j * R + np.arange(rlen[j]) for j in range(len(idx))])
+    return {
+        "input_ids": torch.from_numpy(input_ids.astype(np.int64)[None]),
+        "position_ids": torch.from_numpy(position_ids.astype(np.int64)[None]),
+        "cu_seq_lens": torch.from_numpy(starts.astype(np.int32)),
+        "token_index": torch.from_numpy(token_index.astype(np.int64)),
+        "token_slot": torch.from_numpy(token_slot.astype(np.int64)),
+    }
 
 
 def plan_minibatches(n_rows: int, rows_per_minibatch: int, generator: Any | None) -> list[np.ndarray]:
@@ -195,10 +240,12 @@ def plan_minibatches(n_rows: int, rows_per_minibatch: int, generator: Any | None
 
 
 def plan_microbatches(
-    rows: Rows, idx: Sequence[int], *, micro_size: int | None, max_tokens: int | None
+    rows: Rows, idx: Sequence[int], *, micro_size: int | None, max_tokens: int | None,
+    packed: bool = False,
 ) -> list[list[int]]:
     """Split rows ``idx`` into micro-batches: fixed ``micro_size`` rows, or (``max_tokens``)
-    greedy packing of length-sorted rows while rows x padded width stays within the budget."""
+    greedy packing of length-sorted rows while the tokens the model sees stay within the budget:
+    rows x padded width, or (``packed``) the sum of the rows' lengths."""
     idx = [int(i) for i in idx]
     if max_tokens is None:
         return [idx[s : s + micro_size] for s in range(0, len(idx), micro_size)]
@@ -206,6 +253,16 @@ def plan_microbatches(
     order = np.argsort(plen + rlen, kind="stable")
     batches: list[list[int]] = []
     cur: list[int] = []
+    if packed:
+        used = 0
+        for k in order:
+            n = int(plen[k] + rlen[k])
+            if cur and used + n > max_tokens:
+                batches.append(cur)
+                cur, used = [], 0
+            cur.append(idx[k])
+            used += n
+        return batches + ([cur] if cur else [])
     wp = wr = 0
     for k in order:
         np_, nr = max(wp, int(plen[k])), max(wr, int(rlen[k]))

@@ -120,7 +120,7 @@ def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
                 "tag": TAG,
                 "folder": attempt,
                 "world_size": module.world_size,
-                "zero_stage": module.config.zero_stage,
+                "zero_stage": module.config.resolved_zero_stage(module.world_size // module.config.pipeline_parallel_size),
                 "pipeline_parallel_size": module.config.pipeline_parallel_size,
                 "param_shapes": module._param_shapes,
                 "step": module.step,
@@ -164,7 +164,7 @@ def load_engine_state(module: Any, url: str) -> dict[str, Any]:
             download_file(manifest, f, os.path.join(tmp, *f.path.split("/")), storage)
         folder = os.path.join(tmp, state["folder"])
         saved = (state["world_size"], state["zero_stage"], state.get("pipeline_parallel_size", 1))
-        mine = (module.world_size, module.config.zero_stage, module.config.pipeline_parallel_size)
+        mine = (module.world_size, module.config.resolved_zero_stage(module.world_size // module.config.pipeline_parallel_size), module.config.pipeline_parallel_size)
         # ZeRO-0 data-parallel states are whole on every rank, so any world size can load them.
         full_copies = saved[1:] == mine[1:] == (0, 1)
         if saved == mine or full_copies:
@@ -181,16 +181,21 @@ def load_engine_state(module: Any, url: str) -> dict[str, Any]:
 
 
 def _load_consolidated(module: Any, folder: str, state: dict[str, Any], url: str) -> None:
+    import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    weights = get_fp32_state_dict_from_zero_checkpoint(folder, tag=state["tag"])
+    if state["zero_stage"] == 0:  # no ZeRO shards: DeepSpeed wrote the whole module
+        weights = torch.load(os.path.join(folder, state["tag"], "mp_rank_00_model_states.pt"), map_location="cpu",
+                             weights_only=False)["module"]
+    else:
+        weights = get_fp32_state_dict_from_zero_checkpoint(folder, tag=state["tag"])
     module.load_weights(weights)
     log.warning(
         "%s was saved with world_size=%s zero_stage=%s and is loaded with world_size=%s "
         "zero_stage=%s: weights are restored exactly from the consolidated fp32 copy, but the "
         "optimizer state (Adam moments) starts fresh, so the next steps differ from an "
         "uninterrupted run.",
-        url, state["world_size"], state["zero_stage"], module.world_size, module.config.zero_stage,
+        url, state["world_size"], state["zero_stage"], module.world_size, module.config.resolved_zero_stage(module.world_size // module.config.pipeline_parallel_size),
     )
 
 

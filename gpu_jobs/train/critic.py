@@ -41,15 +41,13 @@ class Critic(ZeroModule):
 
     def _response_values(self, mb: dict[str, Any]) -> Any:
         """Values ``(b, R)`` (fp32): the value of the state before each response token, i.e.
-        the head's output at positions P-1 .. P+R-2 (verl's ``values[:, -R-1:-1]``)."""
+        the head's output at positions P-1 .. P+R-2 (verl's ``values[:, -R-1:-1]``); packed, at
+        ``token_index``."""
+        out = self.engine(**self._model_inputs(mb)).logits
+        if mb["packed"]:
+            return self._rows(out[0, mb["token_index"], 0].float(), mb)
         P, R = mb["prompt_width"], mb["response_width"]
-        out = self.engine(
-            input_ids=mb["input_ids"],
-            attention_mask=mb["attention_mask"],
-            position_ids=mb["position_ids"],
-            use_cache=False,
-        )
-        return out.logits[:, P - 1 : P + R - 1, 0].float()
+        return out[:, P - 1 : P + R - 1, 0].float()
 
     def compute_values(self, batch: Any) -> list[np.ndarray]:
         """Per-row float32 values of each response token (no grad), on every rank."""

@@ -21,7 +21,13 @@ from .checkpoint import Resumable
 from .config import _UpdateConfig
 
 
-__all__ = ["ZeroModule", "PhaseTimer"]
+__all__ = ["ZeroModule", "PhaseTimer", "PACKED_ATTENTION"]
+
+# The attention implementation packed micro-batches run with (registered with transformers on
+# first use): causal SDPA over each packed row separately, so no (T, T) mask is built and no
+# score is computed between two rows. transformers builds no mask at all for an implementation
+# it has no mask function for, which is what this one wants.
+PACKED_ATTENTION = "rlmill_packed_sdpa"
 
 
 LossOf = Callable[[dict[str, Any]], tuple[Any, dict[str, Any]]]
@@ -76,8 +82,70 @@ def _torch_dtype(name: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
+def _packed_sdpa_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                           dropout: float = 0.0, scaling: float | None = None,
+                           cu_seq_lens_q: Any = None, **kwargs: Any) -> tuple[Any, None]:
+    """Causal SDPA within each packed row. ``query`` ``(1, heads, T, d)``, ``key``/``value``
+    ``(1, kv_heads, T, d)``, rows bounded by ``cu_seq_lens_q`` ``(b+1,)``; returns
+    ``(1, T, heads, d)`` as transformers' attention functions do. Rows of one length share one
+    batched SDPA call, so the Python loop runs over distinct lengths, not rows."""
+    import torch
+    import torch.nn.functional as F
+
+    unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
+    if cu_seq_lens_q is None or query.shape[0] != 1 or unsupported:
+        raise RuntimeError(
+            f"{PACKED_ATTENTION} runs packed micro-batches only (one row, cu_seq_lens_q) of models "
+            f"without {unsupported or 'sliding windows, soft-capping or sinks'}; set "
+            "use_remove_padding=false for this model."
+        )
+    bounds = cu_seq_lens_q.tolist()  # kept on the host by _collate: no device sync
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)  # rows by length, stable
+    groups: list[list[int]] = []  # [length, rows] runs of equal length in that order
+    for j in order:
+        if groups and groups[-1][0] == lengths[j]:
+            groups[-1][1] += 1
+        else:
+            groups.append([lengths[j], 1])
+    # One gather puts the rows in length order (its backward is one scatter); split() then hands
+    # each group a view, and its backward is one concatenation. Slicing row by row instead
+    # would cost a full-size zero gradient per row.
+    sorted_already = order == list(range(len(order)))
+    perm = None if sorted_already else torch.cat(
+        [torch.arange(bounds[j], bounds[j + 1], device=query.device) for j in order])
+    q, k, v = (x[0] if perm is None else x[0].index_select(1, perm) for x in (query, key, value))
+    sizes = [length * rows for length, rows in groups]
+    outputs = []
+    for (length, rows), qg, kg, vg in zip(groups, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1)):
+        qg, kg, vg = (x.unflatten(1, (rows, length)).transpose(0, 1) for x in (qg, kg, vg))
+        o = F.scaled_dot_product_attention(qg, kg, vg, dropout_p=dropout, scale=scaling, is_causal=True,
+                                           enable_gqa=qg.shape[1] != kg.shape[1])  # (rows, h, L, d)
+        outputs.append(o.transpose(0, 1).flatten(1, 2))  # (heads, rows * length, d)
+    out = torch.cat(outputs, dim=1)
+    if perm is not None:  # back to packed order
+        out = out.new_empty(out.shape).index_copy(1, perm, out)
+    return out.transpose(0, 1).unsqueeze(0), None
+
+
+def _attention_for_packing(hf_config: Any) -> str:
+    """The attention implementation for packed rows: PACKED_ATTENTION, registered with
+    transformers once per process; plain "sdpa" for a model with sliding-window layers (there
+    transformers builds the block-diagonal mask itself from the restarting position_ids: right,
+    but it computes the masked scores)."""
+    from transformers import AttentionInterface
+
+    layer_types = getattr(hf_config, "layer_types", None) or ["full_attention"]
+    if set(layer_types) != {"full_attention"} or getattr(hf_config, "use_sliding_window", False):
+        return "sdpa"
+    if PACKED_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa_attention)
+    return PACKED_ATTENTION
+
+
 class ZeroModule(Resumable):
-    """An HF model wrapped in a DeepSpeed engine (ZeRO stage from the config).
+    """An HF model wrapped in a DeepSpeed engine (``self.zero_stage``: the config's, with "auto"
+    resolved for this world size).
 
     Subclasses pass ``auto_class`` (e.g. AutoModelForCausalLM) and ``train`` (with an AdamW
     optimizer) and add their losses.
@@ -103,6 +171,7 @@ class ZeroModule(Resumable):
 
         self.model_path = resolve_model_path(model_path, storage)
         self.rank, self.world_size = dist.rank(), dist.world_size()
+        self.zero_stage = config.resolved_zero_stage(self.world_size)  # "auto" made concrete
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_if_any(self.model_path)
         self.step = 0  # update() calls so far
         self.samples_seen = 0  # data cursor: rows consumed by update() so far
@@ -110,6 +179,9 @@ class ZeroModule(Resumable):
         with torch.random.fork_rng(devices=[]):  # seed a fresh head (critic), keep the caller's RNG
             torch.manual_seed(config.seed)
             model = self._build_model(auto_class, config_overrides or {})
+        if train and config.gradient_checkpointing:
+            # Non-reentrant: works with inputs that need no grad and with ZeRO-3's hooks.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model_config = model.config
         self._param_shapes = {
             n: list(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()
@@ -126,9 +198,16 @@ class ZeroModule(Resumable):
     def _build_model(self, auto_class: Any, overrides: dict[str, Any]) -> Any:
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(self.model_path, **overrides)
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        # Set, not passed as from_pretrained kwargs: transformers 5 drops a kwarg that is not
+        # already a field of the config class (the critic's classifier_dropout=0.0 was ignored,
+        # leaving its value head's dropout at 0.1).
+        for key, value in overrides.items():
+            setattr(hf_config, key, value)
         kwargs = {"config": hf_config, "dtype": _torch_dtype(self.config.dtype)}
-        if self.config.zero_stage != 3:
+        if self.config.use_remove_padding:
+            kwargs["attn_implementation"] = _attention_for_packing(hf_config)
+        if self.zero_stage != 3:
             return auto_class.from_pretrained(self.model_path, **kwargs)
         from transformers.integrations import HfDeepSpeedConfig
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -218,9 +297,23 @@ class ZeroModule(Resumable):
                 self.engine.backward(loss * (share * self.world_size), scale_wrt_gas=False)
             sums.add(metrics, share)
         with timer("optimizer"):
+            norm = self._grad_norm_untracked_by_deepspeed()
             self.engine.step()
-        sums.add({"grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}, 1 / self.world_size)
+        if norm is None:
+            norm = float(self.engine.get_global_grad_norm() or 0.0)
+        sums.add({"grad_norm": norm}, 1 / self.world_size)
         sums.steps += 1
+
+    def _grad_norm_untracked_by_deepspeed(self) -> float | None:
+        """The pre-clip global gradient norm where DeepSpeed records none (ZeRO-0 in fp32: a
+        plain torch optimizer; its gradients are already averaged over ranks here), else None."""
+        if hasattr(self.engine.optimizer, "_global_grad_norm"):
+            return None
+        import torch
+
+        norms = [p.grad.detach().float().norm() for p in self.engine.module.parameters()
+                 if p.grad is not None]
+        return float(torch.stack(norms).norm()) if norms else 0.0
 
     # ---- learning rate -------------------------------------------------------------------
     def _apply_lr(self) -> float:
@@ -236,15 +329,48 @@ class ZeroModule(Resumable):
         """This rank's micro-batches of the rows ``idx``, padded with empty entries so every
         rank runs the same number of forwards (ZeRO-3 gathers weights collectively per forward)."""
         local = list(idx)[self.rank :: self.world_size]
-        micro = plan_microbatches(rows, local, micro_size=micro_size, max_tokens=max_tokens)
+        micro = plan_microbatches(rows, local, micro_size=micro_size, max_tokens=max_tokens,
+                                  packed=self.config.use_remove_padding)
         n = int(dist.all_reduce_max(len(micro)))
         return micro + [[] for _ in range(n - len(micro))]
 
     def _collate(self, rows: Rows, micro: list[int], fallback: int, pad_to: int | None = None):
         """Tensors on the engine's device; an empty micro-batch becomes row ``fallback`` (its
         loss is multiplied by 0: it only keeps this rank in step with the others)."""
-        batch = collate(rows, micro or [fallback], pad_response_to=pad_to)
-        return {k: v.to(self.device) if hasattr(v, "to") else v for k, v in batch.items()}
+        batch = collate(rows, micro or [fallback], pad_response_to=pad_to,
+                        packed=self.config.use_remove_padding)
+        # cu_seq_lens stays on the host: the packed attention reads the row bounds there, and a
+        # device copy would cost a sync in every layer on a GPU.
+        return {k: v.to(self.device) if hasattr(v, "to") and k != "cu_seq_lens" else v
+                for k, v in batch.items()}
+
+    # ---- the two layouts -----------------------------------------------------------------
+    @staticmethod
+    def _model_inputs(mb: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments of the HF forward for a collated micro-batch, padded or packed."""
+        if not mb["packed"]:
+            return {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"],
+                    "position_ids": mb["position_ids"], "use_cache": False}
+        # attention_mask=None with restarting position_ids; cu_seq_lens_q (flash-attention's
+        # name) reaches the attention function through transformers' **kwargs.
+        return {"input_ids": mb["input_ids"], "position_ids": mb["position_ids"], "use_cache": False,
+                "cu_seq_lens_q": mb["cu_seq_lens"]}
+
+    @staticmethod
+    def _flat(x: Any, mb: dict[str, Any]) -> Any:
+        """A ``(b, R)`` response tensor in the order the model's outputs come in: all ``b * R``
+        slots (padded), or the ``n`` real tokens (packed)."""
+        flat = x.reshape(-1)
+        return flat[mb["token_slot"]] if mb["packed"] else flat
+
+    @staticmethod
+    def _rows(flat: Any, mb: dict[str, Any]) -> Any:
+        """``_flat``'s inverse: ``(m,)`` per-token outputs back to ``(b, R)``, zeros in the
+        slots a packed micro-batch has no token for (response_mask is 0 there)."""
+        b, R = mb["response_mask"].shape
+        if not mb["packed"]:
+            return flat.reshape(b, R)
+        return flat.new_zeros(b * R).index_copy(0, mb["token_slot"], flat).reshape(b, R)
 
     def _map_rows_no_grad(
         self, rows: Rows, fn: Callable[[dict[str, Any]], Any], micro_size: int
@@ -271,7 +397,7 @@ class ZeroModule(Resumable):
 
     # ---- weights out ---------------------------------------------------------------------
     def _gather_params(self, params: list[Any], modifier_rank: int | None = None):
-        if self.config.zero_stage != 3:
+        if self.zero_stage != 3:
             return contextlib.nullcontext()
         import deepspeed
 
@@ -331,7 +457,7 @@ class ZeroModule(Resumable):
         self.check_shapes({k: list(v.shape) for k, v in state.items()}, "state dict")
         for name, p in self.engine.module.named_parameters():
             with self._gather_params([p], modifier_rank=0):
-                if self.rank == 0 or self.config.zero_stage != 3:
+                if self.rank == 0 or self.zero_stage != 3:
                     with torch.no_grad():
                         p.data.copy_(state[name].to(p.dtype))
         refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)

@@ -1,4 +1,4 @@
-"""Policy update on a DeepSpeed engine (ZeRO-3 by default) and the frozen reference model.
+"""Policy update on a DeepSpeed engine (ZeRO-3 over ranks) and the frozen reference model.
 
     from gpu_jobs.train import PolicyTrainer, TrainerConfig
     trainer = PolicyTrainer("/path/to/hf_model", TrainerConfig(ppo_mini_batch_size=4, lr=1e-5))
@@ -21,7 +21,7 @@ from .batch import Rows, read_rows
 from .config import TrainerConfig
 from .engine import ZeroModule
 
-__all__ = ["PolicyTrainer", "RefModel", "policy_objective", "required_columns"]
+__all__ = ["PolicyTrainer", "RefModel", "policy_objective", "policy_loss", "token_terms", "required_columns"]
 
 
 def policy_objective(logits: Any, mb: dict[str, Any], loss_fn: Any, config: TrainerConfig):
@@ -30,18 +30,34 @@ def policy_objective(logits: Any, mb: dict[str, Any], loss_fn: Any, config: Trai
     ``logits`` ``(b, R, V)`` fp32 predict ``mb["responses"]`` ``(b, R)``; ``mb`` also holds
     response_mask, old_logprobs, advantages (and ref_logprobs with the KL loss), all ``(b, R)``.
     Returns (scalar loss, metrics)."""
+    log_prob, entropy = token_terms(logits, mb["responses"], config)
+    return policy_loss(log_prob, entropy, mb, loss_fn, config)
+
+
+def token_terms(logits: Any, labels: Any, config: TrainerConfig, with_entropy: bool = True):
+    """(log-prob of each label, entropy) from ``logits`` ``(..., V)`` and ``labels`` ``(...)``.
+    Entropy is always reported but joins the graph only when it is part of the loss; None
+    without ``with_entropy``."""
     import torch
-    from gpu_jobs.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits
+    from gpu_jobs.algos import entropy_from_logits, logprobs_from_logits
+
+    log_prob = logprobs_from_logits(logits, labels)
+    if not with_entropy:
+        return log_prob, None
+    with torch.set_grad_enabled(config.entropy_coeff != 0 and torch.is_grad_enabled()):
+        return log_prob, entropy_from_logits(logits)
+
+
+def policy_loss(log_prob: Any, entropy: Any, mb: dict[str, Any], loss_fn: Any, config: TrainerConfig):
+    """policy_objective from per-token ``log_prob`` and ``entropy`` ``(b, R)``."""
+    from gpu_jobs.algos import agg_loss, kl_penalty
 
     c, pl = config, config.policy_loss
     mask = mb["response_mask"]
-    log_prob = logprobs_from_logits(logits, mb["responses"])
     kwargs = {"loss_agg_mode": pl.loss_agg_mode, **pl.loss_kwargs()}
     loss, metrics = loss_fn(mb["old_logprobs"], log_prob, mb["advantages"], mask, **kwargs)
     metrics = dict(metrics)
-    # Entropy is always reported; it joins the graph only when it is part of the loss.
-    with torch.set_grad_enabled(c.entropy_coeff != 0 and torch.is_grad_enabled()):
-        entropy = agg_loss(entropy_from_logits(logits), mask, pl.loss_agg_mode)
+    entropy = agg_loss(entropy, mask, pl.loss_agg_mode)
     if c.entropy_coeff != 0:
         loss = loss - c.entropy_coeff * entropy
     metrics["actor/entropy"] = entropy.detach()
@@ -80,27 +96,64 @@ class _CausalLM(ZeroModule):
         )
 
     def _response_logits(self, mb: dict[str, Any]) -> Any:
-        """Logits ``(b, R, V)`` (fp32) predicting each response token; HF computes only R+1 rows."""
-        R = mb["response_width"]
-        out = self.engine(
-            input_ids=mb["input_ids"],
-            attention_mask=mb["attention_mask"],
-            position_ids=mb["position_ids"],
-            use_cache=False,
-            logits_to_keep=R + 1,
-        )
-        logits = out.logits[:, :R, :].float()
+        """Logits ``(m, V)`` (fp32, over the temperature) predicting the micro-batch's response
+        tokens in ``_flat`` order; HF computes only these rows (padded: the last R+1)."""
+        if mb["packed"]:
+            logits = self.engine(**self._model_inputs(mb), logits_to_keep=mb["token_index"]).logits[0]
+        else:
+            R = mb["response_width"]
+            logits = self.engine(**self._model_inputs(mb), logits_to_keep=R + 1).logits[:, :R, :]
+            logits = logits.reshape(-1, logits.shape[-1])
+        logits = logits.float()
         return logits / self.config.temperature if self.config.temperature != 1.0 else logits
+
+    def _response_hidden(self, mb: dict[str, Any]) -> Any:
+        """Final (normed) hidden states ``(m, H)`` that predict the response tokens, ``_flat``
+        order; the forward computes no logits at all."""
+        import torch
+
+        none = torch.zeros(0, dtype=torch.long, device=self.device)
+        out = self.engine(**self._model_inputs(mb), logits_to_keep=none, output_hidden_states=True)
+        h = out.hidden_states[-1]
+        if mb["packed"]:
+            return h[0, mb["token_index"]]
+        P, R = mb["prompt_width"], mb["response_width"]
+        return h[:, P - 1 : P + R - 1].reshape(-1, h.shape[-1])
+
+    def _head_terms(self, head: Any, hidden: Any, labels: Any, with_entropy: bool):
+        logits = head(hidden).float()
+        if self.config.temperature != 1.0:
+            logits = logits / self.config.temperature
+        return token_terms(logits, labels, self.config, with_entropy)
+
+    def _response_terms(self, mb: dict[str, Any], with_entropy: bool = True):
+        """Per-token (log_prob, entropy) ``(b, R)`` of the responses (entropy None without
+        ``with_entropy``). With entropy_from_logits_with_chunking the LM head runs on
+        entropy_chunk_size tokens at a time, checkpointed: peak logits memory is one chunk's."""
+        labels = self._flat(mb["responses"], mb)
+        if not self.config.entropy_from_logits_with_chunking:
+            log_prob, entropy = token_terms(self._response_logits(mb), labels, self.config, with_entropy)
+        else:
+            import torch
+            from torch.utils.checkpoint import checkpoint
+
+            hidden, head = self._response_hidden(mb), self.engine.module.get_output_embeddings()
+            step, parts = self.config.entropy_chunk_size, []
+            for s in range(0, hidden.shape[0], step):
+                args = (head, hidden[s : s + step], labels[s : s + step], with_entropy)
+                parts.append(checkpoint(self._head_terms, *args, use_reentrant=False)
+                             if torch.is_grad_enabled() else self._head_terms(*args))
+            log_prob = torch.cat([p[0] for p in parts])
+            entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+        return self._rows(log_prob, mb), None if entropy is None else self._rows(entropy, mb)
 
     def _read(self, batch: Any, require: tuple[str, ...] = ()) -> Rows:
         return read_rows(batch, require=require, vocab_size=self.model_config.vocab_size)
 
     def _log_probs_of(self, rows: Rows) -> list[np.ndarray]:
-        from gpu_jobs.algos import logprobs_from_logits
-
         return self._map_rows_no_grad(
             rows,
-            lambda mb: logprobs_from_logits(self._response_logits(mb), mb["responses"]),
+            lambda mb: self._response_terms(mb, with_entropy=False)[0],
             self.config.log_prob_micro_batch_size_per_gpu,
         )
 
@@ -135,6 +188,11 @@ class PolicyTrainer(_CausalLM):
     ) -> None:
         super().__init__(model_path, config or TrainerConfig(), train=True, tokenizer=tokenizer, storage=storage)
         self.kl_controller = kl_controller  # its state travels with save()/load()
+        # A training-mode forward equals the eval-mode one only without active dropout.
+        from torch.nn.modules.dropout import _DropoutNd
+
+        self._no_dropout = getattr(self.model_config, "attention_dropout", 0.0) == 0 and all(
+            m.p == 0 for m in self.engine.module.modules() if isinstance(m, _DropoutNd))
 
     # ---- the update ----------------------------------------------------------------------
     def update(self, batch: Any) -> dict[str, float]:
@@ -147,22 +205,34 @@ class PolicyTrainer(_CausalLM):
         c = self.config
         loss_fn = get_policy_loss_fn(c.policy_loss.loss_mode)
         rows = self._read(batch, required_columns(c, batch))
+        old_from_forward = c.recompute_old_logprobs and self._single_step(rows)
         old_seconds = 0.0
-        if c.recompute_old_logprobs:
+        if c.recompute_old_logprobs and not old_from_forward:
             rows.columns["old_logprobs"] = self._log_probs_of(rows)
             old_seconds = time.perf_counter() - t0
-        elif "old_logprobs" not in rows.columns:
+        elif not c.recompute_old_logprobs and "old_logprobs" not in rows.columns:
             rows.columns["old_logprobs"] = rows.columns["rollout_logprobs"]
         metrics = self._run_update(
-            rows, lambda mb: self._loss(mb, loss_fn), c.policy_loss.loss_agg_mode, role="actor",
-            prep_seconds=old_seconds,
+            rows, lambda mb: self._loss(mb, loss_fn, old_from_forward), c.policy_loss.loss_agg_mode,
+            role="actor", prep_seconds=old_seconds,
         )
         if c.recompute_old_logprobs:  # else a 0 here would overwrite the logprobs stage's own time
             metrics["timing_s/old_log_prob"] = old_seconds
         return metrics
 
-    def _loss(self, mb: dict[str, Any], loss_fn: Any) -> tuple[Any, dict[str, Any]]:
-        return policy_objective(self._response_logits(mb), mb, loss_fn, self.config)
+    def _single_step(self, rows: Rows) -> bool:
+        """Whether this update is one optimizer step from unchanged weights with a deterministic
+        forward: then every micro-batch's forward scores it with the weights the separate
+        old-log-prob pass would use, and that pass can be skipped (TRL does the same)."""
+        c = self.config
+        return (c.ppo_epochs == 1 and c.ppo_mini_batch_size * rows.samples_per_prompt >= len(rows)
+                and self._no_dropout)
+
+    def _loss(self, mb: dict[str, Any], loss_fn: Any, old_from_forward: bool = False):
+        log_prob, entropy = self._response_terms(mb)
+        if old_from_forward:  # ratio = exp(log_prob - log_prob.detach()): 1, with the PPO gradient
+            mb = {**mb, "old_logprobs": log_prob.detach()}
+        return policy_loss(log_prob, entropy, mb, loss_fn, self.config)
 
     # ---- exact resume extras -------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:

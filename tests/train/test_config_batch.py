@@ -29,6 +29,17 @@ def test_pipeline_with_zero0_or_1_is_accepted(stage):
     assert cfg.deepspeed_config(world_size=2)["zero_optimization"]["stage"] == stage
 
 
+def test_zero_stage_auto_resolves_per_data_parallel_size():
+    auto = TrainerConfig()
+    assert auto.zero_stage == "auto" and CriticConfig().zero_stage == "auto"
+    assert [auto.resolved_zero_stage(n) for n in (1, 2, 8)] == [0, 3, 3]
+    assert TrainerConfig(dtype="bf16").resolved_zero_stage(1) == 1  # DeepSpeed's bf16 stage 0 is not ours
+    assert TrainerConfig(pipeline_parallel_size=2).resolved_zero_stage(2) == 1  # no ZeRO-2/3 with pipes
+    assert TrainerConfig(zero_stage=3).resolved_zero_stage(1) == 3
+    assert auto.deepspeed_config(world_size=1)["zero_optimization"]["stage"] == 0
+    assert auto.deepspeed_config(world_size=2)["zero_optimization"]["stage"] == 3
+
+
 def test_configs_forbid_unknown_fields_and_document_every_field():
     with pytest.raises(ValidationError):
         TrainerConfig(learning_rate=1e-5)  # verl calls it lr
@@ -38,7 +49,7 @@ def test_configs_forbid_unknown_fields_and_document_every_field():
 
 
 def test_deepspeed_config_sets_clipping_explicitly_and_owns_accumulation():
-    ds = TrainerConfig(grad_clip=0.5, dtype="bf16").deepspeed_config(world_size=2)
+    ds = TrainerConfig(grad_clip=0.5, dtype="bf16").deepspeed_config(world_size=2)  # auto: 3
     assert ds["gradient_clipping"] == 0.5  # DeepSpeed's own default would be 1.0
     assert ds["gradient_accumulation_steps"] == 1 and ds["train_batch_size"] == 2
     assert ds["bf16"]["enabled"] and ds["zero_optimization"]["stage"] == 3
@@ -117,6 +128,21 @@ def test_collate_left_pads_prompts_right_pads_responses_and_counts_positions():
     assert collate(rows, [1], pad_response_to=4)["response_mask"].shape == (1, 4)
 
 
+def test_packed_collate_concatenates_rows_and_restarts_positions():
+    rows = read_rows(_ok(), vocab_size=64)  # prompts [1, 2], [3]; responses [4, 5, 6], [7]
+    mb = collate(rows, [0, 1], packed=True)
+    assert mb["packed"] and "attention_mask" not in mb
+    assert mb["input_ids"].tolist() == [[1, 2, 4, 5, 6, 3, 7]]
+    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert mb["cu_seq_lens"].tolist() == [0, 5, 7]
+    # row 0's responses are predicted from packed positions 1..3 (token 2, 4, 5), row 1's from 5
+    assert mb["token_index"].tolist() == [1, 2, 3, 5]
+    assert mb["token_slot"].tolist() == [0, 1, 2, 3]  # (b, R) = (2, 3), flattened
+    padded = collate(rows, [0, 1])
+    for k in ("responses", "response_mask", "advantages"):
+        assert mb[k].tolist() == padded[k].tolist(), k
+
+
 # ---- plans -----------------------------------------------------------------------------------
 def test_minibatch_plan_is_a_seeded_permutation():
     import torch
@@ -142,5 +168,11 @@ def test_dynamic_microbatches_respect_the_token_budget():
     for m in micros:
         p, r = rows.lengths(m)
         assert len(m) == 1 or len(m) * (p.max() + r.max()) <= 40
+    packed = plan_microbatches(rows, range(n), micro_size=None, max_tokens=40, packed=True)
+    assert sorted(i for m in packed for i in m) == list(range(n))
+    for m in packed:  # packed rows cost their real tokens, so more of them fit
+        p, r = rows.lengths(m)
+        assert len(m) == 1 or (p + r).sum() <= 40
+    assert len(packed) < len(micros)
     fixed = plan_microbatches(rows, range(n), micro_size=6, max_tokens=None)
     assert [len(m) for m in fixed] == [6, 6, 6, 2]

@@ -31,6 +31,15 @@ def test_critic_loss_decreases_on_a_fixed_batch(tiny_model, helpers):
     assert explained[-1] > explained[0]
 
 
+def test_critic_value_head_has_no_dropout(tiny_model):
+    # classifier_dropout=0.0 must reach the model (transformers 5 ignores it as a from_pretrained
+    # kwarg, which left a 0.1 dropout on the values the update trains on).
+    import torch
+
+    critic = Critic(tiny_model, CriticConfig())
+    assert [m.p for m in critic.engine.module.modules() if isinstance(m, torch.nn.Dropout)] == [0.0]
+
+
 def test_ref_model_log_probs_equal_the_policy_before_training(tiny_model, helpers):
     from gpu_jobs.train import PolicyTrainer
 

@@ -21,7 +21,7 @@ CFG = dict(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3, ppo_epochs=2, 
 
 def test_pipeline_with_zero3_is_rejected():
     with pytest.raises(ValidationError, match="DeepSpeed cannot combine pipeline parallelism"):
-        TrainerConfig(**CFG, pipeline_parallel_size=2)  # zero_stage defaults to 3
+        TrainerConfig(**CFG, pipeline_parallel_size=2, zero_stage=3)
 
 
 @pytest.mark.slow

@@ -61,5 +61,7 @@ def test_readme_multi_rank_block_reruns_update_1_on_two_ranks(tmp_path):
     two_ranks = load_state_dict(str(tmp_path / "out-update-1" / "policy"))
     the_run = load_state_dict(str(root / "runs" / "readme-ranks" / "checkpoints" / "1" / "policy"))
     assert two_ranks.keys() == the_run.keys()
-    # The same Adam step (lr 1e-4) on the same batch; ZeRO-3 over 2 ranks only reorders sums.
-    assert max((two_ranks[k] - v).abs().max().item() for k, v in the_run.items()) < 1e-4
+    # The same Adam step (lr 1e-4) on the same batch; ZeRO-3 over 2 ranks only reorders sums (the
+    # run's one rank is ZeRO-0, packed). Adam divides by sqrt(v) + eps, so a gradient near eps can
+    # move its weight by up to ~lr = 1e-4 on a reordering alone: 1.34e-4 was measured; 3e-4 bounds it.
+    assert max((two_ranks[k] - v).abs().max().item() for k, v in the_run.items()) < 3e-4

@@ -301,6 +301,9 @@ class RunConfig(_Section):
                     or self.algorithm.needs_reward_baselines:
                 raise ValueError("placement=remote runs critic-free runs without a reference model for now: "
                                  "drop critic / KL / actor.recompute_old_logprobs / remax, or use placement=colocated")
+        if self.rollout.engine == "vllm" and self.rollout.temperature > 2.0:
+            raise ValueError(f"rollout.temperature={self.rollout.temperature}: vLLM samples at temperatures in [0, 2]; "
+                             "lower it or use rollout.engine=hf")
         if self.rollout.engine == "vllm" and self.rollout.engine_options.dtype == "float16":
             raise ValueError("rollout.engine_options.dtype=float16 is not supported on CPU vLLM; use bfloat16")
         return self

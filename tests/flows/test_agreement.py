@@ -144,12 +144,13 @@ def test_probe_catches_a_weight_missing_from_the_sync(tiny_config):
     _nudge_trainer(eng, name)
     state = eng.trainer.gathered_state_dict()
     old = dict(eng.rollout.model.named_parameters())[name].detach().clone()
-    eng.rollout.update_weights({**state, name: old})  # the sync forgot one weight
+    eng.rollout.update_weights({**state, name: old})  # the sync forgot one weight...
+    eng.rollout_version = eng.version  # ...and recorded itself as done, as a real sync would
     with pytest.raises(AgreementError, match="iteration 2"):
         _iterate(run, eng, 2)
     with pytest.raises(AgreementError):
         stages.probe_agreement(run, eng, "after a resume")
-    stages.sync_weights(run, eng, 2)  # a full sync: in agreement again
+    eng.sync_rollout()  # a full sync: in agreement again
     assert stages.probe_agreement(run, eng, "after a full sync")["training/rollout_probs_diff_mean"] < 1e-4
 
 
@@ -161,10 +162,10 @@ def test_probe_catches_vllms_stale_tied_output_head(tiny_config):
     run, eng = _open(tiny_config("rollout.engine=vllm"))
     _iterate(run, eng, 1)
     _nudge_trainer(eng, "model.embed_tokens.weight")  # also the output head: they are tied
-    stages.sync_weights(run, eng, 1)
+    eng.sync_rollout()
     assert stages.probe_agreement(run, eng, "after a good sync")["training/rollout_probs_diff_mean"] < 1e-3
     _nudge_trainer(eng, "model.embed_tokens.weight")
     eng.rollout._tied = {}  # what the engine did before it completed tied names itself
-    stages.sync_weights(run, eng, 1)
+    eng.sync_rollout()
     with pytest.raises(AgreementError, match="iteration 2"):
         _iterate(run, eng, 2)

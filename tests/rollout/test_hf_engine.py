@@ -97,8 +97,8 @@ def test_seed_reproducibility(engine, prompts):
     assert a == b
     assert _responses(a) != _responses(c)
     # samples of one prompt differ from each other (they are not copies of one stream); at
-    # temperature 3 the distribution is near uniform, so this holds for any trained weights
-    hot = engine.generate(prompts, 4, s.model_copy(update={"temperature": 3.0}))
+    # temperature 2 the distribution is flat enough, so this holds for any trained weights
+    hot = engine.generate(prompts, 4, s.model_copy(update={"temperature": 2.0}))
     assert len({tuple(r["response_ids"]) for r in hot if r["prompt_index"] == 7}) > 1
 
 

@@ -76,7 +76,7 @@ def test_seed_reproducibility_and_top_k_1(vllm_engine, prompts):
     s = SamplingConfig(temperature=1.0, max_response_length=8, seed=7)
     a, b = vllm_engine.generate(prompts, 4, s), vllm_engine.generate(prompts, 4, s)
     assert _responses(a) == _responses(b)
-    hot = vllm_engine.generate(prompts, 4, SamplingConfig(temperature=3.0, max_response_length=8, seed=7))
+    hot = vllm_engine.generate(prompts, 4, SamplingConfig(temperature=2.0, max_response_length=8, seed=7))
     assert len({tuple(r["response_ids"]) for r in hot if r["prompt_index"] == 7}) > 1  # not copies of one stream
     greedy = _responses(vllm_engine.generate(prompts, 1, GREEDY))
     topk1 = _responses(vllm_engine.generate(prompts, 2, SamplingConfig(top_k=1, max_response_length=8, seed=1)))

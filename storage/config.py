@@ -53,6 +53,27 @@ class StorageConfig(BaseModel):
         description="On first use of a bucket in this process, check that it exists and that "
         "the credentials work, so a typo fails with a clear one-line error.",
     )
+    retry_budget_seconds: float = Field(
+        300.0,
+        ge=0,
+        description="How long one S3 request keeps retrying a transient fault (connection refused, "
+        "reset or timed out, HTTP 5xx, 429/503 SlowDown throttling) before it fails with "
+        "StorageUnavailableError; exponential backoff with full jitter. 5 minutes covers what "
+        "object stores do in normal operation (an endpoint or load-balancer restart, a MinIO "
+        "rolling upgrade, a burst of throttling: seconds to a few minutes) at the cost of a run "
+        "that waits instead of failing; a stage holds minutes of GPU work, and waiting is cheaper "
+        "than losing it and needing an operator. Longer outages are incidents: Prefect task "
+        "retries (tasks.retry_delay_seconds) then try the stage again. Faults that cannot heal "
+        "(403/bad credentials, a missing bucket or object, a create-only conflict) never wait. "
+        "The first contact with an endpoint in a process waits at most 15 s (a wrong endpoint_url "
+        "is reported quickly). 0 = no retries.",
+    )
+    retry_max_delay_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Longest single wait between two retries of a request: a recovered endpoint "
+        "is noticed within this many seconds.",
+    )
 
     @field_validator("endpoint_url")
     @classmethod

@@ -16,6 +16,7 @@ __all__ = [
     "ManifestExistsError",
     "CorruptShardError",
     "NotCommittedError",
+    "StorageUnavailableError",
 ]
 
 
@@ -53,3 +54,9 @@ class CorruptShardError(StorageError):
 
 class NotCommittedError(StorageError, FileNotFoundError):
     """There is no manifest (or checkpoint index) at the URL: nothing was committed there."""
+
+
+class StorageUnavailableError(StorageError, ConnectionError):
+    """Object storage kept failing with transient faults (unreachable, 5xx, throttled) for the
+    whole retry budget (StorageConfig.retry_budget_seconds). Nothing committed is affected: the
+    stage can be retried, or the run resumed, once the endpoint answers again."""

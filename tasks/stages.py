@@ -7,6 +7,10 @@ key is (run uid, iteration, stage, input URIs, whether the stage is committed no
 flow run id, so a resumed flow run reuses what committed, and a stage `rlmill verify --repair`
 uncommitted runs again instead of returning its old URI from Prefect's cache. Stages are
 idempotent on their own (they return an existing manifest), so a retry is always harmless.
+
+A failed task is retried after a wait (tasks.retry_delay_seconds, by default 10 s, then 40 s),
+never at once: a retry sent straight back into the fault that failed it (an object-store outage
+longer than storage's own retry budget, a restarting service) fails the same way.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import hashlib
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from gpu_jobs.stages import STAGE_FUNCTIONS
+from gpu_jobs.stages.config import TaskConfig
 from storage import committed
 
 _NOT_INPUTS = ("run", "engines", "k")
@@ -31,7 +37,11 @@ def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     return f"rlmill-{run.run_uid}-{k}-{name}-{digest}-{state}"
 
 
-_STAGE = dict(cache_key_fn=stage_cache_key, persist_result=True, retries=2, retry_delay_seconds=0)
+# The defaults of TaskConfig (tasks.retries, tasks.retry_delay_seconds): the flow applies the run's own
+# settings with `with_options`; a task used bare retries the same way, with backoff, never at once.
+_TASKS = TaskConfig()
+_RETRY = dict(retries=_TASKS.retries, retry_delay_seconds=_TASKS.retry_delay_seconds)
+_STAGE = dict(cache_key_fn=stage_cache_key, persist_result=True, **_RETRY)
 _fn = STAGE_FUNCTIONS
 
 
@@ -76,7 +86,7 @@ def update(run, engines, k: int, adv_uri: str) -> str:
     return _fn["update"](run, engines, k, adv_uri)
 
 
-@task(name="weight-sync", retries=2, retry_delay_seconds=0)
+@task(name="weight-sync", cache_policy=NO_CACHE, **_RETRY)  # nothing to cache; its inputs cannot be hashed
 def sync_weights(run, engines, k: int) -> float:
     """In-memory hand-off of the new weights to the rollout engine (nothing to commit)."""
     return _fn["weight-sync"](run, engines, k)

@@ -1,4 +1,4 @@
-"""Run the chaos scenarios and print fault / outcome / recovered / data lost / weights.
+"""Run the chaos scenarios and print fault / outcome / recovered / data lost / not finished / weights.
 
     .venv/bin/python -m benchmarks.chaos              # all scenarios (~15 min on 2 cores)
     .venv/bin/python -m benchmarks.chaos --quick      # the reduced set `make test` runs
@@ -6,8 +6,11 @@
     .venv/bin/python -m benchmarks.chaos --list
 
 "recovered" is yes when the run completed with every committed manifest intact and readable;
-"-" for bad input, which must be refused before anything is written. "weights" compares the
-final policy with an uninterrupted run of the same config, bitwise.
+"-" for bad input, which must be refused before anything is written. "data lost" counts what was
+committed and then went missing, changed, became unreadable or was duplicated; "not finished"
+counts stages of the run's iterations that were never committed (a run that stopped early has
+work left, not data lost). "weights" compares the final policy with an uninterrupted run of the
+same config, bitwise.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from .harness import Chaos, Outcome
@@ -31,7 +35,8 @@ def run_scenarios(chaos: Chaos, names: list[str]) -> list[Outcome]:
         try:
             row = fn(chaos)
         except Exception as e:  # noqa: BLE001 - a harness failure is a row too, never a silent skip
-            row = Outcome(fault, f"harness error: {type(e).__name__}: {str(e)[:150]}", False, -1)
+            traceback.print_exc(file=sys.stderr)
+            row = Outcome(fault, f"harness error: {type(e).__name__}: {str(e)[:150]}", False, -1, "-", -1)
         print(f"  {name}: {time.perf_counter() - t0:.0f} s, recovered={row.recovered}", file=sys.stderr, flush=True)
         rows.append(row)
     return rows
@@ -41,8 +46,12 @@ def format_table(rows: list[Outcome]) -> str:
     def yes(r: Outcome) -> str:
         return "-" if r.recovered is None else ("yes" if r.recovered else "no")
 
-    head = ("fault", "outcome", "recovered", "data lost", "weights")
-    body = [(r.fault, r.outcome, yes(r), str(r.data_lost), r.weights) for r in rows]
+    def count(n: int) -> str:
+        return "?" if n < 0 else str(n)  # the harness failed before it could count
+
+    head = ("fault", "outcome", "recovered", "data lost", "not finished", "weights")
+    body = [(r.fault, " ".join(r.outcome.replace("|", "/").split()), yes(r), count(r.data_lost),
+             count(r.not_finished), r.weights) for r in rows]  # one line per row, whatever the outcome holds
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body])
 
@@ -71,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(tiny GRPO run: 3 iterations of 8 prompts x 4, checkpoint every 2; "
           f"`python -m benchmarks.chaos{' --quick' if args.quick else ''}`)\n")
     print(format_table(rows))
-    failed = [r for r in rows if r.data_lost != 0 or r.weights == "differ" or r.recovered is False]
+    failed = [r for r in rows if r.data_lost != 0 or r.not_finished != 0 or r.weights == "differ"
+              or r.recovered is False]
     return 1 if failed else 0
 
 

@@ -1,9 +1,14 @@
-"""What a chaos scenario checks after the fault: nothing committed lost, changed or duplicated.
+"""What a chaos scenario checks after the fault: nothing committed lost, changed or duplicated,
+and every iteration produced.
 
     snap = snapshot(layout)            # every committed manifest's bytes, before the fault
     ...fault, recovery...
     report = audit(layout, snap, iterations=3)
-    report.data_lost                   # must be 0
+    report.data_lost                   # committed, then gone, changed, unreadable or duplicated: must be 0
+    report.not_finished                # stages of the 3 iterations never committed: 0 once the run completed
+
+The two are kept apart: a run that stops early has lost nothing it committed, it has work left
+to do (resume it); data lost means something committed is no longer what it was.
 """
 
 from __future__ import annotations
@@ -32,12 +37,18 @@ class AuditReport:
     lost: list[str] = field(default_factory=list)        # committed before, gone after
     changed: list[str] = field(default_factory=list)     # committed before, different bytes after
     unreadable: list[str] = field(default_factory=list)  # a listed shard missing or failing its sha256
-    missing: list[str] = field(default_factory=list)     # an iteration the finished run lacks
+    missing: list[str] = field(default_factory=list)     # a stage of an iteration never committed
     duplicated: list[str] = field(default_factory=list)  # rows committed twice within a stage
 
     @property
     def data_lost(self) -> int:
-        return len(self.lost) + len(self.changed) + len(self.unreadable) + len(self.missing) + len(self.duplicated)
+        """Committed, then gone, changed, unreadable or duplicated."""
+        return len(self.lost) + len(self.changed) + len(self.unreadable) + len(self.duplicated)
+
+    @property
+    def not_finished(self) -> int:
+        """Stages of the expected iterations that were never committed (the run has work left)."""
+        return len(self.missing)
 
     def summary(self) -> str:
         parts = [f"{name}: {', '.join(v[:3])}" for name, v in vars(self).items() if v]

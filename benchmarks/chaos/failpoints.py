@@ -49,48 +49,52 @@ def _stage_of(url: str) -> tuple[str, int] | None:
 
 
 def install(spec: str, marker: str) -> None:
-    """Wrap the one function the failpoint needs; every other call passes straight through."""
+    """Wrap the one function the failpoint needs; every other call passes straight through.
+
+    Stage boundaries are found where every stage commits: the commit shell's `write_table`
+    (gpu_jobs.stages.shell) and the create-only manifest write inside it (storage.manifest)."""
     import gpu_jobs.stages.iteration as it
-    import storage.tables as tables
+    import gpu_jobs.stages.shell as shell
+    import storage.manifest as manifest
 
     kind, stage, k = parse(spec)
     if kind in ("after-commit", "before-commit"):
-        real_commit = it._commit
+        real_write = shell.write_table
 
-        def _commit(ctx, kk, name, *a, **kw):
-            armed = (name, kk) == (stage, k)
+        def write_table(dest, table, *a, **kw):
+            armed = _stage_of(dest) == (stage, k)
             if armed and kind == "before-commit":
                 _hit(marker)
-            uri = real_commit(ctx, kk, name, *a, **kw)
+            uri = real_write(dest, table, *a, **kw)
             if armed:
                 _hit(marker)
             return uri
 
-        it._commit = _commit
+        shell.write_table = write_table
     elif kind == "before-manifest":
-        real_create = tables.create_only
+        real_create = manifest.create_only
 
         def create_only(fs, path, data, *, url=None):
             if _stage_of(path) == (stage, k):
                 _hit(marker)
             return real_create(fs, path, data, url=url)
 
-        tables.create_only = create_only
+        manifest.create_only = create_only
     elif kind == "after-train":
-        real_train = it._train_on
+        real_train = it.train_on
 
-        def _train_on(ctx, kk, table):
-            metrics = real_train(ctx, kk, table)
+        def train_on(run, engines, kk, table):
+            metrics = real_train(run, engines, kk, table)
             if kk == k:
                 _hit(marker)
             return metrics
 
-        it._train_on = _train_on
+        it.train_on = train_on
     else:  # after-checkpoint
         real_save = it.save_checkpoint
 
-        def save_checkpoint(ctx, kk, metrics):
-            real_save(ctx, kk, metrics)
+        def save_checkpoint(run, engines, kk, metrics):
+            real_save(run, engines, kk, metrics)
             if kk == k:
                 _hit(marker)
 

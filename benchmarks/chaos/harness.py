@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "grpo_arith.yaml"
@@ -40,8 +40,9 @@ class Outcome:
     fault: str
     outcome: str
     recovered: bool | None  # None: nothing to recover (the input was refused before any write)
-    data_lost: int
+    data_lost: int          # committed, then gone or changed (audit.AuditReport.data_lost)
     weights: str = "-"      # "= reference", "differ", or "-" when the fault changes what is trained
+    not_finished: int = 0   # stages of the run's iterations never committed (AuditReport.not_finished)
 
 
 @dataclass
@@ -67,7 +68,8 @@ class Chaos:
         from gpu_jobs.train.dist import child_env
 
         # One thread: killed-and-resumed and uninterrupted runs must do the same float arithmetic.
-        env = {**child_env(), "PREFECT_API_URL": self.api_url, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        env = {**child_env(), "PREFECT_API_URL": self.api_url, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+               "RLMILL_LOCK_DIR": str(self.work / "locks")}  # run locks of this session only
         env.pop("RLMILL_FAILPOINT", None)
         if failpoint:
             env.update(RLMILL_FAILPOINT=failpoint, RLMILL_FAILPOINT_MARKER=str(marker))
@@ -77,24 +79,66 @@ class Chaos:
         return [sys.executable, "-m", "benchmarks.chaos.failpoints", "train", "--config", str(EXAMPLE),
                 *overrides(root, run_id, *extra)]
 
-    def kill_at(self, root: str, run_id: str, failpoint: str) -> None:
-        """Run until `failpoint` is reached, then SIGKILL the run's whole process group."""
+    def kill_at(self, root: str, run_id: str, failpoint: str,
+                while_held: Callable[[int], None] | None = None) -> int:
+        """Run until `failpoint` is reached, then SIGKILL the run's whole process group; returns
+        the killed run's pid. `while_held(pid)` runs first, while the run is alive at that point."""
         marker = self.work / f"marker-{time.monotonic_ns()}"
         proc = subprocess.Popen(self.cmd(root, run_id), cwd=REPO, env=self.env(failpoint, marker),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + self.timeout
         try:
-            while not marker.exists():
-                if proc.poll() is not None:
-                    out = proc.stdout.read().decode(errors="replace")[-3000:]
-                    raise RuntimeError(f"run exited ({proc.returncode}) before reaching {failpoint}:\n{out}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{failpoint} not reached within {self.timeout:.0f} s")
-                time.sleep(0.05)
+            self._wait_for(marker, proc, failpoint)
+            if while_held is not None:
+                while_held(proc.pid)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+        return proc.pid
+
+    def _wait_for(self, marker: Path, proc: subprocess.Popen, what: str, log: Path | None = None) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not marker.exists():
+            if proc.poll() is not None:
+                data = log.read_bytes() if log is not None else proc.stdout.read()
+                out = data.decode(errors="replace")[-3000:]
+                raise RuntimeError(f"run exited ({proc.returncode}) before reaching {what}:\n{out}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not reached within {self.timeout:.0f} s")
+            time.sleep(0.05)
+
+    def kill_main_only(self, root: str, run_id: str, marker: Path, *extra: str, grace: float = 20.0,
+                       env: dict[str, str] | None = None, drop_env: tuple[str, ...] = ()) -> list[str]:
+        """Start a run in its own session; once `marker` exists (something in the run touches it),
+        SIGKILL the rlmill process ALONE, as the OOM killer or `kill -9 <pid>` would, not its group.
+        Returns what is still running `grace` seconds later ("pid cmdline"): any process in its
+        session or carrying its environment tag (children that start their own session, like a
+        torchrun group, inherit the environment), then kills that too."""
+        tag = f"chaos-{time.monotonic_ns()}"
+        run_env = {**self.env(), **(env or {}), "RLMILL_CHAOS_TAG": tag}
+        for key in drop_env:
+            run_env.pop(key, None)
+        # Output to a file, not a pipe: a leftover child would hold a pipe open, and reading it to
+        # its end would wait for the leftover, not for the run.
+        log = self.work / f"{marker.name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(self.cmd(root, run_id, *extra), cwd=REPO, env=run_env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_for(marker, proc, f"marker {marker.name}", log)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            deadline = time.monotonic() + grace
+            while (left := session_processes(proc.pid, tag)) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            return left
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for line in session_processes(proc.pid, tag):  # clean up whatever the fault left, by pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
 
     def finish(self, root: str, run_id: str, *extra: str) -> subprocess.CompletedProcess:
         """Run (or resume) to the end; returns the completed process (check .returncode)."""
@@ -125,6 +169,28 @@ class Chaos:
         ref, got = self.reference(), final_weights(root, run_id, storage)
         same = ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
         return "= reference" if same else "differ"
+
+
+def session_processes(sid: int, tag: str | None = None) -> list[str]:
+    """'pid cmdline' of every live process in session `sid`, or whose environment holds
+    RLMILL_CHAOS_TAG=`tag` (Linux /proc)."""
+    out = []
+    marker = f"RLMILL_CHAOS_TAG={tag}".encode() if tag else None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if os.getsid(int(entry.name)) != sid and not (
+                    marker and marker in (entry / "environ").read_bytes().split(b"\0")):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z":  # a zombie is already dead: only its parent's wait() is missing
+                continue
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError):
+            continue
+        out.append(f"{entry.name} {cmd[:160]}")
+    return sorted(out)
 
 
 def final_weights(root: str, run_id: str, storage: Any = None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from .audit import audit, snapshot
 from .harness import EXAMPLE, ITERATIONS, Chaos, Outcome, layout, overrides
 
 SCENARIOS: dict[str, tuple[str, Callable[[Chaos], Outcome]]] = {}
-QUICK = ("sigkill-chain", "corrupt-checkpoint", "s3-outage", "reward-faults-mixed", "bad-dataset", "bad-config")
+QUICK = ("sigkill-chain", "corrupt-checkpoint", "s3-outage-long", "reward-faults-mixed", "bad-dataset", "bad-config")
 
 
 def scenario(name: str, fault: str):
@@ -26,6 +26,14 @@ def scenario(name: str, fault: str):
         return fn
 
     return register
+
+
+def _result(fault: str, outcome: str, ok: bool, report, weights: str = "-") -> Outcome:
+    """A row for a run that must complete: recovered only if it did, lost nothing, and finished."""
+    if report.data_lost:
+        outcome += f"; {report.summary()}"
+    return Outcome(fault, outcome, ok and not report.data_lost and not report.not_finished, report.data_lost,
+                   weights, report.not_finished)
 
 
 def _tail(text: str, n: int = 1) -> str:
@@ -45,10 +53,7 @@ def _kill_then_resume(chaos: Chaos, name: str, fault: str, points: list[str]) ->
     ok = done.returncode == 0
     outcome = (f"killed {len(points)}x ({len(before)} manifests committed); resumed and completed" if ok
                else f"resume failed: {_tail(done.stdout)}")
-    if report.data_lost:
-        outcome += f"; {report.summary()}"
-    return Outcome(fault, outcome, ok and not report.data_lost, report.data_lost,
-                   chaos.same_as_reference(root, "r") if ok else "-")
+    return _result(fault, outcome, ok, report, chaos.same_as_reference(root, "r") if ok else "-")
 
 
 KILL_POINTS = {
@@ -99,8 +104,8 @@ def corrupt_checkpoint(chaos: Chaos) -> Outcome:
     detected = "is damaged" in done.stdout
     outcome = (f"{victim.name} of checkpoint 2 {'detected by sha256' if detected else 'NOT detected'}; "
                f"replayed updates 1-2 from the start model; completed" if ok else f"failed: {_tail(done.stdout)}")
-    return Outcome(SCENARIOS["corrupt-checkpoint"][0], outcome, ok and detected and not report.data_lost,
-                   report.data_lost, chaos.same_as_reference(root, "r") if ok else "-")
+    return _result(SCENARIOS["corrupt-checkpoint"][0], outcome, ok and detected, report,
+                   chaos.same_as_reference(root, "r") if ok else "-")
 
 
 def _first_shard(lay, k: int, stage: str) -> tuple[str, Path]:
@@ -128,7 +133,7 @@ def corrupt_past_shard(chaos: Chaos) -> Outcome:
     ok = done.returncode == 0
     outcome = (f"completed (the run never rereads it); reading it raises CorruptShardError "
                f"{'naming the shard' if named else 'WITHOUT the name'}" if ok else f"failed: {_tail(done.stdout)}")
-    return Outcome(SCENARIOS["corrupt-past-shard"][0], outcome, ok and named, report.data_lost,
+    return _result(SCENARIOS["corrupt-past-shard"][0], outcome, ok and named, report,
                    chaos.same_as_reference(root, "r") if ok else "-")
 
 
@@ -149,7 +154,7 @@ def corrupt_needed_shard(chaos: Chaos) -> Outcome:
     outcome = ("training refused it (CorruptShardError names the shard); `rlmill verify --repair` set it "
                "aside; resume recomputed it and completed" if ok else
                f"refused={refused}; repair: {_tail(repair.stdout)}; resume: {_tail(done.stdout)}")
-    return Outcome(SCENARIOS["corrupt-needed-shard"][0], outcome, ok and not report.data_lost, report.data_lost,
+    return _result(SCENARIOS["corrupt-needed-shard"][0], outcome, ok, report,
                    chaos.same_as_reference(root, "r") if done.returncode == 0 else "-")
 
 
@@ -190,10 +195,14 @@ def _moto():
         box["server"].stop()
 
 
-def _s3_outage(chaos: Chaos, name: str, seconds: float) -> Outcome:
+def _s3_outage(chaos: Chaos, name: str, seconds: float, *extra: str) -> Outcome:
+    """Stop the S3 endpoint for `seconds` while iteration 2's reward manifest is being written (a
+    commit point), start it again from a timer, and let the ONE run carry on: no operator, no
+    restart. The product's storage backoff (and, past its budget, Prefect's task retries with
+    their delays) must carry the run through."""
     import s3fs
 
-    import storage.tables as tables
+    import storage.manifest as manifest
     from storage import StorageConfig
 
     fault = SCENARIOS[name][0]
@@ -202,41 +211,155 @@ def _s3_outage(chaos: Chaos, name: str, seconds: float) -> Outcome:
         bucket = f"chaos-{name}-{threading.get_ident() % 10_000}-{int(time.time())}"
         s3fs.S3FileSystem(key="chaos", secret="chaos", client_kwargs={"endpoint_url": endpoint}).mkdir(bucket)
         creds = [f"storage.endpoint_url={endpoint}", "storage.key=chaos", "storage.secret=chaos"]
-        root, real, fired = f"s3://{bucket}/runs", tables.create_only, threading.Event()
+        root, real, fired = f"s3://{bucket}/runs", manifest.create_only, threading.Event()
+        lay = layout(root, "r", StorageConfig(endpoint_url=endpoint, key="chaos", secret="chaos"))
+        before: dict[str, str] = {}
+        timing: dict[str, float] = {}
 
         def create_only(fs, path, data, *, url=None):
             # The outage starts while iteration 2's reward manifest (a commit point) is written.
             if path.endswith("iterations/2/reward/_MANIFEST.json") and not fired.is_set():
                 fired.set()
+                before.update(snapshot(lay))  # what was committed when the endpoint went away
                 box["server"].stop()
-                threading.Timer(seconds, restart).start()
+                timing["down"] = time.monotonic()
+                threading.Timer(seconds, lambda: (restart(), timing.setdefault("up", time.monotonic()))).start()
             return real(fs, path, data, url=url)
 
-        tables.create_only = create_only
+        manifest.create_only = create_only
         try:
-            err = _train_in_process(*overrides(root, "r", *creds))
-            attempts = 1
-            while err is not None and attempts < 3:  # what an operator (or a Prefect automation) does
-                attempts += 1
-                err = _train_in_process(*overrides(root, "r", *creds))
+            t0 = time.monotonic()
+            err = _train_in_process(*overrides(root, "r", *creds, *extra))
+            took = time.monotonic() - t0
         finally:
-            tables.create_only = real
-        lay = layout(root, "r", StorageConfig(endpoint_url=endpoint, key="chaos", secret="chaos"))
-        report = audit(lay, {}, ITERATIONS)
+            manifest.create_only = real
+        while fired.is_set() and "up" not in timing:  # a failed run must not leave the timer behind
+            time.sleep(0.2)
+        report = audit(lay, before, ITERATIONS)
         weights = chaos.same_as_reference(root, "r", lay.storage) if err is None else "-"
+    if not fired.is_set():
+        return Outcome(fault, "harness error: the outage never started (no reward manifest PUT of iteration 2 seen)",
+                       False, report.data_lost, "-", report.not_finished)
     if err is not None:
-        outcome = f"failed {attempts}x: {type(err).__name__}: {str(err)[:100]}"
-    elif attempts == 1:
-        outcome = f"endpoint down {seconds:.0f} s during a manifest write; retries absorbed it; completed"
+        outcome = f"failed, not restarted: {type(err).__name__}: {str(err)[:110]}"
     else:
-        outcome = f"endpoint down {seconds:.0f} s during a manifest write; run failed, rerun resumed and completed"
-    return Outcome(fault, outcome, err is None and not report.data_lost, report.data_lost, weights)
+        outcome = (f"endpoint down {timing['up'] - timing['down']:.0f} s from iteration 2's reward manifest PUT; "
+                   f"the one run waited it out and completed ({took:.0f} s in all, no restart)")
+    return _result(fault, outcome, err is None, report, weights)
 
 
-scenario("s3-outage", "S3 endpoint stopped 4 s during a commit, then restarted")(
+scenario("s3-outage", "S3 endpoint stopped 4 s during a commit, then restarted; no operator")(
     lambda chaos: _s3_outage(chaos, "s3-outage", 4.0))
-scenario("s3-outage-long", "S3 endpoint stopped 40 s during a commit, then restarted")(
+scenario("s3-outage-long", "S3 endpoint stopped 40 s during a commit, then restarted; no operator")(
     lambda chaos: _s3_outage(chaos, "s3-outage-long", 40.0))
+scenario("s3-outage-3min", "S3 endpoint stopped 3 min during a commit, then restarted; no operator")(
+    lambda chaos: _s3_outage(chaos, "s3-outage-3min", 180.0))
+scenario("s3-outage-past-budget",
+         "S3 endpoint stopped 40 s, storage retry budget cut to 5 s: Prefect task retries (backoff) carry it")(
+    lambda chaos: _s3_outage(chaos, "s3-outage-past-budget", 40.0, "storage.retry_budget_seconds=5"))
+
+
+# ------------------------------------------------------------------------------ run lock
+@scenario("stale-lock", "run SIGKILLed holding its run lock: a second start while it lived is refused, "
+                        "the next start clears the stale lock")
+def stale_lock(chaos: Chaos) -> Outcome:
+    root = str(chaos.work / "stale-lock")
+    lay = layout(root, "r")
+    refused: dict[str, object] = {}
+
+    def second_start(pid: int) -> None:  # the first run is alive, holding the lock
+        done = chaos.finish(root, "r")
+        refused.update(ok=done.returncode != 0 and f"already being trained by pid {pid}" in done.stdout,
+                       tail=_tail(done.stdout))
+
+    dead = chaos.kill_at(root, "r", "after-commit:reward:1", while_held=second_start)
+    before = snapshot(lay)
+    done = chaos.finish(root, "r")
+    report = audit(lay, before, ITERATIONS)
+    cleared = "found and cleared a stale lock on run 'r'" in done.stdout and f"pid {dead}" in done.stdout
+    ok = done.returncode == 0
+    live = "a second start while it ran was refused" if refused.get("ok") else f"NOT refused: {refused.get('tail')}"
+    stale = (f"the next start said it cleared the stale lock of pid {dead}" if cleared
+             else "the next start did NOT report the stale lock")
+    outcome = f"{live}; {stale}; resumed and completed" if ok else f"resume failed: {_tail(done.stdout)}"
+    return _result(SCENARIOS["stale-lock"][0], outcome, ok and cleared and bool(refused.get("ok")), report,
+                   chaos.same_as_reference(root, "r") if ok else "-")
+
+
+# ------------------------------------------------------------------------------ leftovers
+REWARD_THAT_WAITS = '''
+import os, time
+
+def _rank_group_running():
+    """Whether this run's torchrun rank group (gpu_jobs.train.group_worker) has started."""
+    tag = ("RLMILL_CHAOS_TAG=" + os.environ.get("RLMILL_CHAOS_TAG", "")).encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"group_worker" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if tag in f.read().split(b"\\0"):
+                    return True
+        except OSError:
+            pass
+    return False
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Exact match. The first call (with $CHAOS_REWARD_AFTER_GROUP, the first once the run's rank
+    group is up) touches $CHAOS_REWARD_MARKER and then works for a long time."""
+    marker = os.environ.get("CHAOS_REWARD_MARKER")
+    if marker and not os.path.exists(marker) and (
+            not os.environ.get("CHAOS_REWARD_AFTER_GROUP") or _rank_group_running()):
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(300)
+    return 1.0 if solution_str.strip() == ground_truth else 0.0
+'''
+
+
+def _what(process: str) -> str:
+    """A short name for a 'pid cmdline' line of harness.session_processes."""
+    cmd = process.split(" ", 1)[1] if " " in process else process
+    for needle, name in (("resource_tracker", "multiprocessing resource tracker"),
+                         ("spawn_main", "reward worker (multiprocessing spawn)"),
+                         ("forkserver", "multiprocessing forkserver"),
+                         ("prefect.server", "Prefect API server (uvicorn)"),
+                         ("torchrun", "torchrun"), ("vllm", "vLLM process")):
+        if needle in cmd:
+            return name
+    return cmd[:60]
+
+
+def _kill_leaves_nothing(chaos: Chaos, name: str, *extra: str, after_group: bool = False) -> Outcome:
+    root = str(chaos.work / name)
+    reward = chaos.work / f"reward_waits_{name}.py"
+    reward.write_text(REWARD_THAT_WAITS)
+    marker = chaos.work / f"reward-marker-{time.monotonic_ns()}"
+    extra = (f"reward.custom_reward_function.path={reward}", "reward.num_workers=2", *extra)
+    env = {"CHAOS_REWARD_MARKER": str(marker), **({"CHAOS_REWARD_AFTER_GROUP": "1"} if after_group else {})}
+    # No PREFECT_API_URL: the run starts its own ephemeral Prefect server.
+    left = chaos.kill_main_only(root, "r", marker, *extra, env=env, drop_env=("PREFECT_API_URL",))
+    before = snapshot(layout(root, "r"))
+    done = chaos.finish(root, "r", *extra)
+    report = audit(layout(root, "r"), before, ITERATIONS)
+    ok = done.returncode == 0
+    outcome = ("nothing left running 20 s after the kill" if not left else
+               f"{len(left)} process(es) left running 20 s after the kill: " + ", ".join(_what(x) for x in left))
+    outcome += "; resumed and completed" if ok else f"; resume failed: {_tail(done.stdout)}"
+    return _result(SCENARIOS[name][0], outcome, ok and not left, report)
+
+
+# vLLM in-process (rlmill's default: VLLM_ENABLE_V1_MULTIPROCESSING=0), DeepSpeed ZeRO-3 on one
+# in-process rank, reward workers in a process pool, the run's own ephemeral Prefect server.
+scenario("kill-leaves-nothing", "SIGKILL of the rlmill process alone (not its group) while reward workers "
+                                "score, with vLLM, DeepSpeed and its own Prefect server: nothing left running")(
+    lambda chaos: _kill_leaves_nothing(chaos, "kill-leaves-nothing", "rollout.engine=vllm"))
+# The warm torchrun group of 2 DeepSpeed ranks (trainer.n_gpus_per_node=2), killed in iteration 2.
+scenario("kill-leaves-nothing-ranks", "as kill-leaves-nothing, with a torchrun group of 2 DeepSpeed ranks "
+                                      "(trainer.n_gpus_per_node=2) alive")(
+    lambda chaos: _kill_leaves_nothing(chaos, "kill-leaves-nothing-ranks", "trainer.n_gpus_per_node=2",
+                                       after_group=True))
 
 
 # ------------------------------------------------------------------------------ reward function
@@ -265,7 +388,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def _reward_faults(chaos: Chaos, name: str, modes: list[str]) -> Outcome:
-    counts, errors, lost = {}, [], 0
+    counts, errors, lost, unfinished = {}, [], 0, 0
     for mode in modes:
         path = chaos.work / f"reward_{mode}.py"
         path.write_text(FAULTY_REWARD.format(mode=mode))
@@ -275,7 +398,8 @@ def _reward_faults(chaos: Chaos, name: str, modes: list[str]) -> Outcome:
         lay = layout(root, "r")
         report = audit(lay, {}, ITERATIONS)
         lost += report.data_lost
-        if err is not None or report.data_lost:
+        unfinished += report.not_finished
+        if err is not None or report.data_lost or report.not_finished:
             errors.append(f"{mode}: {err or report.summary()}")
             continue
         from storage import read_manifest
@@ -285,7 +409,8 @@ def _reward_faults(chaos: Chaos, name: str, modes: list[str]) -> Outcome:
     outcome = ("completed; bad samples scored on_error and counted: "
                + ", ".join(f"{mode} {e}/{n}" for mode, (e, n) in counts.items()))
     ok = not errors and all(e > 0 for e, _ in counts.values())
-    return Outcome(SCENARIOS[name][0], outcome if not errors else "; ".join(errors)[:200], ok, lost)
+    return Outcome(SCENARIOS[name][0], outcome if not errors else "; ".join(errors)[:200], ok, lost,
+                   not_finished=unfinished)
 
 
 scenario("reward-faults", "reward function raises / hangs / returns NaN / returns a string (a run each)")(

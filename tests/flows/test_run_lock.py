@@ -1,7 +1,10 @@
-"""One live process per run id."""
+"""One live process per run id: a live holder is refused, a dead one's stale lock is named and cleared."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,3 +30,71 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path, monkeypatch):
     assert proc.returncode == -9
     with RunLock("/data", "r"):
         pass
+
+
+def _dead_holder(tmp_path) -> int:
+    """A process that takes the lock and is SIGKILLed holding it; returns its (now dead) pid."""
+    code = ("import os, signal; from flows.run_lock import RunLock; RunLock('/data', 'r').acquire(); "
+            "print(os.getpid(), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code], env={"RLMILL_LOCK_DIR": str(tmp_path), "PATH": ""},
+                          stdout=subprocess.PIPE, text=True)
+    assert proc.returncode == -9
+    return int(proc.stdout.split()[0])
+
+
+def test_a_stale_lock_from_a_dead_process_is_named_and_cleared(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path))
+    dead = _dead_holder(tmp_path)
+    with caplog.at_level("WARNING", logger="rlmill"):
+        with RunLock("/data", "r") as lock:
+            assert lock.stale is not None and lock.stale["pid"] == dead
+    (line,) = [r.getMessage() for r in caplog.records if "stale lock" in r.getMessage()]
+    assert f"found and cleared a stale lock on run 'r' under /data, left by pid {dead}" in line
+    assert "no longer running" in line
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlmill"):  # released normally: nothing stale next time
+        with RunLock("/data", "r") as lock:
+            assert lock.stale is None
+    assert not [r for r in caplog.records if "stale" in r.getMessage()]
+
+
+def test_a_live_holder_in_another_process_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path))
+    code = ("import sys; from flows.run_lock import RunLock\n"
+            "with RunLock('/data', 'r'):\n    print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code], env={"RLMILL_LOCK_DIR": str(tmp_path), "PATH": ""},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLockedError, match=rf"already being trained by pid {holder.pid} on "):
+            RunLock("/data", "r").acquire()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    with RunLock("/data", "r") as lock:  # it released the lock: free, and not stale
+        assert lock.stale is None
+
+
+def test_a_child_that_inherited_the_lock_is_named_not_mistaken_for_the_dead_holder(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path))
+    code = ("import os, signal, time; from flows.run_lock import RunLock; RunLock('/data', 'r').acquire()\n"
+            "child = os.fork()\n"
+            "if child == 0:\n    os.dup2(os.open(os.devnull, os.O_WRONLY), 1); time.sleep(60); os._exit(0)\n"
+            "print(child, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code], env={"RLMILL_LOCK_DIR": str(tmp_path), "PATH": ""},
+                          stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.split()[0])
+    try:
+        with pytest.raises(RunLockedError, match="a child of it still holds"):
+            RunLock("/data", "r").acquire()
+    finally:
+        os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:  # once the child is gone, so is its flock: the lock is stale, and cleared
+        try:
+            with RunLock("/data", "r") as lock:
+                assert lock.stale is not None
+            break
+        except RunLockedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)

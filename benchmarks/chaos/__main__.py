@@ -1,7 +1,7 @@
 """Run the chaos scenarios and print fault / outcome / recovered / data lost / not finished / weights.
 
-    .venv/bin/python -m benchmarks.chaos              # all scenarios (~15 min on 2 cores)
-    .venv/bin/python -m benchmarks.chaos --quick      # the reduced set `make test` runs
+    .venv/bin/python -m benchmarks.chaos              # all scenarios (~20 min on 2 cores)
+    .venv/bin/python -m benchmarks.chaos --quick      # the reduced set `make test` runs (~3.5 min)
     .venv/bin/python -m benchmarks.chaos --only kill-mid-update,s3-outage
     .venv/bin/python -m benchmarks.chaos --list
 

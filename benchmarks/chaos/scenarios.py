@@ -195,6 +195,32 @@ def _moto():
         box["server"].stop()
 
 
+@contextlib.contextmanager
+def _attempts_of(stage: str, k: int):
+    """Record each attempt of `stage` at iteration k (Prefect retries included): the exception
+    type it ended with, or None. Wraps the stage function the task calls."""
+    from gpu_jobs.stages import STAGE_FUNCTIONS
+
+    real, attempts = STAGE_FUNCTIONS[stage], []
+
+    def wrapped(run, engines, kk, *a, **kw):
+        if kk != k:
+            return real(run, engines, kk, *a, **kw)
+        try:
+            out = real(run, engines, kk, *a, **kw)
+        except Exception as e:
+            attempts.append(type(e).__name__)
+            raise
+        attempts.append(None)
+        return out
+
+    STAGE_FUNCTIONS[stage] = wrapped
+    try:
+        yield attempts
+    finally:
+        STAGE_FUNCTIONS[stage] = real
+
+
 def _s3_outage(chaos: Chaos, name: str, seconds: float, *extra: str) -> Outcome:
     """Stop the S3 endpoint for `seconds` while iteration 2's reward manifest is being written (a
     commit point), start it again from a timer, and let the ONE run carry on: no operator, no
@@ -228,9 +254,10 @@ def _s3_outage(chaos: Chaos, name: str, seconds: float, *extra: str) -> Outcome:
 
         manifest.create_only = create_only
         try:
-            t0 = time.monotonic()
-            err = _train_in_process(*overrides(root, "r", *creds, *extra))
-            took = time.monotonic() - t0
+            with _attempts_of("reward", 2) as attempts:
+                t0 = time.monotonic()
+                err = _train_in_process(*overrides(root, "r", *creds, *extra))
+                took = time.monotonic() - t0
         finally:
             manifest.create_only = real
         while fired.is_set() and "up" not in timing:  # a failed run must not leave the timer behind
@@ -243,8 +270,12 @@ def _s3_outage(chaos: Chaos, name: str, seconds: float, *extra: str) -> Outcome:
     if err is not None:
         outcome = f"failed, not restarted: {type(err).__name__}: {str(err)[:110]}"
     else:
+        failed = [a for a in attempts if a]
+        carried = ("storage's backoff alone carried it (one attempt of the stage)" if not failed else
+                   f"the reward task failed {len(failed)}x ({failed[0]}) and Prefect retried it after its "
+                   f"backoff delays; attempt {len(attempts)} committed")
         outcome = (f"endpoint down {timing['up'] - timing['down']:.0f} s from iteration 2's reward manifest PUT; "
-                   f"the one run waited it out and completed ({took:.0f} s in all, no restart)")
+                   f"{carried}; the one run completed ({took:.0f} s in all, no restart)")
     return _result(fault, outcome, err is None, report, weights)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
@@ -102,7 +103,19 @@ def _call(fn, task: tuple, kwargs: dict, score_range) -> tuple:
 _WORKER: dict[str, Any] = {}
 
 
+def _exit_with_parent() -> None:
+    """End this worker when the process that started it dies: a SIGKILLed `rlmill train`
+    otherwise leaves its reward workers running (an idle one waits on its queue forever)."""
+    import multiprocessing as mp
+    import threading
+
+    parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
+
+
 def _worker_init(path: str, name: str, kwargs: dict, score_range) -> None:
+    _exit_with_parent()
     _WORKER.update(fn=load_custom_reward_function(path, name), kwargs=kwargs, score_range=score_range)
 
 

@@ -164,13 +164,10 @@ class AsyncConfig(_Section):
         return max(0, k - 1 - self.staleness_threshold)
 
 
-TASK_RETRY_DELAYS = (10.0, 40.0, 160.0)  # tasks.retry_delay_seconds' default (see its description)
-
-
 class TaskConfig(_Section):
     retries: int = Field(2, ge=0, description="Prefect retries of each stage task (stages are idempotent).")
     retry_delay_seconds: float | list[float] = Field(
-        default_factory=lambda: list(TASK_RETRY_DELAYS),
+        default_factory=lambda: [10.0, 40.0, 160.0],
         description="Wait before each retry of a failed stage task: one number for every retry, or a "
         "list (retry i waits entry i; the last entry repeats; at most 50). The default [10, 40, 160] "
         "backs off x4: transient storage faults are already waited out inside the task (up to "

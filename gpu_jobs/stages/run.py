@@ -28,7 +28,11 @@ log = logging.getLogger("rlmill")
 # or changing how often it reports, does not change what any committed stage computed.
 RESUMABLE_KEYS = {("trainer", "total_iterations"), ("trainer", "val_every"), ("trainer", "samples_in_artifact"),
                   ("trainer", "loggers"), ("trainer", "tensorboard"), ("tasks", "retries"),
-                  ("tasks", "retry_delay_seconds"), ("tasks", "timeout_seconds")}
+                  ("tasks", "retry_delay_seconds"), ("tasks", "timeout_seconds"),
+                  # how long storage waits out an outage, and how many ranks train: neither changes
+                  # what a committed stage means (a run.json from before these keys resumes too)
+                  ("storage", "retry_budget_seconds"), ("storage", "retry_max_delay_seconds"),
+                  ("trainer", "n_gpus_per_node"), ("trainer", "nnodes")}
 
 
 class RunConfigMismatchError(ValueError):

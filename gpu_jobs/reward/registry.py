@@ -19,7 +19,7 @@ from typing import Any
 
 from gpu_jobs.registry import Registry
 
-from . import rules
+from .rules import arith_score, gsm8k_score, math_score, reasoning_gym_score
 
 __all__ = [
     "RewardFn",
@@ -85,21 +85,21 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
 
 @register_reward_fn("openai/gsm8k", "gsm8k")
 def _gsm8k(data_source, solution_str, ground_truth, extra_info=None, method: str = "strict", **_):
-    return rules.gsm8k_score(solution_str, ground_truth, method=method)
+    return gsm8k_score(solution_str, ground_truth, method=method)
 
 
 @register_reward_fn("rlmill/arith")
 def _arith(data_source, solution_str, ground_truth, extra_info=None, **_):
-    return rules.arith_score(solution_str, ground_truth)
+    return arith_score(solution_str, ground_truth)
 
 
 @register_reward_fn(
     "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math", "math_boxed"
 )
 def _math(data_source, solution_str, ground_truth, extra_info=None, **_):
-    return rules.math_score(solution_str, ground_truth)
+    return math_score(solution_str, ground_truth)
 
 
 @register_reward_fn("reasoning_gym/", prefix=True)
 def _reasoning_gym(data_source, solution_str, ground_truth, extra_info=None, **_):
-    return rules.reasoning_gym_score(data_source, solution_str, ground_truth, extra_info)
+    return reasoning_gym_score(data_source, solution_str, ground_truth, extra_info)

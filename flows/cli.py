@@ -11,9 +11,10 @@
 Run ids: a run that the config and the overrides do not name gets a fresh id,
 `<config file>-<YYYYmmdd-HHMMSS>`, printed first; `run_id=<id>` resumes that run.
 
-A user's mistake (a bad key or value, a missing config, data or model file, a run id reused with
-another config, a run that does not exist, a dataset size too large) ends in one `rlmill: ...`
-line naming the problem and the fix, exit status 1, before any work; argparse's own usage errors
+A user's mistake (a bad key or value, a missing config, data or model file, a storage root that
+does not answer or cannot be written, a run id reused with another config, a run that does not
+exist, a dataset size too large) ends in one `rlmill: ...` line naming the problem and the fix,
+exit status 1, before any work; argparse's own usage errors
 exit 2. Only those checked cases are turned into messages. Anything else is a bug: one
 `rlmill: unexpected error` line, then its traceback, once (when the rl-training flow already
 logged both, the console script only exits 1).
@@ -193,8 +194,17 @@ def _announce(cfg, fresh: str | None) -> None:
     print(f"rlmill: run {cfg.run_id} ({'resuming it where it stopped' if exists else 'new'})", flush=True)
 
 
+def _check_storage(cfg, write: bool = True) -> None:
+    """The run's storage root answers and takes writes (seconds; storage.probe), before anything
+    else reads it: a wrong endpoint, a missing bucket, refused credentials or a read-only folder
+    is one `rlmill:` line here instead of an error from inside the flow."""
+    from storage.probe import check_root
+
+    check_root(cfg.root, cfg.storage, write=write)
+
+
 def cmd_train(args) -> None:
-    _check_config(args.config, args.overrides)  # fail before Prefect or any model starts
+    _check_storage(_check_config(args.config, args.overrides))  # before Prefect, a model or any write
     overrides, fresh = _choose_run_id(args.config, args.overrides)
     cfg = _check_config(args.config, overrides)
     _check_startable(cfg)
@@ -214,7 +224,9 @@ def cmd_run(args) -> None:
     named = [o.partition("=")[2].strip() for o in args.overrides if o.partition("=")[0].strip() == "run_id"]
     run_id = args.run_id or (named[-1] if named else fresh_run_id(DEFAULT_CONFIG_NAME))
     overrides = [*as_overrides(DEFAULT_RUN_CONFIG), *args.overrides, f"run_id={run_id}"]
-    _check_startable(_check_config(None, overrides))
+    cfg = _check_config(None, overrides)
+    _check_storage(cfg)
+    _check_startable(cfg)
     print(f"rlmill: GRPO on the built-in arithmetic task ({DEFAULT_CONFIG_NAME}), run {run_id}; "
           f"to resume it: rlmill run --run-id {run_id}", flush=True)
     _start_ephemeral_api()
@@ -257,6 +269,7 @@ def cmd_verify(args) -> None:
     from flows.overrides import config_names_run_id
 
     cfg = _check_config(args.config, args.overrides)
+    _check_storage(cfg, write=args.repair)  # reading needs an answering root; --repair writes too
     if not config_names_run_id(args.config, args.overrides):
         raise UserError(f"name the run to check: add run_id=<id> (under {cfg.root}; runs there: {_runs_under(cfg)})")
     layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
@@ -344,9 +357,12 @@ def _check_dataset_name(name: str) -> None:
 
 def cmd_data_make(args) -> None:
     from gpu_jobs.data import make_dataset
+    from storage import StorageConfig
+    from storage.probe import check_root
 
     _check_dataset_name(args.name)
     train_size, test_size = _data_sizes(args.name, args.train_size, args.test_size)
+    check_root(args.out, StorageConfig())  # --out answers and takes writes (the AWS_* environment's S3)
     if args.train_only:
         train = _make_train_only(args.name, args.out, train_size, test_size, args.seed)
         print(f"wrote {train} ({train_size} rows; the {test_size} test rows of seed {args.seed} left out of it)")
@@ -512,6 +528,10 @@ def main(argv: list[str] | None = None) -> None:
 def _user_line(exc: BaseException) -> str | None:
     """The `rlmill:` line for a user's mistake: the CLI's checks, or what the rl-training flow
     ended with (its Failed state carries the exception, see flows.training.rl_training)."""
+    from storage.probe import StorageCheckError
+
+    if isinstance(exc, StorageCheckError):
+        return str(exc)
     if isinstance(exc, user_error_types()):
         return user_error_line(exc, one_line=False)
     return getattr(exc, "rlmill_line", None)

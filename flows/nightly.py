@@ -15,7 +15,9 @@ One night, as Prefect tasks and one `rl-training` subflow (each step is one plai
   4. evaluate: greedy decoding of both models on the fixed held-out set, scored by the run's reward;
   5. decide: promote if new - promoted >= min_gain;
   6. promote: copy the HF folder to models/<name>/versions/<run id> through storage's commit
-     primitive (every file verified, index last, create-only), then point CURRENT at it;
+     primitive (every file verified, index last, create-only), then point CURRENT at it (a LoRA
+     run's folder is its adapter + a pointer to its base; with export_merged_hf a plain merged
+     HF folder is written to models/<name>/merged/<run id> too);
      a markdown artifact shows the decision and both scores;
   7. record: write models/<name>/nightly_state.json (only on success): which files are done.
 
@@ -169,6 +171,28 @@ def promote_version(src_url: str, models: ModelLayout, version: str) -> str:
     return dest
 
 
+def export_merged(src_url: str, dest_url: str, storage: Any = None) -> str:
+    """A plain HF folder at `dest_url` (config, tokenizer, full safetensors; storage's commit
+    primitive) of the model at `src_url`: a LoRA policy folder (adapter + base pointer) is merged
+    with its base first, so the export loads with `from_pretrained` / vLLM anywhere, without peft
+    or the base. Safe to retry: an export already committed is returned as it is."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from gpu_jobs.models.loading import read_state_dict, resolve_model_path
+    from storage import INDEX_NAME, committed, save_checkpoint
+
+    if committed(dest_url, storage, name=INDEX_NAME):
+        return dest_url
+    folder = resolve_model_path(src_url, storage)  # downloaded, and merged if an adapter
+    return save_checkpoint(dest_url, read_state_dict(folder), config=AutoConfig.from_pretrained(folder),
+                           tokenizer=AutoTokenizer.from_pretrained(folder), storage=storage)
+
+
+def export_url(models: ModelLayout, version: str) -> str:
+    """Where the merged export of a promoted version goes: models/<name>/merged/<version>."""
+    return join(models.root, "merged", version)
+
+
 # ------------------------------------------------------------------------------------ artifacts
 def _fmt(x: Any) -> str:
     return f"{x:.4f}" if isinstance(x, float) else str(x)
@@ -238,6 +262,11 @@ def promote(src_url: str, models: ModelLayout, version: str) -> str:
     return promote_version(src_url, models, version)
 
 
+@task(name="export-merged", retries=2, cache_policy=NO_CACHE)
+def export(src_url: str, dest_url: str, storage: Any) -> str:
+    return export_merged(src_url, dest_url, storage)
+
+
 # ------------------------------------------------------------------------------------ the flow
 def _today() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
@@ -247,14 +276,17 @@ def _today() -> str:
 def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[str] | None = None,
                model_name: str = "arith", new_data_prefix: str | None = None, iterations: int = 10,
                eval_size: int = 300, min_gain: float = 0.0, night: str | int | None = None,
-               heldout_files: list[str] | None = None) -> dict[str, Any]:
+               heldout_files: list[str] | None = None, export_merged_hf: bool = False) -> dict[str, Any]:
     """One night of retraining (see the module docstring).
 
     config/overrides: the run config (root, storage, model, algorithm ...); new_data_prefix:
     where new verl Parquet files land (default <root>/incoming/<model_name>); iterations: RL
     iterations per night; eval_size: held-out rows scored for the decision; min_gain: how much
     better (mean reward) the new model must be, 0.0 = not worse; night: YYYYMMDD (default today,
-    UTC) names the run; heldout_files: the held-out set (default: data.val_files, else generated).
+    UTC) names the run; heldout_files: the held-out set (default: data.val_files, else generated);
+    export_merged_hf: also write the promoted version as a plain HF folder with full weights under
+    models/<name>/merged/<version> (a LoRA run promotes its adapter + base pointer; this is the
+    merged model for serving without peft).
     """
     overrides = list(overrides or [])
     cfg = load_run_config(config, overrides)
@@ -285,9 +317,12 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
         cur_eval = evaluate.with_options(task_run_name="evaluate-promoted")(base, heldout, eval_size, cfg)
         decision = decide(new_eval["mean_reward"], cur_eval["mean_reward"], min_gain)
         promoted_to = None
+        merged_to = None
         if decision.promote:
-            promote(new_url, models, run_id)
+            version_url = promote(new_url, models, run_id)
             promoted_to = run_id
+            if export_merged_hf:
+                merged_to = export(version_url, export_url(models, run_id), cfg.storage)
         logger.info("decision: %s (%s)", "promote" if decision.promote else "refuse", decision.reason)
         _markdown_artifact(model_name, decision_markdown(model_name, night, run_id, decision, new_eval, cur_eval,
                                                          new_url, base, base_version, new, promoted_to),
@@ -295,7 +330,7 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
         # 7. record
         record = {"night": night, "run_id": run_id, "files": [f.rel for f in new], "new": new_eval,
                   "promoted_before": cur_eval, "base": base, "decision": "promote" if decision.promote else "refuse",
-                  "reason": decision.reason, "promoted_version": promoted_to}
+                  "reason": decision.reason, "promoted_version": promoted_to, "merged_export": merged_to}
         record_success(state_file, state, new, record, cfg.storage)
         return {"status": "promoted" if decision.promote else "refused", "model": model_name, **record,
                 "run": {k: run[k] for k in ("val/acc before", "val/acc after") if k in run}}
@@ -314,12 +349,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-size", type=int, default=300)
     p.add_argument("--min-gain", type=float, default=0.0)
     p.add_argument("--night", default=None, help="YYYYMMDD (default: today, UTC)")
+    p.add_argument("--export-merged-hf", action="store_true",
+                   help="also write the promoted version as a plain HF folder under models/<name>/merged/<version>")
     p.add_argument("overrides", nargs="*", help="dotted run-config overrides, e.g. root=/tmp/rl")
     a = p.parse_args(argv)
     _quiet_env()
     out = rl_nightly(config=a.config, overrides=a.overrides, model_name=a.model_name,
                      new_data_prefix=a.new_data_prefix, iterations=a.iterations, eval_size=a.eval_size,
-                     min_gain=a.min_gain, night=a.night)
+                     min_gain=a.min_gain, night=a.night,
+                     **({"export_merged_hf": True} if a.export_merged_hf else {}))
     print(json.dumps(out, indent=1, default=str))
 
 

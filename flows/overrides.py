@@ -42,15 +42,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(config: dict, overrides: list[str]) -> dict:
     """Return a copy of `config` with each `a.b.c=value` applied in order."""
+    return apply_items(config, [parse_override(text) for text in overrides])
+
+
+def apply_items(config: dict, items: list[tuple[list[str], Any]]) -> dict:
+    """Return a copy of `config` with each parsed override (key path, value) applied in order."""
     out = copy.deepcopy(config)
-    for text in overrides:
-        path, value = parse_override(text)
+    for path, value in items:
         node = out
         for i, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 prefix = ".".join(path[: i + 1])
-                raise OverrideError(f"override {text!r}: {prefix!r} is a value, not a section")
+                raise OverrideError(f"override {'.'.join(path)}={value!r}: {prefix!r} is a value, not a section")
             node = child
         node[path[-1]] = value
     return out
@@ -63,9 +67,10 @@ def names_key(overrides: list[str], dotted: str) -> bool:
 
 
 def config_names_run_id(config: str | None, overrides: list[str]) -> bool:
-    """Whether the YAML file or the overrides name the run. A config file that cannot be read
-    counts as naming none: loading it reports that problem."""
-    if names_key(overrides, "run_id"):
+    """Whether the YAML file or the overrides name the run (`run_id`, or verl's
+    `trainer.experiment_name`, which flows/verl_keys.py turns into run_id). A config file that
+    cannot be read counts as naming none: loading it reports that problem."""
+    if names_key(overrides, "run_id") or names_key(overrides, "trainer.experiment_name"):
         return True
     if config is None:
         return False

@@ -104,8 +104,8 @@ class MetricLoggers:
         if self.mlflow is not None:
             import mlflow
 
-            # MLflow metric names may not contain '@' etc.; verl's '/' names are fine.
-            mlflow.log_metrics(scalars, step=k)
+            # MLflow metric names may not contain '@' (verl's val-core/.../mean@4); '/' is fine.
+            mlflow.log_metrics({m.replace("@", "_at_"): v for m, v in scalars.items()}, step=k)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -142,12 +142,52 @@ def curves_png(history: list[tuple[int, dict]], val: list[tuple[int, float]]) ->
     return buf.getvalue()
 
 
-def final_artifact(run_id: str, summary: dict[str, Any], png_url: str) -> None:
+def validation_markdown(metrics: dict[str, Any]) -> str:
+    """verl's val-core metrics of a validation (gpu_jobs.reward.val_metrics) as a markdown table,
+    one row per (data source, variable), one column per metric, the bootstrap std beside its
+    mean ("0.62 ± 0.05"); "" when there are none."""
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    for name, value in metrics.items():
+        if not name.startswith("val-core/") or name.endswith("/std"):
+            continue
+        where, _, metric = name.removeprefix("val-core/").rpartition("/")
+        if metric == "mean" and "@" in where.rpartition("/")[2]:  # best@n/mean, maj@n/mean
+            where, _, metric = where.rpartition("/")
+            std = metrics.get(f"val-core/{where}/{metric}/std")
+            cell = f"{_fmt(value)} ± {_fmt(std)}" if std is not None else _fmt(value)
+        else:
+            cell = _fmt(value)
+        source, _, var = where.rpartition("/")
+        rows.setdefault((source, var), {})[metric] = cell
+    if not rows:
+        return ""
+    cols = sorted({m for r in rows.values() for m in r}, key=lambda m: (m.split("@")[0] != "mean", m))
+    lines = ["| data source | variable | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for (source, var), cells in sorted(rows.items()):
+        lines.append(f"| {source} | {var} | " + " | ".join(cells.get(c, "") for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def validation_artifact(run_id: str, k: int, metrics: dict[str, Any]) -> None:
+    """The validation after iteration k: val/acc and the val-core table (markdown artifact)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    md = f"### Validation after iteration {k}\n\nval/acc: {_fmt(metrics.get('val/acc'))}\n\n"
+    create_markdown_artifact(key=artifact_key(run_id, "validation"), markdown=md + validation_markdown(metrics),
+                             description=f"Run {run_id}: validation after iteration {k} (verl val-core metrics)")
+
+
+def final_artifact(run_id: str, summary: dict[str, Any], png_url: str,
+                   val_metrics: dict[str, Any] | None = None) -> None:
+    """The run's summary; with `val_metrics` (the last validation's manifest metrics) also
+    verl's val-core metrics per data source."""
     from prefect.artifacts import create_markdown_artifact
 
     rows = "\n".join(f"| {k} | {_fmt(v)} |" for k, v in summary.items())
     md = (f"## Run {run_id}\n\n| | |\n|---|---|\n{rows}\n\n"
           f"Reward and validation-accuracy curves: [{png_url}]({png_url})\n")
+    if table := validation_markdown(val_metrics or {}):
+        md += f"\n### Validation (verl val-core: mean@N, best@N, maj@N ± bootstrap std)\n\n{table}\n"
     create_markdown_artifact(key=artifact_key(run_id, "summary"), markdown=md, description=f"Run {run_id} summary")
 
 
@@ -174,9 +214,11 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from flows.run_lock import RunLockedError
     from gpu_jobs.stages import RunConfigMismatchError
     from gpu_jobs.data import OverlongPromptError
+    from storage.probe import StorageCheckError
     from storage.quality import DataQualityError
 
-    return (UserError, ConfigError, RunConfigMismatchError, RunLockedError, OverlongPromptError, DataQualityError)
+    return (UserError, ConfigError, RunConfigMismatchError, RunLockedError, OverlongPromptError, DataQualityError,
+            StorageCheckError)
 
 
 def _squash(text: str) -> str:
@@ -243,6 +285,9 @@ def check_startable(cfg: Any) -> None:
     from flows.run_lock import RunLock
     from gpu_jobs.stages.run import check_config_matches
     from storage import RunLayout, StorageError
+    from storage.probe import check_root
+
+    check_root(cfg.root, cfg.storage)  # first: a root that does not answer or take writes, in one line
 
     def local(url: str) -> bool:
         return "://" not in url or url.startswith("file://")
@@ -259,6 +304,10 @@ def check_startable(cfg: Any) -> None:
     if model not in ("builtin", "smollm2") and local(model) and not os.path.isdir(model.removeprefix("file://")):
         raise UserError(f"model.path {model} is not a folder (relative paths start at {os.getcwd()}): name a "
                         "Hugging Face model folder, a storage URL, 'builtin' or 'smollm2'")
+    rm = cfg.reward_model.model.path
+    if cfg.reward_model.enable and rm != "builtin" and local(rm) and not os.path.isdir(rm.removeprefix("file://")):
+        raise UserError(f"reward_model.model.path {rm} is not a folder (relative paths start at {os.getcwd()}): "
+                        "name a sequence-classification model folder, a storage URL, or 'builtin'")
     # The comparison the run makes when it freezes run.json (gpu_jobs.stages.run._freeze), made
     # before any model loads, so a reused run id is one line instead of a failed run minutes in.
     layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)

@@ -37,11 +37,16 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["INDEX_NAME", "CHECKPOINT_KIND", "save_checkpoint", "load_state_dict", "download_checkpoint",
-           "read_index", "copy_checkpoint"]
+           "read_index", "copy_checkpoint", "save_adapter", "is_adapter_checkpoint", "ADAPTER_WEIGHTS",
+           "ADAPTER_CONFIG", "BASE_POINTER"]
 
 INDEX_NAME = "model.safetensors.index.json"
 CHECKPOINT_KIND = "checkpoint"
 _COMPLETE_MARKER = ".rlmill-complete"
+# A LoRA policy folder: peft's file names, plus the base it applies to (gpu_jobs.models.lora).
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+BASE_POINTER = "rlmill_base.json"
 
 
 def _prepare(state_dict: Mapping[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
@@ -134,6 +139,40 @@ def save_checkpoint(
                 "weight_map": weight_map}
     commit(dest_url, files, kind=CHECKPOINT_KIND, extra=hf_index, name=INDEX_NAME, storage=storage)
     return dest_url
+
+
+def save_adapter(
+    dest_url: str,
+    tensors: Mapping[str, "torch.Tensor"],
+    *,
+    adapter_config: Mapping[str, Any],
+    base: Mapping[str, Any],
+    tokenizer: Any = None,
+    storage: StorageConfig | None = None,
+) -> str:
+    """Save a LoRA policy folder at `dest_url`: peft's adapter_config.json and
+    adapter_model.safetensors (`tensors`, peft's names), the tokenizer, and rlmill_base.json
+    (`base`: the model it applies to, e.g. {"path": "builtin", "seed": 0}). Committed like a full
+    checkpoint (the index last, create-only, every file with its sha256; the index's weight_map
+    names the adapter's tensors and `lora` holds `base`), so read_index, copy_checkpoint and
+    download_checkpoint work on it as they are; returns dest_url."""
+    import safetensors.torch
+
+    ensure_uncommitted(dest_url, "a checkpoint", storage, name=INDEX_NAME)
+    small = {ADAPTER_CONFIG: json.dumps(dict(adapter_config), indent=2, sort_keys=True).encode(),
+             BASE_POINTER: json.dumps(dict(base), sort_keys=True).encode(), **_tokenizer_files(tokenizer)}
+    prepared = _prepare(tensors)
+    small[ADAPTER_WEIGHTS] = safetensors.torch.save(prepared, metadata={"format": "pt"})
+    files = write_files(dest_url, small, storage)
+    hf_index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in prepared.values())},
+                "weight_map": {k: ADAPTER_WEIGHTS for k in prepared}, "lora": dict(base)}
+    commit(dest_url, files, kind=CHECKPOINT_KIND, extra=hf_index, name=INDEX_NAME, storage=storage)
+    return dest_url
+
+
+def is_adapter_checkpoint(src_url: str, storage: StorageConfig | None = None) -> bool:
+    """Whether the committed checkpoint at `src_url` is a LoRA adapter folder (save_adapter)."""
+    return "lora" in read_index(src_url, storage).extra
 
 
 def read_index(src_url: str, storage: StorageConfig | None = None) -> Manifest:

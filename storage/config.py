@@ -51,7 +51,9 @@ class StorageConfig(BaseModel):
     check_bucket: bool = Field(
         True,
         description="On first use of a bucket in this process, check that it exists and that "
-        "the credentials work, so a typo fails with a clear one-line error.",
+        "the credentials work, and before a run starts, that they may write and delete under the "
+        "root (an empty object, removed at once), so a typo fails with a clear one-line error. "
+        "Turn off for credentials that may not HEAD the bucket or delete objects.",
     )
     retry_budget_seconds: float = Field(
         300.0,

@@ -60,9 +60,14 @@ def gate(run, engines, k: int, rollout_uri: str) -> str:
     return _fn["gate"](run, engines, k, rollout_uri)
 
 
+@task(name="reward_model", **_STAGE)
+def reward_model(run, engines, k: int, batch_uri: str) -> str | None:
+    return _fn["reward_model"](run, engines, k, batch_uri)
+
+
 @task(name="reward", **_STAGE)
-def reward(run, engines, k: int, batch_uri: str) -> str:
-    return _fn["reward"](run, engines, k, batch_uri)
+def reward(run, engines, k: int, batch_uri: str, rm_uri: str | None = None) -> str:
+    return _fn["reward"](run, engines, k, batch_uri, rm_uri)
 
 
 @task(name="logprobs", **_STAGE)
@@ -102,6 +107,6 @@ def validate(run, engines, k: int) -> str:
     return _fn["validate"](run, engines, k)
 
 
-STAGE_TASKS = {t.name: t for t in (rollout, baseline, gate, reward, logprobs, values, advantages, update,
+STAGE_TASKS = {t.name: t for t in (rollout, baseline, gate, reward_model, reward, logprobs, values, advantages, update,
                                    sync_weights, commit, validate)}
 assert set(STAGE_TASKS) == set(STAGE_FUNCTIONS), "every stage function has its task"

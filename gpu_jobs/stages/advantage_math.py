@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from gpu_jobs.stages.samples import FLOAT_LIST, padded, unpadded
+from gpu_jobs.stages.samples import FLOAT_LIST, padded, response_masks, unpadded
 
 
 def token_level_scores(scores: np.ndarray, lengths: np.ndarray, width: int) -> torch.Tensor:
@@ -94,7 +94,9 @@ def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table,
     index = table.column("group_id").to_pylist()
     width = int(lengths.max()) if len(lengths) else 0
     _, mask_np = padded(table.column("response_ids").to_pylist(), width)
-    mask = torch.as_tensor(mask_np)
+    # Multi-turn rows: tool tokens are in the sequence but not the policy's, so advantages,
+    # returns, KL and their statistics leave them out (response_mask 0), as the loss does.
+    mask = torch.as_tensor(mask_np * padded(response_masks(table), width)[0])
     metrics.update(_metric_stats("critic/score", torch.as_tensor(scores)))
 
     raw_scores, pen = scores, None

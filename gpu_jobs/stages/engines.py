@@ -27,6 +27,7 @@ class Engines:
         self.ref: Any = None
         self.critic: Any = None
         self.rollout: Any = None
+        self.reward_model: Any = None  # the reward-model stage's scorer, loaded on first use (load_reward_model)
         self.version = 0
         self.rollout_version = 0  # the update whose weights the rollout engine holds
         # Metrics of updates applied in this process, kept until their stage commits: a retry
@@ -48,9 +49,14 @@ class Engines:
     def load_rollout(self, run: Run) -> None:
         from gpu_jobs.rollout import get_rollout_engine
 
+        from gpu_jobs.rollout.agent_loop import with_agent_loop
+
         cfg = run.cfg
-        self.rollout = get_rollout_engine(cfg.rollout.engine, self.model_path, cfg.rollout.engine_options,
-                                          storage=cfg.storage)
+        engine = get_rollout_engine(cfg.rollout.engine, self.model_path, cfg.rollout.engine_options,
+                                    storage=cfg.storage)
+        # Multi-turn runs: every user of the engine (rollout, validation, the start probe) goes
+        # through the tool loop; unchanged when rollout.multi_turn.enable is false.
+        self.rollout = with_agent_loop(engine, cfg.rollout.multi_turn, run.tokenizer)
         self.rollout_version = 0
 
     def load_trainers(self, run: Run) -> None:
@@ -71,8 +77,16 @@ class Engines:
 
             self.trainer = GroupTrainer(self.model_path, actor, n_ranks=ranks, tokenizer=tok, storage=cfg.storage)
         else:
-            self.trainer = PolicyTrainer(self.model_path, actor, tokenizer=tok, storage=cfg.storage)
-        self.ref = RefModel(self.model_path, cfg.actor, tokenizer=tok, storage=cfg.storage) if cfg.needs_ref else None
+            from gpu_jobs.models.lora import lora_spec_of
+
+            lora = lora_spec_of(cfg.model)  # None: full fine-tuning (one rank only with LoRA: config checks)
+            self.trainer = PolicyTrainer(self.model_path, actor, tokenizer=tok, storage=cfg.storage, lora=lora)
+        if not cfg.needs_ref:
+            self.ref = None
+        elif getattr(self.trainer, "lora", None) is not None:
+            self.ref = self.trainer.reference()  # the actor with its adapter off: the base, no copy
+        else:
+            self.ref = RefModel(self.model_path, cfg.actor, tokenizer=tok, storage=cfg.storage)
         self.critic = (Critic(self.model_path, cfg.critic, tokenizer=tok, storage=cfg.storage)
                        if cfg.critic is not None else None)
         self.version = 0
@@ -102,7 +116,25 @@ class Engines:
                                f"({e}); they are published by the update of iteration {version}") from e
         self.rollout_version = version
 
+    def load_reward_model(self, run: Run) -> Any:
+        """The reward model's scorer (reward_model.*), loaded on first use and kept for the run:
+        the reward-model stage's own warm engine. Its weights never change during a run."""
+        if self.reward_model is None:
+            self.reward_model = load_reward_scorer(run)
+        return self.reward_model
+
     def close(self) -> None:
         if self.trainer is not None and hasattr(self.trainer, "close"):
             self.trainer.close()  # a rank group's processes go with it
-        self.trainer = self.ref = self.critic = self.rollout = None
+        self.trainer = self.ref = self.critic = self.rollout = self.reward_model = None
+
+
+def load_reward_scorer(run: Run) -> Any:
+    """A ModelRewardScorer for the run's reward_model section ('builtin' = the project's tiny
+    arithmetic reward model, built and cached on first use)."""
+    from gpu_jobs.models.reward_model import resolve_reward_model_path
+    from gpu_jobs.reward import ModelRewardScorer
+
+    rm = run.cfg.reward_model
+    path = resolve_reward_model_path(rm.model.path, run.storage)
+    return ModelRewardScorer(path, max_length=rm.max_length or 1 << 30, batch_size=rm.micro_batch_size_per_gpu)

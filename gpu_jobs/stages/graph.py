@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from gpu_jobs.stages.engines import Engines
-from gpu_jobs.stages.iteration import STAGE_FUNCTIONS, needs_logprobs
+from gpu_jobs.stages.iteration import STAGE_FUNCTIONS, needs_logprobs, needs_reward_model
 from gpu_jobs.stages.run import Run
 
 __all__ = ["StageCalls", "DirectCalls", "run_iteration", "optional_stages"]
@@ -45,12 +45,12 @@ def optional_stages(cfg: Any) -> dict[str, bool]:
     """Whether the run's algorithm needs each optional stage (the flow does not even start a task
     for the others: a task run costs ~25 ms of API calls when it does nothing)."""
     return {"baseline": cfg.algorithm.needs_reward_baselines, "logprobs": needs_logprobs(cfg),
-            "values": cfg.critic is not None}
+            "values": cfg.critic is not None, "reward_model": needs_reward_model(cfg)}
 
 
 def run_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
-    """rollout -> gate -> {reward, log-probs, values} -> advantages -> update -> weight sync ->
-    commit. Returns every stage's manifest URI (None for stages the algorithm does not need).
+    """rollout -> gate -> {reward model -> reward, log-probs, values} -> advantages -> update ->
+    weight sync -> commit. Returns every stage's manifest URI (None for stages the algorithm does not need).
 
     With async_training.staleness_threshold = s > 0 the rollout runs ahead: iteration k's own
     rollout was made during iteration k-s (with the weights after update k-1-s), and iteration k
@@ -60,9 +60,11 @@ def run_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
     rollout = calls("rollout", k)
     baseline = calls("baseline", k, rollout) if need["baseline"] else None  # ReMax only
     batch = calls("gate", k, rollout)
-    # Scoring and the log-prob/value passes are independent: they may run concurrently.
-    pending = {name: calls.start(name, k, batch) for name in ("logprobs", "values") if need[name]}
-    reward = calls("reward", k, batch)
+    # Scoring and the log-prob/value passes are independent: they may run concurrently. The
+    # reward model is its own stage (own engine, own commit); the reward stage combines its scores.
+    pending = {name: calls.start(name, k, batch) for name in ("reward_model", "logprobs", "values") if need[name]}
+    rm = pending["reward_model"]() if "reward_model" in pending else None
+    reward = calls("reward", k, batch, rm)
     logprobs, values = (pending[n]() if n in pending else None for n in ("logprobs", "values"))
     advantages = calls("advantages", k, batch, reward, logprobs, values, baseline)
     if cfg.async_training.staleness_threshold == 0:
@@ -70,8 +72,8 @@ def run_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
         sync_s = calls("weight-sync", k)
     else:
         update, sync_s = _update_with_rollout_ahead(calls, cfg, k, advantages)
-    uris = {"rollout": rollout, "baseline": baseline, "gate": batch, "reward": reward, "logprobs": logprobs,
-            "values": values, "advantages": advantages, "update": update}
+    uris = {"rollout": rollout, "baseline": baseline, "gate": batch, "reward_model": rm, "reward": reward,
+            "logprobs": logprobs, "values": values, "advantages": advantages, "update": update}
     uris["commit"] = calls("commit", k, uris, {"timing_s/weight_sync": sync_s})
     return uris
 

@@ -6,7 +6,7 @@ returns an existing commit instead of recomputing and writes the manifest last. 
 (the warm engines) is only ever derived from committed data. The order they run in is written
 once, in `graph.py`:
 
-    rollout -> gate -> {reward, logprobs, values} -> advantages -> update -> weight sync -> commit
+    rollout -> gate -> {reward model -> reward, logprobs, values} -> advantages -> update -> weight sync -> commit
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from gpu_jobs.stages.engines import Engines
 from gpu_jobs.stages.resume import recover_lost_trainer
 from gpu_jobs.stages.run import Run, exists, sampling_seed
 from gpu_jobs.stages.updates import train_on
-from gpu_jobs.stages.samples import FLOAT_LIST, join_by_uid, sample_table
-from gpu_jobs.stages.scoring import greedy_evaluate, reward_rows
+from gpu_jobs.stages.samples import FLOAT_LIST, join_by_uid, response_masks, sample_table
+from gpu_jobs.stages.scoring import evaluate, greedy_evaluate, reward_rows
 from gpu_jobs.stages.shell import Output, read, stage
 from storage import committed, join, read_manifest
 
-STAGES = ("rollout", "baseline", "gate", "reward", "logprobs", "values", "advantages", "update", "commit")
+STAGES = ("rollout", "baseline", "gate", "reward_model", "reward", "logprobs", "values", "advantages", "update",
+          "commit")
 
 
 def _policy_ref(run: Run, version: int) -> str:
@@ -41,6 +42,8 @@ def _policy_ref(run: Run, version: int) -> str:
 def rollout(run: Run, engines: Engines, k: int) -> Output:
     """Iteration k's samples, drawn with the weights the async schedule names for k (the
     previous update's in the synchronous loop); the manifest records that version."""
+    from gpu_jobs.rollout.agent_loop import AgentLoopEngine  # multi-turn: Engines.load_rollout wraps the engine
+
     cfg = run.cfg
     version = cfg.async_training.weights_version(k)
     engines.put_rollout_at(run, version)
@@ -59,6 +62,7 @@ def rollout(run: Run, engines: Engines, k: int) -> Output:
         "perf/gen_tokens_per_s": float(lens.sum() / max(metrics["timing_s/gen"], 1e-9)),
         "data/epoch": run.sampler.epoch(k - 1),
         "async/weights_version": version,
+        **(engines.rollout.last_metrics if isinstance(engines.rollout, AgentLoopEngine) else {}),
     })
     return Output(table, metrics, [_policy_ref(run, version)])
 
@@ -114,18 +118,54 @@ def gate(run: Run, engines: Engines, k: int, rollout_uri: str) -> Output:
     return Output(table, {"gate/rows": result.n_rows, "gate/quarantined": result.n_quarantined}, [rollout_uri])
 
 
+# -------------------------------------------------------------------------------- reward model
+def needs_reward_model(cfg: Any) -> bool:
+    return cfg.reward_model.enable
+
+
+@stage("reward_model", timer="timing_s/reward_model", needed=needs_reward_model)
+def reward_model(run: Run, engines: Engines, k: int, batch_uri: str) -> Output:
+    """Each response's reward-model score (`rm_score`, a logit). The prompt is decoded with the
+    policy's tokenizer and passed with the response as a user turn and an assistant turn, which
+    the reward model renders with its own chat template (verl's way when the two differ)."""
+    table = read(run, batch_uri, ["uid", "prompt_ids", "response_ids"])
+    scorer = engines.load_reward_model(run)  # warm: loaded once per run
+    prompts = run.tokenizer.batch_decode(table.column("prompt_ids").to_pylist(), skip_special_tokens=True)
+    responses = run.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
+    scores = np.asarray(scorer.score([[{"role": "user", "content": p}] for p in prompts], responses), np.float64)
+    metrics = {"critic/rm_score/mean": float(scores.mean()), "critic/rm_score/max": float(scores.max()),
+               "critic/rm_score/min": float(scores.min())} if len(scores) else {}
+    return Output(pa.table({"uid": table.column("uid"), "rm_score": pa.array(scores, pa.float32())}), metrics,
+                  [batch_uri])
+
+
 # -------------------------------------------------------------------------------- reward
 @stage("reward", timer="timing_s/reward")
-def reward(run: Run, engines: Engines, k: int, batch_uri: str) -> Output:
+def reward(run: Run, engines: Engines, k: int, batch_uri: str, rm_uri: str | None = None) -> Output:
+    """The training score of each response: the rule reward, or with a reward model (rm_uri)
+    reward_model.combined(rule score, rm score) (coef * rm, or rule + coef * rm), both kept as
+    columns `rule_score` and `rm_score`."""
     from gpu_jobs.reward import score_batch
 
     table = read(run, batch_uri, ["uid", "data_source", "response_ids", "ground_truth", "extra_info"])
     rows = reward_rows(run.tokenizer, table)
     scores, extras, metrics = score_batch(rows, run.cfg.reward)
-    out = pa.table({"uid": table.column("uid"), "score": pa.array(scores, pa.float32()),
+    cols = {"uid": table.column("uid")}
+    if rm_uri:
+        rm_scores = join_by_uid(table.select(["uid"]), read(run, rm_uri)).column("rm_score").to_pylist()
+        cols.update(rule_score=pa.array(scores, pa.float32()), rm_score=pa.array(rm_scores, pa.float32()))
+        metrics.update(_score_metrics("critic/rule_score", scores))
+        scores = [run.cfg.reward_model.combined(r, m) for r, m in zip(scores, rm_scores)]
+        metrics.update(_score_metrics("critic/score", scores))
+    out = pa.table({**cols, "score": pa.array(scores, pa.float32()),
                     "reward_extra": pa.array([json.dumps(e, default=str) for e in extras]),
                     "response_text": pa.array([r["solution_str"] for r in rows])})
-    return Output(out, metrics, [batch_uri])
+    return Output(out, metrics, [batch_uri, rm_uri])
+
+
+def _score_metrics(prefix: str, scores: list[float]) -> dict[str, float]:
+    return {f"{prefix}/mean": float(np.mean(scores)), f"{prefix}/max": float(np.max(scores)),
+            f"{prefix}/min": float(np.min(scores))} if len(scores) else {}
 
 
 # -------------------------------------------------------------------------------- log-probs, values
@@ -204,7 +244,7 @@ def _agreement(run: Run, engines: Engines, k: int, table: pa.Table) -> dict[str,
     else:
         probe = table.take(pa.array(probe_rows(len(table), cfg.agreement.rows), pa.int64()))
         trainer_lp = engines.trainer.compute_log_probs(probe)
-    metrics = rows_agreement(probe.column("rollout_logprobs").to_pylist(), trainer_lp)
+    metrics = rows_agreement(probe.column("rollout_logprobs").to_pylist(), trainer_lp, response_masks(probe))
     # A stale batch (async) was sampled with older weights than the trainer's: the gap is then
     # policy drift plus any mismatch, reported but not a fault; the limit applies on-policy.
     if cfg.async_training.weights_version(k) == k - 1:
@@ -307,19 +347,26 @@ def commit(run: Run, engines: Engines, k: int, stage_uris: dict[str, str | None]
 # -------------------------------------------------------------------------------- validation
 @stage("validate", timer="timing_s/validate")
 def validate(run: Run, engines: Engines, k: int) -> Output:
-    """Greedy decoding of the held-out set with the weights after update k; val/acc = mean score."""
+    """rollout.val_kwargs.n responses (greedy by default) to each held-out prompt with the weights
+    after update k, scored by the rule reward: val/acc = mean score, and verl's val-core/val-aux
+    metrics per data source (mean@N, best@N, maj@N with bootstrap std)."""
+    cfg = run.cfg
     engines.put_rollout_at(run, engines.version)
     prompts, ids = run.prompts(run.val, list(range(len(run.val))), None)
-    table, metrics = greedy_evaluate(engines.rollout, run.tokenizer, prompts, ids, run.cfg.reward,
-                                     run.cfg.rollout.max_response_length, iteration=k, tag="val")
+    # Its own seed stream (not a training rollout's), fixed per k: a retried validation samples the same.
+    seed = sampling_seed(cfg.data.seed + 1, k)
+    table, metrics = evaluate(engines.rollout, run.tokenizer, prompts, ids, cfg.reward, cfg.rollout.max_response_length,
+                              cfg.rollout.val_kwargs, seed=seed, iteration=k, tag="val")
     metrics["val/weights_of_iteration"] = engines.version
     return Output(table, metrics, [committed(run.layout.stage(k, "update"), run.storage) or run.model_path])
 
 
-STAGE_FUNCTIONS = {"rollout": rollout, "baseline": baseline, "gate": gate, "reward": reward, "logprobs": logprobs,
+STAGE_FUNCTIONS = {"rollout": rollout, "baseline": baseline, "gate": gate, "reward_model": reward_model,
+                   "reward": reward, "logprobs": logprobs,
                    "values": values, "advantages": advantages, "update": update, "weight-sync": sync_weights,
                    "commit": commit, "validate": validate}
 
-__all__ = ["STAGES", "STAGE_FUNCTIONS", "rollout", "baseline", "gate", "reward", "logprobs", "values", "advantages",
+__all__ = ["STAGES", "STAGE_FUNCTIONS", "rollout", "baseline", "gate", "reward_model", "reward", "logprobs", "values",
+           "advantages",
            "update", "train_on", "sync_weights", "commit", "validate", "save_checkpoint", "sampling_seed",
-           "kl_controller_for", "needs_logprobs"]
+           "kl_controller_for", "needs_logprobs", "needs_reward_model"]

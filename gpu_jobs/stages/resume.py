@@ -124,6 +124,7 @@ def probe_agreement(run: Run, engines: Engines, where: str, n_prompts: int = 8) 
     rows = engines.rollout.generate(ids, 2, cfg.rollout.sampling(sampling_seed(cfg.data.seed, 0)))
     table = pa.table({"prompt_ids": pa.array([r["prompt_ids"] for r in rows], pa.list_(pa.int32())),
                       "response_ids": pa.array([r["response_ids"] for r in rows], pa.list_(pa.int32()))})
-    metrics = rows_agreement([r["rollout_logprobs"] for r in rows], engines.trainer.compute_log_probs(table))
+    masks = [r.get("response_mask", [1] * len(r["response_ids"])) for r in rows]  # multi-turn: model tokens only
+    metrics = rows_agreement([r["rollout_logprobs"] for r in rows], engines.trainer.compute_log_probs(table), masks)
     check_agreement(metrics, cfg.agreement.threshold(cfg.rollout, cfg.actor), where)
     return metrics

@@ -121,19 +121,34 @@ def exists(url: str, storage: Any) -> bool:
     return fs.exists(path)
 
 
-def _diff(a: Any, b: Any, prefix: tuple = ()) -> list[tuple]:
+_ABSENT = object()
+
+
+def _diff(a: Any, b: Any, defaults: Any = None, prefix: tuple = ()) -> list[tuple]:
+    """Keys whose values differ between frozen `a` and current `b`. A key `a` lacks (the run was
+    frozen by an older rlmill, before the key existed) counts as holding its default, so a run
+    made before a new feature resumes as long as the feature stays off."""
+    if a is _ABSENT:
+        a = defaults
     if isinstance(a, dict) and isinstance(b, dict):
+        d = defaults if isinstance(defaults, dict) else {}
         out = []
         for key in sorted(set(a) | set(b)):
-            out += _diff(a.get(key), b.get(key), prefix + (key,))
+            out += _diff(a.get(key, _ABSENT), b.get(key), d.get(key), prefix + (key,))
         return out
     return [] if a == b else [prefix]
+
+
+@functools.cache
+def _default_config() -> dict:
+    return json.loads(json.dumps(frozen_config(RunConfig()), default=str))
 
 
 def check_config_matches(layout: RunLayout, frozen: dict, config: dict) -> None:
     """Raise RunConfigMismatchError when `config` (a frozen_config dump) would change what the
     committed stages of the run whose run.json is `frozen` mean. Extending a run is allowed."""
-    changed = [d for d in _diff(frozen.get("config", {}), json.loads(json.dumps(config, default=str)))
+    changed = [d for d in _diff(frozen.get("config", {}), json.loads(json.dumps(config, default=str)),
+                                _default_config())
                if d[:2] not in RESUMABLE_KEYS]
     if changed:
         keys = ", ".join(".".join(map(str, d)) for d in changed[:8])

@@ -2,7 +2,8 @@
 
 Columns (DESIGN.md): uid, group_id, data_source, prompt_ids list<int32>, response_ids list<int32>,
 rollout_logprobs list<float32>, response_len, finish_reason, ground_truth (a string; a non-string
-ground truth as marked JSON, see `ground_truth_of`), extra_info (json);
+ground truth as marked JSON, see `ground_truth_of`), extra_info (json); multi-turn rollouts add
+response_mask list<int8> (0 on tool turns' tokens, see RESPONSE_MASK_FIELD);
 later stages join score/reward_extra, old_logprobs/ref_logprobs/values, advantages/returns by uid.
 """
 
@@ -30,6 +31,11 @@ SAMPLE_SCHEMA = pa.schema([
     ("ground_truth", pa.string()),
     ("extra_info", pa.string()),
 ])
+
+
+# Multi-turn rollouts only (gpu_jobs.rollout.agent_loop): 1 = a token the model generated, 0 = a
+# tool turn's; the trainer multiplies it into its loss mask. Absent = all ones.
+RESPONSE_MASK_FIELD = pa.field("response_mask", pa.list_(pa.int8()))
 
 
 def _json(value: Any) -> str:
@@ -67,7 +73,19 @@ def sample_table(rows: Sequence[dict], prompts: Sequence[dict], iteration: int, 
         cols["finish_reason"].append(r["finish_reason"])
         cols["ground_truth"].append(ground_truth_of(p.get("reward_model")))
         cols["extra_info"].append(_json(p.get("extra_info") or {}))
-    return pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA)
+    table = pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA)
+    if any("response_mask" in r for r in rows):  # multi-turn rows: tool tokens are 0
+        masks = [r.get("response_mask", [1] * len(r["response_ids"])) for r in rows]
+        table = table.append_column(RESPONSE_MASK_FIELD, pa.array(masks, RESPONSE_MASK_FIELD.type))
+    return table
+
+
+def response_masks(table: pa.Table) -> list[list[int]]:
+    """Per-token response_mask of each row: 1 on tokens the model generated, 0 on tool/user turns;
+    all ones when the table has no response_mask column (single-turn rollouts)."""
+    if "response_mask" in table.column_names:
+        return table.column("response_mask").to_pylist()
+    return [[1] * n for n in table.column("response_len").to_pylist()]
 
 
 def join_by_uid(base: pa.Table, *others: pa.Table | None) -> pa.Table:

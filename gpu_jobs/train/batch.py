@@ -6,7 +6,8 @@ Padded layout of one micro-batch of ``b`` rows (``P`` = widest prompt, ``R`` = w
     attention_mask (b, P+R)  1 on real tokens
     position_ids   (b, P+R)  cumsum(attention_mask) - 1, so left padding does not shift positions
     responses      (b, R)    the response tokens; logits at P-1 .. P+R-2 predict them
-    response_mask  (b, R)    1 on real response tokens
+    response_mask  (b, R)    1 on real response tokens the model generated (a multi-turn batch's
+                             `response_mask` column puts 0 on tool turns' tokens: no loss there)
     <column>       (b, R)    float32 per-token columns (advantages, old_logprobs, ...), 0-padded
 
 Packed layout (``collate(..., packed=True)``, verl's use_remove_padding): the ``T`` real tokens
@@ -43,6 +44,7 @@ class Rows:
     response_ids: list[np.ndarray]
     columns: dict[str, list[np.ndarray]] = field(default_factory=dict)
     samples_per_prompt: int = 1
+    masks: list[np.ndarray] | None = None  # per-token 1/0 (multi-turn); None = every token counts
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -55,6 +57,9 @@ class Rows:
         )
 
     def response_tokens(self, idx: Sequence[int]) -> int:
+        """Tokens of rows ``idx`` that carry a loss (token-mean's denominator)."""
+        if self.masks is not None:
+            return int(sum(self.masks[i].sum() for i in idx))
         return int(sum(len(self.response_ids[i]) for i in idx))
 
 
@@ -154,7 +159,23 @@ def read_rows(table: Any, *, require: Sequence[str] = (), vocab_size: int) -> Ro
         if name in table.column_names:
             columns[name] = [a.astype(np.float32) for a in _ragged(table, name)]
             _check_token_column(name, columns[name], responses)
-    return Rows(prompts, responses, columns, _samples_per_prompt(table))
+    return Rows(prompts, responses, columns, _samples_per_prompt(table), _read_masks(table, responses))
+
+
+def _read_masks(table: Any, responses: list[np.ndarray]) -> list[np.ndarray] | None:
+    """The optional ``response_mask`` column (multi-turn: 0 on tool tokens), checked."""
+    if "response_mask" not in table.column_names:
+        return None
+    masks = [a.astype(np.float32) for a in _ragged(table, "response_mask")]
+    _check_token_column("response_mask", masks, responses)
+    for i, m in enumerate(masks):
+        if not np.isin(m, (0.0, 1.0)).all():
+            raise TrainInputError(f"column 'response_mask' row {i} holds values other than 0 and 1: it marks "
+                                  "model tokens (1) and tool tokens (0); fix the rollout that wrote it.")
+    if not any(m.any() for m in masks):
+        raise TrainInputError("response_mask is 0 on every token of the batch, so no token carries a loss; "
+                              "check the multi-turn rollout (tool answers filling max_response_length?).")
+    return masks
 
 
 def collate(rows: Rows, idx: Sequence[int], pad_response_to: int | None = None, *,
@@ -173,7 +194,7 @@ def collate(rows: Rows, idx: Sequence[int], pad_response_to: int | None = None, 
     for j, i in enumerate(idx):
         r = rows.response_ids[i]
         responses[j, : len(r)] = r
-        response_mask[j, : len(r)] = 1
+        response_mask[j, : len(r)] = 1 if rows.masks is None else rows.masks[i]
         for k, v in rows.columns.items():
             cols[k][j, : len(r)] = v[i]
     out = _packed_inputs(rows, idx, R) if packed else _padded_inputs(rows, idx, P, R)

@@ -109,7 +109,9 @@ def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
     fs, root = url_to_fs(url, storage)
     tmp, attempt = _shared_attempt()
     try:
-        module.engine.save_checkpoint(tmp, tag=TAG, client_state={})
+        # A LoRA trainer's base weights are frozen and come back from the base model: its
+        # trainer state holds the adapters and their optimizer moments only.
+        module.engine.save_checkpoint(tmp, tag=TAG, client_state={}, exclude_frozen_parameters=_frozen_base(module))
         dist.barrier()
         rels = _local_files(tmp)
         for rel in (r for r in rels if _mine(r, module.rank)):
@@ -124,6 +126,7 @@ def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
                 "pipeline_parallel_size": module.config.pipeline_parallel_size,
                 "param_shapes": module._param_shapes,
                 "step": module.step,
+                "frozen_excluded": _frozen_base(module),
                 **extra,
             }
             files = [ManifestFile.of_local_file(f"{attempt}/{rel}", os.path.join(tmp, rel)) for rel in rels]
@@ -134,6 +137,11 @@ def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
         if module.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
     return manifest_uri(url)
+
+
+def _frozen_base(module: Any) -> bool:
+    """Whether the module trains LoRA adapters on a frozen base (left out of its checkpoints)."""
+    return getattr(module, "lora", None) is not None
 
 
 def _read_manifest(url: str, storage: Any) -> Any:
@@ -170,7 +178,7 @@ def load_engine_state(module: Any, url: str) -> dict[str, Any]:
         if saved == mine or full_copies:
             module.engine.load_checkpoint(
                 folder, tag=state["tag"], load_optimizer_states=module.optimizer is not None,
-                load_lr_scheduler_states=False,
+                load_lr_scheduler_states=False, load_module_strict=not state.get("frozen_excluded", False),
             )
         else:
             _load_consolidated(module, folder, state, url)

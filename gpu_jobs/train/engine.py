@@ -161,11 +161,13 @@ class ZeroModule(Resumable):
         tokenizer: Any = None,
         config_overrides: dict[str, Any] | None = None,
         storage: Any = None,
+        lora: Any = None,
     ) -> None:
         import torch
 
         dist.init_distributed()
         self.config = config
+        self.lora = lora  # gpu_jobs.models.lora.LoraSpec: train adapters only; None = every weight
         self.storage = storage  # StorageConfig for save/load/save_hf URLs (None: AWS env vars)
         from gpu_jobs.models import resolve_model_path
 
@@ -208,7 +210,14 @@ class ZeroModule(Resumable):
         if self.config.use_remove_padding:
             kwargs["attn_implementation"] = _attention_for_packing(hf_config)
         if self.zero_stage != 3:
-            return auto_class.from_pretrained(self.model_path, **kwargs)
+            model = auto_class.from_pretrained(self.model_path, **kwargs)
+            if self.lora is None:
+                return model
+            from gpu_jobs.models.lora import apply_lora
+
+            return apply_lora(model, self.lora)  # under the caller's seeded RNG: lora_A's init
+        if self.lora is not None:
+            raise ValueError("LoRA adapters with ZeRO-3: set zero_stage to 0, 1, 2 or 'auto' on one rank")
         from transformers.integrations import HfDeepSpeedConfig
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -233,8 +242,10 @@ class ZeroModule(Resumable):
             return engine, None
         c = self.config
         # torch AdamW, not DeepSpeed's FusedAdam/CPUAdam: those JIT-compile C++ for minutes.
+        # Frozen weights (a LoRA base) stay out of the optimizer: no moments, no decay for them.
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=c.lr_at(0), betas=c.betas, eps=c.eps, weight_decay=c.weight_decay
+            [p for p in model.parameters() if p.requires_grad], lr=c.lr_at(0), betas=c.betas, eps=c.eps,
+            weight_decay=c.weight_decay,
         )
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config
@@ -411,6 +422,10 @@ class ZeroModule(Resumable):
         import torch
 
         module = self.engine.module
+        if self.lora is not None:  # one rank, ZeRO <= 2: every weight is whole here
+            from gpu_jobs.models.lora import merged_state_dict
+
+            return merged_state_dict(module) if self.rank == 0 else {}
         out: dict[str, torch.Tensor] = {}
         # bf16 training keeps fp32 master weights in the optimizer: hand those out, not the
         # rounded bf16 copies (safe_get_full_fp32_param is collective under ZeRO-3).
@@ -437,6 +452,8 @@ class ZeroModule(Resumable):
     def save_hf(self, url: str) -> str | None:
         """Write an HF safetensors checkpoint (config, tokenizer, weights) to ``url`` via storage;
         loads with ``from_pretrained``. All ranks call it; rank 0 writes and returns the URL."""
+        if self.lora is not None:
+            return self._save_adapter(url)
         state = self.gathered_state_dict()
         result = None
         if self.rank == 0:
@@ -444,6 +461,20 @@ class ZeroModule(Resumable):
 
             result = save_checkpoint(url, state, config=self.model_config, tokenizer=self.tokenizer,
                                      storage=self.storage)
+        dist.barrier()
+        return result
+
+    def _save_adapter(self, url: str) -> str | None:
+        """A LoRA policy folder: the adapter (KBs to MBs), the tokenizer and a pointer to the
+        base model (storage.save_adapter); readers merge it (gpu_jobs.models.lora)."""
+        from gpu_jobs.models.lora import adapter_config_dict, adapter_tensors
+        from storage.checkpoints import save_adapter
+
+        result = None
+        if self.rank == 0:
+            module = self.engine.module
+            result = save_adapter(url, adapter_tensors(module), adapter_config=adapter_config_dict(module, self.model_path),
+                                  base=self.lora.pointer(), tokenizer=self.tokenizer, storage=self.storage)
         dist.barrier()
         return result
 

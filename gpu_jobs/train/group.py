@@ -248,9 +248,11 @@ class RankGroup:
         try:
             log = open(self.log_path, "ab")
             try:
+                # The caller's folder: a relative storage root (.rlmill) means the same place to
+                # the ranks as to the flow; the code is found through PYTHONPATH.
                 self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, start_new_session=True,
-                                             preexec_fn=_set_pdeathsig, cwd=_REPO_ROOT)
+                                             preexec_fn=_set_pdeathsig, cwd=os.getcwd())
             finally:
                 log.close()
         except BaseException as e:  # noqa: BLE001

@@ -21,7 +21,8 @@ from .batch import Rows, read_rows
 from .config import TrainerConfig
 from .engine import ZeroModule
 
-__all__ = ["PolicyTrainer", "RefModel", "policy_objective", "policy_loss", "token_terms", "required_columns"]
+__all__ = ["PolicyTrainer", "RefModel", "AdapterOffRef", "policy_objective", "policy_loss", "token_terms",
+           "required_columns"]
 
 
 def policy_objective(logits: Any, mb: dict[str, Any], loss_fn: Any, config: TrainerConfig):
@@ -87,12 +88,12 @@ class _CausalLM(ZeroModule):
     config: TrainerConfig
 
     def __init__(self, model_path: str, config: TrainerConfig, *, train: bool, tokenizer: Any = None,
-                 storage: Any = None):
+                 storage: Any = None, lora: Any = None):
         from transformers import AutoModelForCausalLM
 
         super().__init__(
             model_path, config, auto_class=AutoModelForCausalLM, train=train, tokenizer=tokenizer,
-            storage=storage,
+            storage=storage, lora=lora,
         )
 
     def _response_logits(self, mb: dict[str, Any]) -> Any:
@@ -185,8 +186,11 @@ class PolicyTrainer(_CausalLM):
         tokenizer: Any = None,
         kl_controller: Any = None,
         storage: Any = None,
+        lora: Any = None,
     ) -> None:
-        super().__init__(model_path, config or TrainerConfig(), train=True, tokenizer=tokenizer, storage=storage)
+        """``lora``: a gpu_jobs.models.lora.LoraSpec to train adapters on a frozen base."""
+        super().__init__(model_path, config or TrainerConfig(), train=True, tokenizer=tokenizer, storage=storage,
+                         lora=lora)
         self.kl_controller = kl_controller  # its state travels with save()/load()
         # A training-mode forward equals the eval-mode one only without active dropout.
         from torch.nn.modules.dropout import _DropoutNd
@@ -234,6 +238,13 @@ class PolicyTrainer(_CausalLM):
             mb = {**mb, "old_logprobs": log_prob.detach()}
         return policy_loss(log_prob, entropy, mb, loss_fn, self.config)
 
+    def reference(self) -> "AdapterOffRef":
+        """With LoRA, the reference model is this trainer with its adapter switched off (verl's
+        way): the base weights, no second copy of the model."""
+        if self.lora is None:
+            raise ValueError("reference() needs a LoRA trainer; build a RefModel for full fine-tuning")
+        return AdapterOffRef(self)
+
     # ---- exact resume extras -------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
         kl = self.kl_controller
@@ -242,3 +253,15 @@ class PolicyTrainer(_CausalLM):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if self.kl_controller is not None and state.get("kl_controller") is not None:
             self.kl_controller.load_state_dict(state["kl_controller"])
+
+
+class AdapterOffRef:
+    """RefModel's face over a LoRA PolicyTrainer: log-probs under the base model (the adapter
+    disabled for the pass; peft's disable_adapter context restores it)."""
+
+    def __init__(self, trainer: PolicyTrainer):
+        self.trainer = trainer
+
+    def compute_log_probs(self, batch: Any) -> list[np.ndarray]:
+        with self.trainer.engine.module.disable_adapter():
+            return self.trainer.compute_log_probs(batch)

@@ -6,6 +6,11 @@
 A run can be killed at any point and started again with the same run_id: stages that committed
 are not recomputed, the trainer is restored from the last checkpoint plus the committed updates
 after it, and the final weights equal those of an uninterrupted run.
+
+The Prefect API may go away too (a server restart): the run waits for it, with backoff, up to
+tasks.api_outage_budget_seconds, then runs the interrupted iteration again in this process, where
+committed stages are not recomputed (OutageGuard). A deployment run that fails or dies anyway is
+started again with the same run_id by the automations of deployments/resume.py.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig, frozen_config, load_run_config
 from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact, iteration_artifacts,
-                             local_tb_dir)
+                             local_tb_dir, validation_artifact)
 from flows.remote import run_remote
 from flows.run_lock import RunLock
 from gpu_jobs.reward import decode_ground_truth
@@ -30,6 +35,7 @@ from storage import committed, join, read_manifest, read_table
 from tasks.stages import STAGE_TASKS
 
 log = logging.getLogger("rlmill")
+INPUT_ERROR_TAG = "input-error"  # the run failed because of its input: deployments/resume.py leaves it
 # DeepSpeed calls torch.distributed APIs that torch 2.13 deprecates, once per parameter per step.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
 
@@ -137,8 +143,19 @@ def _untagged_tasks():
         yield
 
 
+def _validation(calls: PrefectCalls, k: int) -> dict[str, Any]:
+    """The validation after update k (its stage's metrics: val/acc and verl's val-core/val-aux),
+    also shown as a markdown artifact."""
+    metrics = read_manifest(calls("validate", k), calls.run.storage).metrics
+    validation_artifact(calls.run.cfg.run_id, k, metrics)
+    return metrics
+
+
 def _validate(calls: PrefectCalls, k: int) -> float:
-    return float(read_manifest(calls("validate", k), calls.run.storage).metrics["val/acc"])
+    return float(_validation(calls, k)["val/acc"])
+
+
+_VAL_PREFIXES = ("val/", "val-core/", "val-aux/")
 
 
 def _val_due(cfg: RunConfig, k: int) -> bool:
@@ -192,6 +209,8 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
                     else "named by run_id: resumed where it stopped if it exists")
         check_startable(cfg)
         with RunLock(cfg.root, cfg.run_id), tags("rlmill", f"run:{cfg.run_id}"):
+            if in_run:
+                _tag_flow_run(f"run:{cfg.run_id}")
             return _train(cfg, logger)
     except Exception as exc:
         if not in_run:
@@ -207,6 +226,7 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
                 pass
             raise
         logger.error("rlmill: %s", line)
+        _tag_flow_run(INPUT_ERROR_TAG, quiet=True)  # an automatic resume would fail the same way
         try:
             exc.rlmill_line = line  # what `rlmill train` prints when this exception reaches it
         except AttributeError:
@@ -221,6 +241,7 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
     else:  # remote: this process never loads a model
         run, engines = Run.open(cfg), None
     calls = PrefectCalls(run, engines)
+    guard = OutageGuard(cfg.tasks.api_outage_budget_seconds, logger, cfg.run_id)
     total = cfg.trainer.total_iterations
     done = last_committed(run.layout, "commit", total)
     logger.info("run %s: %d/%d iterations committed; model %s; setup %.1fs", cfg.run_id, done, total,
@@ -228,34 +249,180 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
     tb = MetricLoggers(cfg.run_id, local_tb_dir(cfg.root, cfg.run_id) if cfg.trainer.tensorboard else None,
                        cfg.trainer.loggers, frozen_config(cfg))
     try:
-        acc_before = _validate(calls, 0)
-        progress = Progress(cfg.run_id, total, done)
+        acc_before = guard("validation before training", _validate, calls, 0)
+        progress = guard("the progress artifact", Progress, cfg.run_id, total, done)
         t_train, val_s, val_curve = time.perf_counter(), 0.0, [(0, 0.0, acc_before)]
         for k in range(done + 1, total + 1):
-            metrics = _run_iteration(calls, k)
+            metrics = guard(f"iteration {k}", _run_iteration, calls, k)
             if _val_due(cfg, k):
                 # Training time excludes validation itself: it is what a user waits for per gain.
                 t_val = time.perf_counter()
                 elapsed = t_val - t_train - val_s
-                metrics["val/acc"] = _validate(calls, k)
+                val = guard(f"validation after iteration {k}", _validation, calls, k)
+                metrics.update({m: v for m, v in val.items() if m.startswith(_VAL_PREFIXES)})
                 val_s += time.perf_counter() - t_val
                 val_curve.append((k, round(elapsed, 1), metrics["val/acc"]))
             tb.log(k, metrics)
-            progress.update(k, metrics)
+            guard(f"the progress artifact of iteration {k}", progress.update, k, metrics)
         train_s = time.perf_counter() - t_train - val_s
-        acc_after = _validate(calls, total)
+        last_val = guard("the final validation", _validation, calls, total)
+        acc_after = float(last_val["val/acc"])
         hist, val = _history(run, total)
         png_url = join(run.layout.root, "report", "curves.png")
         _write_bytes(png_url, curves_png(hist, val), run)
         summary = {"run_id": cfg.run_id, "iterations": total, "val/acc before": acc_before,
                    "val/acc after": acc_after, "train seconds (this process)": round(train_s, 1),
                    "resumed from iteration": done}
-        final_artifact(cfg.run_id, summary, png_url)
+        guard("the final artifact", final_artifact, cfg.run_id, summary, png_url, last_val)
         return {**summary, "curves": png_url, "root": cfg.root, "val_curve": val_curve}
     finally:
         tb.close()
         if engines is not None:
             engines.close()
+
+
+# ------------------------------------------------------------------ the Prefect API going away
+def _tag_flow_run(tag: str, quiet: bool = False) -> None:
+    """Add `tag` to this rl-training flow run itself. `run:<id>` (its children already carry it)
+    lets the UI filter a run's flow runs by one tag and tells an automatic resume
+    (deployments/resume.py) which run_id a run started without one trained; `input-error` tells
+    it not to resume. quiet: a failure to tag is logged, not raised (the run is failing anyway)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or tag in (ctx.flow_run.tags or []):
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            current = client.read_flow_run(ctx.flow_run.id).tags or []
+            client.update_flow_run(ctx.flow_run.id, tags=[*current, tag])
+    except Exception as exc:
+        if not quiet:
+            raise
+        log.warning("rlmill: could not tag flow run %s with %r: %s", ctx.flow_run.name, tag, exc)
+
+
+def api_fault(exc: BaseException, api_url: str | None) -> bool:
+    """Whether `exc`, or an exception it chains or groups, is a call to the Prefect API at
+    `api_url` that did not get through (connection refused or dropped, a timeout) or was answered
+    502/503/504: an outage of the orchestrator, not a failure of the run."""
+    import httpx
+
+    if not api_url:
+        return False
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (httpx.TransportError, httpx.HTTPStatusError)):
+            try:
+                url = str(e.request.url)
+            except RuntimeError:  # an httpx error raised without its request
+                url = ""
+            status = e.response.status_code if isinstance(e, httpx.HTTPStatusError) else None
+            if url.startswith(api_url.rstrip("/")) and status in (None, 502, 503, 504):
+                return True
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return False
+
+
+def api_answers(api_url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{api_url.rstrip('/')}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_for_api(api_url: str, budget_s: float, max_delay_s: float = 10.0) -> float:
+    """Probe `api_url` until it answers, backing off 1 s doubling to `max_delay_s` with +-20%
+    jitter (many runs waiting on one server must not all knock at once); returns the seconds
+    waited. Raises TimeoutError once `budget_s` is spent."""
+    import random
+
+    t0, delay = time.monotonic(), 1.0
+    while not api_answers(api_url):
+        waited = time.monotonic() - t0
+        if waited >= budget_s:
+            raise TimeoutError(f"the Prefect API at {api_url} did not answer for {waited:.0f} s")
+        time.sleep(min(delay * random.uniform(0.8, 1.2), budget_s - waited))
+        delay = min(2 * delay, max_delay_s)
+    return time.monotonic() - t0
+
+
+class OutageGuard:
+    """Runs one step of the training loop; when it fails because the Prefect API went away, waits
+    for the API (up to `budget_s`, tasks.api_outage_budget_seconds) and runs the step again.
+
+    Prefect 3.7 does not ride out an outage: the first task or subflow state it cannot report
+    raises (httpx.ConnectError). Running the step again in this process is cheap and safe: the
+    engines stay warm, and every stage that committed before the outage returns its manifest
+    without computing anything (the stage contract). The subflow run the outage cut off is left
+    Running by Prefect; it is marked Crashed once the API is back, so the UI tells the truth.
+    """
+
+    MAX_REPEATS = 5  # the API answers /health but the step keeps failing on it: not an outage
+
+    def __init__(self, budget_s: float, logger, run_id: str):
+        from prefect.settings import PREFECT_API_URL
+
+        self.budget_s, self.logger, self.run_id = budget_s, logger, run_id
+        self.api_url = PREFECT_API_URL.value()
+
+    def __call__(self, what: str, fn, *args):
+        repeats = 0
+        while True:
+            try:
+                return fn(*args)
+            except Exception as exc:
+                if self.budget_s <= 0 or not self.api_url or repeats >= self.MAX_REPEATS or not (
+                        api_fault(exc, self.api_url) or not api_answers(self.api_url)):
+                    raise
+                repeats += 1
+                self._wait(what, exc)
+
+    def _wait(self, what: str, exc: Exception) -> None:
+        self.logger.warning("rlmill: the Prefect API at %s failed during %s (%s); waiting for it to come back "
+                            "(up to %.0f s, tasks.api_outage_budget_seconds)", self.api_url, what,
+                            type(exc).__name__, self.budget_s)
+        try:
+            waited = wait_for_api(self.api_url, self.budget_s)
+        except TimeoutError as timeout:
+            raise RuntimeError(f"{timeout} (tasks.api_outage_budget_seconds={self.budget_s:.0f}); run "
+                               f"{self.run_id} stopped during {what}: start it again with run_id={self.run_id} "
+                               "(a deployment run is resumed automatically) and it goes on from its commits") from exc
+        self.logger.warning("rlmill: the Prefect API answers again after %.0f s; running %s again (stages it "
+                            "committed are not recomputed)", waited, what)
+        try:
+            _crash_cut_off_subflows(self.run_id)
+        except Exception as exc:  # cosmetic (the UI); the run goes on regardless
+            self.logger.warning("rlmill: could not mark the cut-off subflow run Crashed: %s", exc)
+
+
+def _crash_cut_off_subflows(run_id: str) -> None:
+    """Mark Crashed the rl-iteration runs of this rl-training run that an outage left Running."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas import filters as F
+    from prefect.client.schemas.objects import StateType
+    from prefect.context import FlowRunContext
+    from prefect.states import Crashed
+
+    ctx = FlowRunContext.get()
+    if ctx is None:
+        return
+    with get_client(sync_client=True) as client:
+        stuck = client.read_flow_runs(flow_run_filter=F.FlowRunFilter(
+            parent_flow_run_id=F.FlowRunFilterParentFlowRunId(any_=[ctx.flow_run.id]),
+            state=F.FlowRunFilterState(type=F.FlowRunFilterStateType(
+                any_=[StateType.RUNNING, StateType.PENDING, StateType.SCHEDULED]))))
+        for fr in stuck:
+            client.set_flow_run_state(fr.id, Crashed(
+                message=f"the Prefect API went away while this ran; run {run_id} ran it again as a new flow run"),
+                force=True)
 
 
 def _write_bytes(url: str, data: bytes, run: Run) -> None:

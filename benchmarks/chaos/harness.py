@@ -57,6 +57,7 @@ class Chaos:
     def start(cls, work: Path):
         """A Prefect API (test harness: a local server on a temporary database) for all runs."""
         os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: it only logs errors
         from prefect.settings import PREFECT_API_URL
         from prefect.testing.utilities import prefect_test_harness
 

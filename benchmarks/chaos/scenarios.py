@@ -8,6 +8,7 @@ instead be refused before anything is written. `QUICK` is the reduced set `make 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 import time
 from pathlib import Path
@@ -517,3 +518,8 @@ def bad_config(chaos: Chaos) -> Outcome:
     expect = {"unknown-key": "lrr", "out-of-range": "rollout.n", "wrong-type": "actor.lr",
               "impossible-combination": "ppo_mini_batch_size"}
     return _refused(chaos, "bad-config", cases, expect)
+
+
+# The orchestrator going away (real server + workers) lives in its own module, which registers its
+# scenarios here when imported (it imports this module, so it is loaded last).
+importlib.import_module(f"{__package__}.orchestrator")

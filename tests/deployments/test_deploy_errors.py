@@ -81,7 +81,8 @@ def test_an_unexpected_error_in_a_deployment_run_shows_one_traceback(prefect_wor
     would log it a second time when the flow run's process exits."""
     proc = _watch(tools, {"iterations": 1, "overrides": [
         f"root={tmp_path / 'root'}", *tools.tiny, "trainer.placement=remote", "trainer.checkpoint_every=1",
-        "trainer.stage_deployment=rl-stage/no-such-deployment"]})
+        "trainer.stage_deployment=rl-stage/no-such-deployment",
+        "tasks.auto_resumes=0"]})  # resuming it would only fail again, on the session's worker
     try:
         out = proc.communicate(timeout=WATCH_TIMEOUT_S)[0]
     finally:

@@ -97,11 +97,11 @@ def test_a_stage_that_fails_once_is_retried_and_the_run_completes(prefect_api, t
 
     real, calls = STAGE_FUNCTIONS["reward"], []
 
-    def flaky(run, engines, k, batch_uri):
+    def flaky(run, engines, k, *inputs):
         calls.append(k)
         if len(calls) == 1:
             raise ConnectionError("injected: reward service unavailable")
-        return real(run, engines, k, batch_uri)
+        return real(run, engines, k, *inputs)
 
     monkeypatch.setitem(STAGE_FUNCTIONS, "reward", flaky)
     summary = rl_training(config=str(example_path), overrides=tiny(str(tmp_path / "r"), "run_id=flaky"), iterations=1)

@@ -252,3 +252,22 @@ def test_the_gsm8k_command_line_trains(gsm_files, tmp_path):
     assert "actor/kl_loss" in metrics and "actor/pg_loss" in metrics
     assert read_manifest(uris["advantages"], run.storage).num_rows == 4 * 5  # 4 prompts x rollout.n=5
     assert run.layout.run_id == "qwen2_7b_function_rm"
+
+
+def test_the_example_script_is_this_command_line(tmp_path):
+    """examples/verl_gsm8k_grpo.sh runs exactly the keys the tests above translate and train with
+    (a stand-in `rlmill` prints the argv the script passes it)."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    fake = tmp_path / "rlmill"
+    fake.write_text("#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(["bash", str(repo / "examples" / "verl_gsm8k_grpo.sh")], cwd=repo, check=True,
+                         capture_output=True, text=True, env={**os.environ, "RLMILL": str(fake), "DATA": "/d"})
+    data_make, train = (json.loads(line) for line in out.stdout.splitlines())
+    assert data_make[:4] == ["data", "make", "gsm_symbolic", "--out"]
+    assert train == ["train", *verl_gsm8k("/d/train.parquet", "/d/test.parquet"), *CPU_SCALE]

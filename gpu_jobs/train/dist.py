@@ -33,12 +33,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Whether this process picked MASTER_PORT itself (one rank, no launcher): then a port taken in the
+# meantime may be replaced by another; a launcher's or the user's port never is.
+_PORT_CHOSEN_HERE = False
+
+
 def _fill_single_rank_env() -> None:
+    global _PORT_CHOSEN_HERE
     if "WORLD_SIZE" in os.environ:
         return
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+        _PORT_CHOSEN_HERE = True
+
+
+def _init_gloo_single_rank(deepspeed) -> None:
+    """deepspeed.init_distributed over gloo. A free port found with bind(0) is only free until
+    someone takes it: the kernel may hand the same ephemeral port to an outgoing connection (an
+    API call of this process) before the rendezvous store listens on it (seen: EADDRINUSE in a
+    busy test run). When this process chose the port, it chooses another and tries again."""
+    from deepspeed.comm import comm as ds_comm
+
+    for attempt in range(5):
+        try:
+            deepspeed.init_distributed(dist_backend="gloo")
+            return
+        except Exception as exc:  # torch.distributed.DistNetworkError (a RuntimeError)
+            if not (_PORT_CHOSEN_HERE and "EADDRINUSE" in str(exc)) or attempt == 4:
+                raise
+            ds_comm.cdb = None
+            os.environ["MASTER_PORT"] = str(_free_port())
 
 
 def _on_cpu() -> bool:
@@ -75,7 +101,7 @@ def init_distributed() -> None:
         ds_comm.cdb = None
     # Over an existing torch process group (vLLM's, in-process) DeepSpeed wraps it.
     if _on_cpu():
-        deepspeed.init_distributed(dist_backend="gloo")
+        _init_gloo_single_rank(deepspeed)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         deepspeed.init_distributed(dist_backend="nccl")

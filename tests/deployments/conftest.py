@@ -134,6 +134,9 @@ def prefect_env(tmp_path_factory) -> dict[str, str]:
         "DO_NOT_TRACK": "1", "GX_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         # The scheduler fills upcoming runs every loop (default 60 s): make the first fill prompt.
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+        # Workers poll for runs every 10 s by default: most of a deployment run's start-up wait
+        # here, paid by every run these tests trigger (remote placement: three per iteration).
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
     })
     env.pop("PREFECT_PROFILE", None)

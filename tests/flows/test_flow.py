@@ -142,17 +142,3 @@ def test_one_step_off_async_run_through_the_flow(prefect_api, tmp_path, example_
     names = _read(_task_runs_of("iter-0002"))
     assert "rollout-3 (weights of update 1)" in names, names
     assert any(n.startswith("update") for n in names)
-
-
-def test_two_rank_update_group_through_the_flow(prefect_api, tmp_path, example_path, tiny):
-    """`rlmill train trainer.n_gpus_per_node=2`: the flow's update tasks command one warm group."""
-    from flows.training import rl_training
-
-    summary = rl_training(config=str(example_path), overrides=tiny(str(tmp_path / "r"), "run_id=ranks-flow",
-                                                                    "trainer.n_gpus_per_node=2"), iterations=2)
-    assert summary["iterations"] == 2
-    from storage import RunLayout, committed, read_manifest
-
-    layout = RunLayout(str(tmp_path / "r"), "ranks-flow")
-    metrics = read_manifest(committed(layout.stage(2, "commit")), None).metrics
-    assert "actor/pg_loss" in metrics and metrics["training/rollout_probs_diff_mean"] < 1e-3

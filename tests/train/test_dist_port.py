@@ -1,0 +1,51 @@
+"""A one-rank process group whose self-chosen port was taken before its store listened picks
+another port instead of failing the update (seen as EADDRINUSE in a busy test run)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent("""
+    import os, socket
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    import gpu_jobs.train.dist as dist
+    real, ports = dist._free_port, []
+    def free_port():  # the first pick is a port someone took meanwhile
+        ports.append(busy if not ports else real())
+        return ports[-1]
+    dist._free_port = free_port
+    dist.init_distributed()
+    import torch.distributed as td
+    assert td.is_initialized() and os.environ["MASTER_PORT"] != str(busy), (ports, os.environ["MASTER_PORT"])
+    print("ok", len(ports))
+""")
+
+
+@pytest.mark.deepspeed
+def test_a_taken_self_chosen_port_is_replaced():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu",
+                              "OMP_NUM_THREADS": "1", "HOME": str(Path.home())})
+    assert out.returncode == 0 and "ok 2" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+@pytest.mark.deepspeed
+def test_a_port_the_user_named_is_never_replaced():
+    script = SCRIPT.replace('os.environ.pop(k, None)', 'os.environ.pop(k, None)\nos.environ["MASTER_PORT"] = "0"')
+    script = script.replace("dist.init_distributed()", 'os.environ["MASTER_PORT"] = str(busy)\ndist.init_distributed()')
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu",
+                              "OMP_NUM_THREADS": "1", "HOME": str(Path.home())})
+    assert out.returncode != 0 and "EADDRINUSE" in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]

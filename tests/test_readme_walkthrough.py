@@ -106,7 +106,8 @@ class Walk:
 
     def make_recipe(self, target_and_vars: str) -> str:
         """What `make <target>` runs, minus the venv step (ADJUSTED['make'])."""
-        lines = self.sh(f"make -n {target_and_vars}").splitlines()
+        # --no-print-directory: under `make test` (MAKELEVEL set) make would add "Entering directory" lines.
+        lines = self.sh(f"make --no-print-directory -n {target_and_vars}").splitlines()
         assert any("ensure_venv.sh" in ln for ln in lines), lines  # the step skipped is the one we think
         return "\n".join(ln for ln in lines if "ensure_venv.sh" not in ln)
 

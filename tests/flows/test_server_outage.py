@@ -103,7 +103,11 @@ class Server:
     def __init__(self, home: Path, logs: Path):
         self.port, self.home, self.logs, self.proc, self.starts = _free_port(), home, logs, None, 0
         self.api = f"http://127.0.0.1:{self.port}/api"
-        self.env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": self.api, "OMP_NUM_THREADS": "1",
+        from gpu_jobs.train.dist import child_env
+
+        # child_env: not this process's MASTER_PORT, which its own process group (an earlier test's
+        # DeepSpeed) still listens on.
+        self.env = {**child_env(), "PREFECT_HOME": str(home), "PREFECT_API_URL": self.api, "OMP_NUM_THREADS": "1",
                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
                     "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
         self.env.pop("PREFECT_PROFILE", None)

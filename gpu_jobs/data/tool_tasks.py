@@ -17,7 +17,7 @@ import numpy as np
 
 from gpu_jobs.data.generators import register_generator
 from gpu_jobs.reward.registry import register_reward_fn
-from gpu_jobs.rollout.tools import get_tool_format
+from gpu_jobs.data.tool_calls import get_tool_format
 
 ARITH_TOOLS_SOURCE = "rlmill/arith_tools"
 LOW, HIGH = 100, 999  # operands: 3 digits, one more than the built-in model was taught

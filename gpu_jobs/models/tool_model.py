@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpu_jobs.models.tiny import build_once, default_cache_dir, ensure_builtin_model
-from gpu_jobs.rollout.tools import calculator, get_tool_format
+from gpu_jobs.data.tool_calls import calculator, get_tool_format
 
 __all__ = ["ToolRecipe", "ensure_tool_model", "tool_exact_match", "tool_problems", "ToolWarmupNotReachedError"]
 

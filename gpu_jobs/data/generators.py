@@ -86,10 +86,11 @@ def arith_pairs(n_total: int, seed: int) -> list[tuple[int, int]]:
     return [(10 + int(k) // 90, 10 + int(k) % 90) for k in order]
 
 
-def arith_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
-    """One row of the built-in task (the contract): prompt "a+b=", ground truth str(a+b)."""
+def arith_row(a: int, b: int, split: str, index: int, data_source: str = ARITH_SOURCE) -> dict[str, Any]:
+    """One row of the built-in task (the contract): prompt "a+b=", ground truth str(a+b);
+    `data_source` routes it to its scorer (the arith_tools task has its own)."""
     return {
-        "data_source": ARITH_SOURCE,
+        "data_source": data_source,
         "prompt": [{"role": "user", "content": f"{a}+{b}="}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(a + b)},

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu_jobs.data.generators import register_generator
+from gpu_jobs.data.generators import arith_row, register_generator
 from gpu_jobs.reward.registry import register_reward_fn
 from gpu_jobs.data.tool_calls import get_tool_format
 
@@ -41,13 +41,7 @@ def arith_tools_pairs(n: int, split: str, seed: int) -> list[tuple[int, int]]:
 
 
 def arith_tools_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
-    return {
-        "data_source": ARITH_TOOLS_SOURCE,
-        "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-        "extra_info": {"split": split, "index": index, "a": a, "b": b},
-    }
+    return arith_row(a, b, split, index, data_source=ARITH_TOOLS_SOURCE)
 
 
 @register_generator("arith_tools")

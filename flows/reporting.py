@@ -369,3 +369,39 @@ def one_traceback_per_error() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _OneTraceback) for f in logger.filters):
             logger.addFilter(_OneTraceback())
+
+
+def deliver_logged_line(flow_run_id: Any, text: str, timeout_s: float = 60.0) -> bool:
+    """Block until a line this flow run logged is stored by the Prefect API; True once it is.
+
+    Why: `prefect deployment run --watch` stops following a run's log stream 3 s after the run's
+    final state arrives, and the run logger sends its batch every 2 s (longer when the cores are
+    busy). A failure's one-line explanation logged just before the flow returns Failed could then
+    miss the stream the user is watching. The server publishes a log to that stream in the same
+    request that stores it, so once it can be read back it is on the stream before the state
+    change. Costs one flush and a few reads, only on a failed run."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().logging.to_api.enabled:
+        return False
+    APILogWorker.drain_all(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                if any(text in entry.message for entry in client.read_logs(
+                        log_filter=only_this_run, sort=LogSort.TIMESTAMP_DESC, limit=100)):
+                    return True
+            except Exception as exc:  # the API is down: the state message still carries the line
+                log.warning("rlmill: could not confirm the failure's log line reached the API: %s", exc)
+                return False
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)

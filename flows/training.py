@@ -193,7 +193,8 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
     from prefect.states import Failed
 
     from flows.overrides import with_run_id
-    from flows.reporting import check_startable, one_traceback_per_error, run_id_taken, user_error_line
+    from flows.reporting import (check_startable, deliver_logged_line, one_traceback_per_error, run_id_taken,
+                                 user_error_line)
 
     in_run = FlowRunContext.get() is not None  # False for rl_training.fn(...): plain exceptions
     logger = get_run_logger() if in_run else log
@@ -218,14 +219,16 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
         line = user_error_line(exc, cfg)
         if line is None:
             what = " ".join(f"{type(exc).__name__}: {exc}".split())
-            logger.error("rlmill: run %s failed: %s (unexpected: the traceback follows)",
-                         cfg.run_id if cfg else "?", what)
+            summary = f"rlmill: run {cfg.run_id if cfg else '?'} failed: {what} (unexpected: the traceback follows)"
+            logger.error("%s", summary)
+            deliver_logged_line(FlowRunContext.get().flow_run.id, summary)
             try:
                 exc.rlmill_reported = True  # the CLI then does not print the traceback a second time
             except AttributeError:
                 pass
             raise
         logger.error("rlmill: %s", line)
+        deliver_logged_line(FlowRunContext.get().flow_run.id, f"rlmill: {line}")
         _tag_flow_run(INPUT_ERROR_TAG, quiet=True)  # an automatic resume would fail the same way
         try:
             exc.rlmill_line = line  # what `rlmill train` prints when this exception reaches it

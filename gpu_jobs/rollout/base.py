@@ -64,6 +64,13 @@ class RolloutConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vllm: memory share.")
     enforce_eager: bool = Field(True, description="vllm: no CUDA graphs / compilation (CPU needs it).")
     seed: int = Field(0, description="vllm: engine seed (used when a request has no seed).")
+    data_parallel_size: int = Field(
+        1, ge=1, description="Rollout replicas, each its own process with a full copy of the weights; prompts are "
+        "split evenly and every weight sync reaches every replica (verl rollout data parallelism). On GPU "
+        "replica j uses devices j*tensor_parallel_size..; on CPU the replicas share the cores.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="vllm on CUDA only: GPUs one replica's model is split across (vLLM tensor "
+        "parallelism, verl rollout.tensor_model_parallel_size).")
 
 
 Row = dict[str, Any]  # prompt_index, sample_index, prompt_ids, response_ids, rollout_logprobs, finish_reason
@@ -104,7 +111,32 @@ def get_rollout_engine(name: str, model_path, config: RolloutConfig | None = Non
     the backend (both take `storage=StorageConfig`; "hf" also `tokenizer=`). The backends
     register themselves when the package is imported (gpu_jobs/rollout/__init__.py), which
     importing this module already did."""
-    return ROLLOUT_ENGINES[name](model_path, config or RolloutConfig(), **kwargs)
+    config = config or RolloutConfig()
+    check_parallelism(name, config)
+    if config.data_parallel_size > 1:
+        from gpu_jobs.rollout.data_parallel import DataParallelRollout
+
+        ROLLOUT_ENGINES[name]  # an unknown backend fails here, listing the valid ones, not in a replica
+        return DataParallelRollout(name, model_path, config, config.data_parallel_size, **kwargs)
+    return ROLLOUT_ENGINES[name](model_path, config, **kwargs)
+
+
+def check_parallelism(name: str, config: RolloutConfig, cuda: bool | None = None) -> None:
+    """Refuse parallel layouts the backend or machine cannot run, naming the fix."""
+    if config.tensor_parallel_size == 1:
+        return
+    if name != "vllm":
+        raise ValueError(f"rollout tensor parallelism is vLLM's: tensor_parallel_size="
+                         f"{config.tensor_parallel_size} needs rollout.engine=vllm (the {name} engine runs whole "
+                         f"models); or set it to 1")
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        raise ValueError(f"rollout tensor_parallel_size={config.tensor_parallel_size} splits the model across "
+                         f"GPUs and no CUDA device is visible: set it to 1 on CPU (use data_parallel_size for "
+                         f"replicas)")
 
 
 def make_row(prompt_index: int, sample_index: int, prompt_ids, response_ids, logprobs,

@@ -75,6 +75,8 @@ class VLLMRolloutEngine:
         kwargs = {}
         if self.config.max_model_len is not None:
             kwargs["max_model_len"] = self.config.max_model_len
+        if self.config.tensor_parallel_size > 1:  # GPU only (rollout.base.check_parallelism)
+            kwargs["tensor_parallel_size"] = self.config.tensor_parallel_size
         # In-process vLLM seeds the global random/numpy/torch RNGs with config.seed; keep the
         # caller's (e.g. a trainer's) streams as they were.
         with _preserve_global_rng():

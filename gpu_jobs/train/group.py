@@ -25,9 +25,13 @@ applied since, that state died with the group: ``state_lost`` is set and every c
 ``load(url)`` and ``reset()`` raises ``TrainerStateLostError`` rather than training on the wrong
 weights.
 
-One node only (every rank on this machine). The launcher and the ranks die with this process
-(PR_SET_PDEATHSIG): the launcher is started from a thread that lives as long as the group,
-because the kernel ties that signal to the thread that forked.
+Several nodes (``nnodes`` > 1, gpu_jobs.train.launch): this machine is node 0 and runs ranks
+0..n-1, rank 0 among them; every other node joins with ``python -m gpu_jobs.train.launch``, and
+the batch and weight files reach its ranks broadcast from rank 0. This process watches and
+kills only node 0's processes; another node's launcher ends its ranks when the collectives fail.
+The launcher and the ranks die with this process (PR_SET_PDEATHSIG): the launcher is started from
+a thread that lives as long as the group, because the kernel ties that signal to the thread that
+forked.
 """
 
 from __future__ import annotations
@@ -55,8 +59,6 @@ __all__ = ["RankGroup", "GroupTrainer", "RankGroupError", "TrainerStateLostError
            "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
-_WORKER = "gpu_jobs.train.group_worker"
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SIGNALS = {-s.value: s.name for s in signal.Signals}
 
 
@@ -155,10 +157,15 @@ class RankGroup:
     (``usable`` is False) and a RankGroupError is raised."""
 
     def __init__(self, n_ranks: int, *, env: dict[str, str] | None = None, start_timeout: float = 600.0,
-                 workdir_root: str | None = None, python: str = sys.executable):
+                 workdir_root: str | None = None, python: str = sys.executable, nnodes: int = 1,
+                 master_addr: str = "", master_port: int = 0):
+        from .launch import NodeLayout
+
         if n_ranks < 1:
             raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
         self.n_ranks, self.start_timeout, self.python = n_ranks, start_timeout, python
+        self.layout = NodeLayout(n_ranks, nnodes, master_addr, master_port)
+        self.local_ranks = list(range(self.layout.nproc_per_node))  # node 0's: the ones this machine runs
         self._extra_env = dict(env or {})
         self._workdir_root = workdir_root
         self.workdir = ""
@@ -197,9 +204,7 @@ class RankGroup:
         authkey = os.urandom(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = self._listener.address
-        cmd = [self.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.n_ranks}",
-               "--log-dir", os.path.join(self.workdir, "torchelastic"),  # torchrun's own files: ours to remove
-               "-m", _WORKER, "--address", f"{host}:{port}", "--workdir", self.workdir]
+        cmd = self.layout.command(self.python, 0, f"{host}:{port}", self.workdir)
         env = self._child_env(authkey)
         self._wake_r, self._wake_w = os.pipe()
         _LIVE.add(self)
@@ -214,32 +219,18 @@ class RankGroup:
         kind, hello = self._recv("start", t0 + self.start_timeout)
         if kind != "hello":
             raise self._failure("start", reported=hello if kind == "error" else None)
-        self.pids = list(hello["pids"])
+        self.pids = [pid for _, pid in hello["pids"]]  # (node, pid) by rank; another node's pid means nothing here
+        self.local_ranks = [r for r, (node, _) in enumerate(hello["pids"]) if node == 0]
         os.write(self._wake_w, b"p")  # the keeper watches the ranks from now on
         self.usable = True
         self.start_seconds = time.monotonic() - t0
         return self
 
     def _child_env(self, authkey: bytes) -> dict[str, str]:
-        from .dist import child_env
+        from .launch import rank_env
 
-        env = child_env()
-        env.update(self._extra_env)
+        env = rank_env(self.layout.nproc_per_node, self.layout.nnodes, self._extra_env)
         env["RLMILL_GROUP_AUTHKEY"] = authkey.hex()
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        # DeepSpeed 0.19 calls c10d collectives torch 2.13 renamed: one warning per call otherwise.
-        env.setdefault("PYTHONWARNINGS", "ignore:`torch.distributed.:FutureWarning")
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.n_ranks)))
-        if "DS_ACCELERATOR" not in env:
-            try:
-                import torch
-
-                if not torch.cuda.is_available():
-                    env["DS_ACCELERATOR"] = "cpu"
-            except ImportError:
-                env["DS_ACCELERATOR"] = "cpu"
         return env
 
     def _keep(self, cmd: list[str], env: dict[str, str]) -> None:
@@ -270,6 +261,8 @@ class RankGroup:
             if not ranks_added and self.pids:
                 ranks_added = True
                 for r, pid in enumerate(self.pids):
+                    if r not in self.local_ranks:  # another node's process: its launcher watches it
+                        continue
                     try:
                         watched[os.pidfd_open(pid)] = r
                     except ProcessLookupError:
@@ -428,6 +421,11 @@ class RankGroup:
                        if code is not None else "killed by a signal or os._exit")
                 tb = f"rank {rank} (pid {pid}) died without a Python error ({how})"
                 head = f"rank {rank} (pid {pid}) died ({how}) {where}"
+        elif timed_out and command == "start" and self.layout.nnodes > 1:
+            joins = "; ".join(self.layout.join_command(i) for i in range(1, self.layout.nnodes))
+            head = (f"the {self.layout.nnodes}-node group did not form within {self.start_timeout:.0f} s (the ranks "
+                    f"were killed): every other node must join it, e.g. `{joins}`, and reach "
+                    f"{self.layout.master_addr}:{self.layout.master_port}")
         elif timed_out:
             head = f"no reply {where} within the timeout (the ranks were killed)"
         else:
@@ -481,7 +479,7 @@ class RankGroup:
                 # The ranks exit at once; torchrun lingers seconds after them: stop waiting then.
                 end = time.monotonic() + timeout
                 while (self.proc is not None and self.proc.poll() is None and time.monotonic() < end
-                       and not all(r in self._deaths for r in range(len(self.pids)))):
+                       and not all(r in self._deaths for r, _ in self._local())):
                     time.sleep(0.02)
             self.usable = False
             # With every rank gone torchrun has nothing left to clean up (its rendezvous store
@@ -501,7 +499,7 @@ class RankGroup:
                     os.killpg(proc.pid, sig)
                 except OSError:
                     pass
-            for r, pid in enumerate(self.pids):  # ranks run in sessions of their own
+            for r, pid in self._local():  # ranks run in sessions of their own
                 if r not in self._deaths and _alive(pid):
                     try:
                         os.kill(pid, sig)
@@ -510,7 +508,7 @@ class RankGroup:
 
         def all_dead() -> bool:
             return (proc is None or proc.poll() is not None) and not any(
-                _alive(p) for r, p in enumerate(self.pids) if r not in self._deaths)
+                _alive(p) for r, p in self._local() if r not in self._deaths)
 
         if all_dead():
             return
@@ -563,8 +561,13 @@ class RankGroup:
 
     def alive_pids(self) -> list[int]:
         """Launcher and rank pids still running (for checks that nothing is left over)."""
-        pids = ([self.proc.pid] if self.proc is not None else []) + self.pids
+        pids = ([self.proc.pid] if self.proc is not None else []) + [p for _, p in self._local()]
         return [p for p in pids if _alive(p)]
+
+    def _local(self) -> list[tuple[int, int]]:
+        """(rank, pid) of the ranks on this machine (node 0): the only pids that mean anything here;
+        another node's launcher stops its own ranks when the group's collectives fail."""
+        return [(r, self.pids[r]) for r in self.local_ranks if r < len(self.pids)]
 
 
 def _exit_codes(log: str) -> dict[int, int]:
@@ -591,7 +594,8 @@ class GroupTrainer:
 
     def __init__(self, model_path: str, config: Any = None, *, n_ranks: int, tokenizer: Any = None,
                  storage: Any = None, call_timeout: float | None = None, start_timeout: float = 600.0,
-                 workdir_root: str | None = None, env: dict[str, str] | None = None):
+                 workdir_root: str | None = None, env: dict[str, str] | None = None, nnodes: int = 1,
+                 master_addr: str = "", master_port: int = 0):
         from transformers import AutoConfig
 
         from gpu_jobs.models import resolve_model_path
@@ -616,6 +620,7 @@ class GroupTrainer:
         self.last_start_seconds: float | None = None
         self.call_timeout, self.start_timeout = call_timeout, start_timeout
         self._workdir_root, self._env = workdir_root, env
+        self._nodes = {"nnodes": nnodes, "master_addr": master_addr, "master_port": master_port}
         self._restore_url: str | None = None  # what a fresh group loads to reach this state
         self._dirty = False  # state changed since the restore point (start model or _restore_url)
         self._box: list[RankGroup | None] = [None]
@@ -635,6 +640,13 @@ class GroupTrainer:
         """The ranks' pids (rank order) of the current group; [] before it starts."""
         g = self._box[0]
         return list(g.pids) if g is not None and g.usable else []
+
+    def group_layout(self):
+        """Where the group's ranks run (a gpu_jobs.train.launch.NodeLayout): its join_command(i)
+        is what node i runs."""
+        from .launch import NodeLayout
+
+        return NodeLayout(self.world_size, **self._nodes)
 
     def start(self) -> "GroupTrainer":
         """Start the group now (else the first call does)."""
@@ -657,7 +669,7 @@ class GroupTrainer:
         if g is not None:
             g.close()
         g = RankGroup(self.world_size, env=self._env, start_timeout=self.start_timeout,
-                      workdir_root=self._workdir_root)
+                      workdir_root=self._workdir_root, **self._nodes)
         self._box[0] = g
         t0 = time.monotonic()
         g.start()

@@ -166,7 +166,11 @@ class Server:
         from safetensors import safe_open
         from safetensors.torch import load_file
 
-        if self.rank == 0 or getattr(self.trainer, "zero_stage", 3) != 3:
+        if _multi_node():
+            from safetensors.torch import load as load_bytes
+
+            state = load_bytes(_file_bytes(path))
+        elif self.rank == 0 or getattr(self.trainer, "zero_stage", 3) != 3:
             state = load_file(path)
         else:
             import torch
@@ -323,9 +327,28 @@ def layer_key(name: str) -> str:
 
 
 def _read_table(path: str) -> Any:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.read_table(path, memory_map=True)
+    if not _multi_node():
+        return pq.read_table(path, memory_map=True)
+    return pq.read_table(pa.BufferReader(_file_bytes(path)))
+
+
+def _multi_node() -> bool:
+    return int(os.environ.get("RLMILL_GROUP_NNODES", "1")) > 1
+
+
+def _file_bytes(path: str) -> bytes:
+    """A file the parent wrote beside rank 0, on every rank: read by rank 0 and broadcast (the
+    other nodes cannot see the parent's folder). Collective: every rank calls it."""
+    from . import dist
+
+    data = None
+    if dist.rank() == 0:
+        with open(path, "rb") as f:
+            data = f.read()
+    return dist.broadcast_object(data)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -354,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
 
         dist.init_distributed()
         rank = dist.rank()
-        pids = dist.all_gather_object(os.getpid())
+        # (node, pid) by rank: the parent watches only its own node's processes.
+        pids = dist.all_gather_object((int(os.environ.get("GROUP_RANK", "0")), os.getpid()))
         conn = None
         if rank == 0:
             from multiprocessing.connection import Client

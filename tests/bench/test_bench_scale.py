@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -91,3 +93,69 @@ def test_tiny_length_sweep_end_to_end(tmp_path):
         assert r["wall"] >= r["gen"] + r["update"]
     assert rows[0]["ratio"] is None and rows[1]["ratio"] > 0
     assert len(bs.format_table("length", rows).splitlines()) == 4
+
+
+def test_rank_threads_split_the_budget():
+    assert [bs.rank_threads(2, r) for r in (1, 2)] == [2, 1]
+    assert [bs.rank_threads(1, r) for r in (1, 2)] == [1, 1]  # never 0 threads
+
+
+def test_proc_parsers():
+    # /proc/<pid>/task/<tid>/schedstat: ns on a CPU, ns waiting on the run queue, timeslices.
+    assert bs.parse_schedstat("2500000000 500000000 1234\n") == (2.5, 0.5)
+    status = "Name:\tpython\nVmPeak:\t  900 kB\nVmHWM:\t  123456 kB\nVmRSS:\t  100000 kB\n"
+    assert (bs.status_kib(status, "VmHWM"), bs.status_kib(status, "VmRSS")) == (123456, 100000)
+    with pytest.raises(KeyError, match="VmSwap"):
+        bs.status_kib(status, "VmSwap")
+    # This process's own files parse.
+    sum(range(10 ** 6))  # some CPU time on this thread
+    assert bs.rank_schedstat([os.getpid()])[0][0] > 0 and bs.rank_memory_kib([os.getpid()], "VmHWM")[0] > 0
+
+
+def test_time_shares():
+    assert bs.time_shares(1.0, 0.5, 2.0) == pytest.approx({"cpu": 0.5, "runq": 0.25, "blocked": 0.25})
+    # Counters a little ahead of the wall clock never make "blocked" negative.
+    assert bs.time_shares(1.5, 0.6, 2.0)["blocked"] == 0.0
+    with pytest.raises(ValueError):
+        bs.time_shares(1.0, 0.0, 0.0)
+
+
+def _result(ranks, zero, wall, sched, partition, optim):
+    info = [{"rank": r, "zero_stage": zero, "partition_numel": partition, "full_numel": 1_000_000,
+             "materialized_numel": partition, "optimizer_numel": optim, "threads": 1} for r in range(ranks)]
+    return {"ranks": ranks, "zero_stage": zero, "updates": 2, "wall_s": wall, "tokens": 1000.0, "sched_s": sched,
+            "threads": [1] * ranks, "info": info, "peak_kib": [2048] * ranks, "rss_kib": [1024] * ranks}
+
+
+def test_update_rows_subtract_the_one_rank_blocked_time():
+    rows = bs.update_rows([_result(1, 0, 4.0, [(3.0, 0.6)], 10, 10),
+                           _result(2, 3, 2.0, [(1.0, 0.2), (0.8, 0.2)], 5, 5)])
+    # 1 rank: 75% on CPU, 15% run queue, 10% blocked; 2 ranks: cpu mean(50%, 40%) = 45%, run queue
+    # 10%, blocked mean(40%, 50%) = 45%; comm = 45% - the 1-rank 10% = 35%.
+    assert rows[0]["blocked"] == pytest.approx(0.10) and rows[0]["comm"] is None
+    assert (rows[1]["cpu"], rows[1]["runq"]) == (pytest.approx(0.45), pytest.approx(0.10))
+    assert rows[1]["blocked"] == pytest.approx(0.45) and rows[1]["comm"] == pytest.approx(0.35)
+    assert rows[1]["s_update"] == pytest.approx(1.0) and rows[1]["tok_s"] == pytest.approx(500.0)
+    assert bs.update_rows([_result(2, 0, 2.0, [(1.0, 0.0)] * 2, 5, 5)])[0]["comm"] is None  # no 1-rank baseline
+    assert "| 2 | 3 | 1 | 1.000 | 500 | 45% | 10% | 45% | 35% |" in bs.markdown(bs.UPDATE_COLS, rows)
+
+
+def test_memory_rows_one_per_rank():
+    rows = bs.memory_rows([_result(2, 3, 2.0, [(1.0, 0.0)] * 2, 500_000, 500_000)])
+    assert [r["rank"] for r in rows] == [0, 1]
+    # 4 bytes x (0.5M weights + 2 x 0.5M Adam moments) = 6 MB.
+    assert rows[0]["state_mib"] == pytest.approx(6e6 / 2 ** 20) and rows[0]["peak_mib"] == 2.0
+    lines = bs.markdown(bs.MEMORY_COLS, rows).splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| ranks | zero | rank | params held (M) |")
+
+
+def test_iteration_rows_split_the_group_time():
+    meds = [{"wall_s": 1.0, "response_length/mean": 4.0, "timing_s/update_actor": 0.5},
+            {"wall_s": 2.0, "response_length/mean": 4.0, "timing_s/update_actor": 1.0, "timing_s/weight_sync": 0.25,
+             "timing_s/agreement": 0.25, "ranks/cpu_s": 0.75, "ranks/runq_s": 0.15}]
+    one, two = bs.iteration_rows([1, 2], meds, samples=8)
+    assert one["blocked"] is None and one["tok_s"] == pytest.approx(32.0) and one["ratio"] == 1.0
+    # group = 1.0 + 0.25 + 0.25 s: 50% on CPU, 10% run queue, 40% blocked.
+    assert two["group"] == pytest.approx(1.5) and two["ratio"] == 2.0
+    assert (two["cpu"], two["runq"], two["blocked"]) == (pytest.approx(0.5), pytest.approx(0.1), pytest.approx(0.4))
+    assert "| 2 | 2.000 |" in bs.markdown(bs.ITERATION_COLS, [one, two])

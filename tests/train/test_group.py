@@ -223,3 +223,81 @@ def _raising_rank_then_recover(g, trained):
     assert not g.state_lost
     assert _equal(g.gathered_state_dict(), trained["saved"])  # a fresh group, reloaded
     assert set(g.pids).isdisjoint(pids) and g.step == 2
+
+
+def test_two_nodes_on_one_machine_train_like_one_node_of_two_ranks(trained, model, batches, tmp_path):
+    """trainer.nnodes=2 x 1 rank: this process is node 0, node 1 joins with the command an
+    operator (or a work pool job) runs there; same 3 updates as the one-node group, same weights.
+    Node 1 reads no file of node 0's folder: the batches reach it broadcast from rank 0."""
+    import subprocess
+    import sys
+
+    from gpu_jobs.train.dist import child_env
+    from gpu_jobs.train.group import GroupTrainer
+    from tests.servers import free_port
+
+    port = free_port()
+    g = GroupTrainer(model, _cfg(zero_stage=3), n_ranks=2, nnodes=2, master_addr="127.0.0.1", master_port=port)
+    join = g.group_layout().join_command(1).split()
+    node1 = subprocess.Popen([sys.executable, *join[1:], "--workdir", str(tmp_path / "node1")], env=child_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for batch in batches:
+            g.update(batch)
+        info = g.rank_info()
+        assert [r["rank"] for r in info] == [0, 1] and g.group.local_ranks == [0]
+        final = g.gathered_state_dict()
+        assert _max_diff(final, trained["final"]) < WEIGHT_TOL
+        # Each node's ranks upload their own shards; the manifest lists them all, so the state
+        # loads elsewhere (here: one rank in-process, resharded).
+        url = str(tmp_path / "two-nodes-state")
+        g.save(url)
+    finally:
+        g.close()
+        try:
+            out = node1.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(node1.pid, signal.SIGKILL)
+            out = node1.communicate()[0]
+    assert node1.returncode == 0, out[-3000:]  # node 1's ranks ended with the group
+    assert "node 1 of 2 joining 127.0.0.1" in out
+    from gpu_jobs.train import PolicyTrainer
+
+    one = PolicyTrainer(model, _cfg())
+    one.load(url)
+    assert one.step == 3 and _equal(one.gathered_state_dict(), final)
+
+
+def test_a_node_that_never_joins_fails_the_start_naming_the_join_command(model):
+    from gpu_jobs.train.group import GroupTrainer, RankGroupError
+    from tests.servers import free_port
+
+    port = free_port()
+    g = GroupTrainer(model, _cfg(zero_stage=3), n_ranks=2, nnodes=2, master_addr="127.0.0.1", master_port=port,
+                     start_timeout=15)
+    with pytest.raises(RankGroupError) as err:
+        g.start()
+    head = str(err.value).splitlines()[0]
+    assert "2-node group did not form within 15 s" in head, head
+    assert f"python -m gpu_jobs.train.launch --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 " \
+           f"--master-port {port}" in head
+    assert g.group is not None and g.group.alive_pids() == []
+
+
+def test_node_layouts_and_the_join_command_refuse_what_cannot_form():
+    from gpu_jobs.train.launch import NodeLayout, main
+
+    assert NodeLayout(4, 2, "10.0.0.5", 29400).torchrun_args(1) == [
+        "--nnodes=2", "--node_rank=1", "--nproc_per_node=2", "--master_addr=10.0.0.5", "--master_port=29400"]
+    assert NodeLayout(2).torchrun_args(0) == ["--standalone", "--nproc_per_node=2"]
+    with pytest.raises(ValueError, match="spread evenly"):
+        NodeLayout(3, 2, "h", 1)
+    with pytest.raises(ValueError, match="trainer.master_addr and trainer.master_port"):
+        NodeLayout(2, 2)
+    for argv in (["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-addr", "h",
+                  "--master-port", "1"],
+                 ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "",
+                  "--master-port", "0"]):
+        with pytest.raises(SystemExit) as err:
+            main(argv)
+        assert err.value.code == 2

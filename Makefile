@@ -23,6 +23,7 @@ help:
 	@echo '                   other settings: RLMILL_WORK_POOL=local RLMILL_NIGHTLY_TZ=UTC (read by deploy/worker)'
 	@echo 'make chaos         inject faults into real runs and print the recovery table'
 	@echo 'make bench-storage|bench-rollout|bench-update|bench-overhead|bench-e2e|bench-scale|bench-async   benchmarks'
+	@echo '                   (make bench-async ARGS="--disaggregated --per-sample": two work pools, learning per sample)'
 	@echo 'make venv          only set up .venv (every target above does it first)'
 	@echo 'make clean         remove ./.rlmill (local runs) and pytest caches'
 
@@ -31,7 +32,7 @@ run: venv
 
 test: venv
 	@bash scripts/ensure_test_tools.sh
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 test-fast: venv
 	$(PY) -m pytest -q tests -m "not slow"
@@ -69,7 +70,7 @@ bench-scale: venv
 	$(PY) -m benchmarks.bench_scale
 
 bench-async: venv
-	$(PY) -m benchmarks.bench_async
+	$(PY) -m benchmarks.bench_async $(ARGS)
 
 # Faults injected into real runs; prints fault / outcome / recovered / data lost. `make test` runs
 # a reduced set (tests/chaos).

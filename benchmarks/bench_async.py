@@ -1,6 +1,8 @@
 """Asynchronous RL against the synchronous loop (issue "Asynchronous RL": `make bench-async`).
 
     .venv/bin/python -m benchmarks.bench_async [--iterations 10] [--thresholds 0,1,2] [--response-length 32]
+    .venv/bin/python -m benchmarks.bench_async --disaggregated      # + thresholds 0 and 1 through two work pools
+    .venv/bin/python -m benchmarks.bench_async --per-sample [--seeds 0,1]   # learning: sync vs s=1, 20 iterations
 
 The same GRPO run (built-in model and task, same seeds) through the rl-training flow at each
 `async_training.staleness_threshold`, colocated (rollout and update share this process and its
@@ -8,6 +10,17 @@ cores), each in a fresh process. Printed per threshold: seconds per iteration (m
 iterations after the first), the overlap achieved (the time the rollout of k+s and update k both
 ran, read from their Prefect task runs, per iteration), held-out accuracy after the run and the
 staleness metrics.
+
+--disaggregated adds rows for thresholds 0 and 1 with trainer.placement=remote on a real
+`prefect server` (benchmarks/async_pools.py): rollout and validation are runs of rl-stage/rollout
+on a `rollout` process pool, update and log-probs runs of rl-stage/gpu on an `update` pool, one
+worker each; the overlap is read from the two pools' flow runs. Every stage run is a fresh process
+that loads its model from the checkpoint (what a Kubernetes job would do), so the start-up of a
+process per stage is in these rows; on one 2-core box the two pools still share the cores.
+
+--per-sample answers "does s=1 learn as well per sample as the synchronous loop": the default
+example (64 prompts x 8, 20 iterations, validation every 5) run synchronously and with s=1 for
+each data.seed, printing held-out accuracy after the same number of samples.
 
 On a box where rollout and update share the same cores, overlap cannot buy much. The table also
 prints what the measured stage times predict for a disaggregated setup where rollout and update
@@ -64,8 +77,10 @@ def worker(spec: dict) -> dict:
     layout = RunLayout(spec["root"], summary["run_id"])
     metrics = [read_manifest(committed(layout.stage(k, "commit")), None).metrics
                for k in range(1, summary["iterations"] + 1)]
-    return {"wall": wall, "metrics": metrics, "acc": summary["val/acc after"],
-            "intervals": asyncio.run(_intervals(started))}
+    intervals = asyncio.run(_stage_flow_run_intervals(summary["run_id"]) if spec.get("disaggregated")
+                            else _intervals(started))
+    return {"wall": wall, "metrics": metrics, "acc": summary["val/acc after"], "intervals": intervals,
+            "val_curve": summary["val_curve"]}
 
 
 async def _intervals(since: float) -> dict[str, list[float]]:
@@ -83,13 +98,28 @@ async def _intervals(since: float) -> dict[str, list[float]]:
             and (r.name.startswith("rollout") or r.name.startswith("update"))}
 
 
+async def _stage_flow_run_intervals(run_id: str) -> dict[str, list[float]]:
+    """Start/end of the rollout and update deployment runs (rl-stage flow runs, named
+    `rollout-0003`, `update-0002`) of this run, from the two pools."""
+    from prefect.client.orchestration import get_client
+
+    from benchmarks.async_pools import stage_flow_runs
+
+    async with get_client() as client:
+        runs = await stage_flow_runs(client, run_id)
+    return {r.name: [r.start_time.timestamp(), r.end_time.timestamp()] for r in runs
+            if r.start_time and r.end_time and r.parameters["stage"] in ("rollout", "update")}
+
+
 def overlap_per_iteration(intervals: dict[str, list[float]], threshold: int, iterations: int) -> float:
-    """Mean seconds per iteration during which update k and the rollout of k+s both ran."""
+    """Mean seconds per iteration during which update k and the rollout of k+s both ran. Rollouts
+    are named `rollout-3 (weights of update 1)` (task runs) or `rollout-0003` (deployment runs);
+    updates are taken in the order they started."""
     if threshold == 0:
         return 0.0
     import re
 
-    named = ((re.match(r"rollout-(\d+) \(weights", n), v) for n, v in intervals.items())
+    named = ((re.match(r"rollout-0*(\d+)\b", n), v) for n, v in intervals.items())
     rollouts = {int(m.group(1)): v for m, v in named if m}
     updates = sorted(v for n, v in intervals.items() if n.startswith("update"))
     total = 0.0
@@ -107,50 +137,119 @@ def predicted_gain(metrics: list[dict]) -> tuple[float, float, float, float]:
     return gen, update, rest, (gen + update + rest) / (max(gen, update) + rest)
 
 
+REMOTE = ["trainer.placement=remote", "trainer.checkpoint_every=1", "trainer.rollout_deployment=rl-stage/rollout"]
+
+
+def _run(tmp: str, name: str, spec: dict, env: dict | None = None) -> dict:
+    """One run in a fresh process (`--worker`); returns what `worker` wrote."""
+    spec = {**spec, "out": f"{tmp}/out-{name}.json"}
+    Path(f"{tmp}/spec-{name}.json").write_text(json.dumps(spec))
+    # Without a server, each run starts an ephemeral Prefect API: allow it the time busy cores need.
+    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **(env or os.environ)}
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_async", "--worker", f"{tmp}/spec-{name}.json"],
+                   cwd=REPO, check=True, env=env)
+    out = json.loads(Path(spec["out"]).read_text())
+    print(f"  {name}: {out['wall']:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _timing_rows(tmp: str, thresholds: list[int], args, placement: str, env: dict | None = None) -> list:
+    rows = []
+    for s in thresholds:
+        root = f"{tmp}/{placement}-{s}"
+        extra = REMOTE if placement == "disaggregated" else []
+        out = _run(tmp, f"{placement}-{s}", {"root": root, "disaggregated": placement == "disaggregated",
+                                             "overrides": [*overrides(root, s, args.iterations, args.response_length),
+                                                           *extra]}, env)
+        rows.append((placement, s, out, overlap_per_iteration(out["intervals"], s, args.iterations)))
+    return rows
+
+
+def _print_timing(rows: list, iterations: int) -> None:
+    print(f"{'placement':>13} {'staleness':>9} {'run s':>7} {'run s/it':>8} {'vs sync':>8} {'overlap s/iter':>15} "
+          f"{'val/acc':>8} {'staleness mean':>15}")
+    sync_wall = {placement: out["wall"] for placement, s, out, _ in rows if s == 0}
+    for placement, s, out, overlap in rows:
+        stale = statistics.mean(m.get("async/staleness_mean", 0.0) for m in out["metrics"])
+        vs = f"{sync_wall[placement] / out['wall']:>7.2f}x" if placement in sync_wall else f"{'-':>8}"
+        print(f"{placement:>13} {s:>9} {out['wall']:>7.1f} {out['wall'] / iterations:>8.2f} {vs} {overlap:>15.2f} "
+              f"{out['acc']:>8.3f} {stale:>15.2f}")
+    print("run s = the whole `rl_training` call (setup, validation and Prefect start included), as a user waits.")
+    sync = next((out for placement, s, out, _ in rows if s == 0 and placement == "colocated"), None)
+    if sync is not None:
+        gen, update, rest, gain = predicted_gain(sync["metrics"])
+        print(f"\ndisaggregated prediction from the colocated sync run's stage times (separate devices, no "
+              f"per-stage start-up): t_gen {gen:.2f} s, t_update {update:.2f} s, t_rest {rest:.2f} s -> async "
+              f"(s>=1) {gain:.2f}x the sync iteration rate (verl reports 1.2-1.4x for one-step-off).")
+
+
+def learning_overrides(root: str, threshold: int, seed: int, iterations: int, val_every: int) -> list[str]:
+    """The default example as shipped (64 prompts x 8, 6-token answers), at `threshold`; s > 0
+    adds what async needs (the trainer's old log-probs, token-level rollout correction)."""
+    return [f"root={root}", f"run_id=learn-{threshold}-{seed}", f"data.seed={seed}",
+            f"trainer.total_iterations={iterations}", f"trainer.val_every={val_every}",
+            f"trainer.checkpoint_every={iterations}", "trainer.tensorboard=false",
+            f"async_training.staleness_threshold={threshold}",
+            *(["actor.recompute_old_logprobs=true", "algorithm.rollout_correction.rollout_is=token"]
+              if threshold else [])]
+
+
+def _per_sample(tmp: str, seeds: list[int], iterations: int, val_every: int) -> None:
+    from flows.config import load_run_config
+
+    cfg = load_run_config(EXAMPLE, learning_overrides(f"{tmp}/x", 0, seeds[0], iterations, val_every))
+    per_iter = cfg.data.train_batch_size * cfg.rollout.n
+    curves = {}
+    for seed in seeds:
+        for s in (0, 1):
+            root = f"{tmp}/learn-{s}-{seed}"
+            curves[(s, seed)] = _run(tmp, f"learn-{s}-{seed}", {
+                "root": root, "overrides": learning_overrides(root, s, seed, iterations, val_every)})["val_curve"]
+    print(f"\nheld-out exact match (val/acc, {cfg.data.val_size} greedy prompts) after the same number of samples: "
+          f"{EXAMPLE.name}, {cfg.data.train_batch_size} prompts x {cfg.rollout.n} = {per_iter} samples per iteration, "
+          f"model.seed {cfg.model.seed}, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'data.seed':>9} {'staleness':>9} " + " ".join(f"{f'{k * per_iter} smp':>10}" for k, _, _ in
+                                                             curves[(0, seeds[0])]))
+    for (s, seed), curve in curves.items():
+        print(f"{seed:>9} {s:>9} " + " ".join(f"{acc:>10.3f}" for _, _, acc in curve))
+    for s in (0, 1):
+        final = [curves[(s, seed)][-1][2] for seed in seeds]
+        print(f"staleness {s}: final val/acc mean {statistics.mean(final):.3f} over seeds {seeds}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--thresholds", default="0,1,2")
     p.add_argument("--response-length", type=int, default=32)
+    p.add_argument("--disaggregated", action="store_true",
+                   help="also run thresholds 0 and 1 through two local process work pools (a real prefect server)")
+    p.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the colocated rows (--no-colocated: only the disaggregated or per-sample ones)")
+    p.add_argument("--per-sample", action="store_true",
+                   help="instead: sync vs s=1 learning on the default example, held-out accuracy per sample")
+    p.add_argument("--seeds", default="0", help="--per-sample: data.seed values, comma-separated")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         spec = json.loads(Path(args.worker).read_text())
         Path(spec["out"]).write_text(json.dumps(worker(spec)))
         return
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for s in (int(x) for x in args.thresholds.split(",")):
-            root = f"{tmp}/root-{s}"
-            spec = {"root": root, "out": f"{tmp}/out-{s}.json",
-                    "overrides": overrides(root, s, args.iterations, args.response_length)}
-            Path(f"{tmp}/spec-{s}.json").write_text(json.dumps(spec))
-            subprocess.run([sys.executable, "-m", "benchmarks.bench_async", "--worker", f"{tmp}/spec-{s}.json"],
-                           cwd=REPO, check=True)
-            out = json.loads(Path(spec["out"]).read_text())
-            steps = [m["timing_s/step"] for m in out["metrics"]]
-            rows.append((s, out, statistics.median(steps[1:]), overlap_per_iteration(out["intervals"], s,
-                                                                                      args.iterations)))
-            print(f"  threshold {s}: {out['wall']:.0f} s for {args.iterations} iterations", file=sys.stderr, flush=True)
+        if args.per_sample:
+            _per_sample(tmp, [int(x) for x in args.seeds.split(",")], iterations=20, val_every=5)
+            return
+        thresholds = [int(x) for x in args.thresholds.split(",")]
+        rows = _timing_rows(tmp, thresholds, args, "colocated") if args.colocated else []
+        if args.disaggregated:
+            from benchmarks.async_pools import TwoPools
 
-    print(f"\nasync RL, colocated on this box ({os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, load average "
+            with TwoPools(Path(tmp) / "pools") as pools:
+                rows += _timing_rows(tmp, [0, 1], args, "disaggregated", pools.env)
+    print(f"\nasync RL on this box ({os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, load average "
           f"{os.getloadavg()[0]:.1f}): GRPO, built-in model, 32 prompts x 8, {args.response_length}-token responses, "
           f"{args.iterations} iterations")
-    base_wall = rows[0][1]["wall"]
-    print(f"{'staleness':>9} {'run s':>7} {'run s/it':>8} {'vs sync':>8} {'overlap s/iter':>15} {'val/acc':>8} "
-          f"{'staleness mean':>15}")
-    for s, out, step, overlap in rows:
-        stale = statistics.mean(m.get("async/staleness_mean", 0.0) for m in out["metrics"])
-        per_iter = out["wall"] / args.iterations
-        print(f"{s:>9} {out['wall']:>7.1f} {per_iter:>8.2f} {base_wall / out['wall']:>7.2f}x {overlap:>15.2f} "
-              f"{out['acc']:>8.3f} {stale:>15.2f}")
-    sync = next((out for s, out, _, _ in rows if s == 0), None)
-    if sync is not None:
-        gen, update, rest, gain = predicted_gain(sync["metrics"])
-        print("run s = the whole `rl_training` call (setup, validation and Prefect start included), as a user waits.")
-    print(f"\ndisaggregated prediction from the sync run's stage times: t_gen {gen:.2f} s, t_update {update:.2f} s, "
-              f"t_rest {rest:.2f} s -> async (s>=1) {gain:.2f}x the sync iteration rate "
-              f"(verl reports 1.2-1.4x for one-step-off).")
+    _print_timing(rows, args.iterations)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
-"""Disaggregated placement: GPU stages as runs of their own deployment.
+"""Disaggregated placement: GPU stages as runs of their own deployments.
 
-With `trainer.placement: remote`, the rl-iteration flow does not load any model. Rollout, update
-and validation each start a run of the stage deployment (`trainer.stage_deployment`, by default
-`rl-stage/gpu`) on its work pool — Kubernetes jobs with GPU requests on a cluster, a local
-`process` pool in tests — and everything crosses through storage: the stage reads committed
-inputs and the weights checkpointed after the previous update, and commits its manifest (the
-update also commits checkpoint k, which the next rollout loads).
+With `trainer.placement: remote`, the rl-iteration flow does not load any model. The trainer's
+stages (the update, and the old-log-prob pass when actor.recompute_old_logprobs asks for it) start
+runs of `trainer.stage_deployment` (`rl-stage/gpu`); rollout and validation, which only generate,
+start runs of `trainer.rollout_deployment` (e.g. `rl-stage/rollout` on a pool of its own; empty =
+the stage deployment). Each runs on its work pool — Kubernetes jobs with GPU requests on a
+cluster, a local `process` pool in tests — and everything crosses through storage: the stage reads
+committed inputs and the weights checkpointed after the update it needs, and commits its manifest
+(the update also commits checkpoint k, which later rollouts load).
+
+With async_training.staleness_threshold = 1 the rollout of k+1 (weights of update k-1) runs on the
+rollout pool while update k runs on the other: the overlap that makes async pay.
 
     prefect deployment run 'rl-stage/gpu' -p root=s3://bucket/rl -p run_id=r -p k=3 -p stage=rollout
 """
@@ -21,17 +26,24 @@ from gpu_jobs import stages
 from gpu_jobs.stages import Engines, Run
 from storage import committed
 
-RemoteStage = Literal["rollout", "update", "validate"]
+RemoteStage = Literal["rollout", "logprobs", "update", "validate"]
 
 
 @flow(name="rl-stage", log_prints=True)
 def rl_stage(root: str, run_id: str, k: int, stage: RemoteStage, inputs: list[str] | None = None) -> str:
     """Run one GPU stage of iteration k in this process, from storage only; returns its manifest URI."""
     run = Run.from_storage(root, run_id)
-    if stage == "update":
+    if uri := committed(run.layout.stage(k, stage), run.storage):  # a retried run: nothing to load
+        return uri
+    if stage in ("update", "logprobs"):
         engines = Engines.load(run, rollout=False)
         stages.restore(run, engines)  # trainer state of checkpoint k-1 (checkpoint_every is 1 in remote placement)
-        return stages.update(run, engines, k, *(inputs or []))
+        if stage == "update":
+            return stages.update(run, engines, k, *(inputs or []))
+        if engines.version != k - 1:  # the batch's old log-probs are those of the weights update k starts from
+            raise RuntimeError(f"log-probs of iteration {k} need the trainer after update {k - 1}, but storage "
+                               f"holds committed updates up to {engines.version}")
+        return stages.logprobs(run, engines, k, *(inputs or []))
     engines = Engines.load(run, trainer=False)
     version = run.cfg.async_training.weights_version(k) if stage == "rollout" else k
     stages.load_policy_into_rollout(run, engines, version)
@@ -39,7 +51,8 @@ def rl_stage(root: str, run_id: str, k: int, stage: RemoteStage, inputs: list[st
 
 
 def run_remote(run: Run, k: int, stage: RemoteStage, inputs: list[str] = ()) -> str:
-    """Start the stage deployment for (k, stage) and wait; returns the manifest it committed.
+    """Start the deployment for (k, stage) (trainer.deployment_for) and wait; returns the manifest
+    it committed.
 
     Idempotent like every stage: an already committed stage is returned without a remote run.
     """
@@ -47,7 +60,7 @@ def run_remote(run: Run, k: int, stage: RemoteStage, inputs: list[str] = ()) -> 
     if uri := committed(dest, run.storage):
         return uri
     flow_run = run_deployment(
-        name=run.cfg.trainer.stage_deployment,
+        name=run.cfg.trainer.deployment_for(stage),
         parameters={"root": run.cfg.root, "run_id": run.cfg.run_id, "k": k, "stage": stage, "inputs": list(inputs)},
         flow_run_name=f"{stage}-{k:04d}",
         tags=["rlmill", f"run:{run.cfg.run_id}"],  # explicit: the iteration's tasks run untagged

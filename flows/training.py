@@ -42,10 +42,11 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distri
 
 class PrefectCalls:
     """How the flow runs a stage (see gpu_jobs.stages.graph): a Prefect task in this process with
-    the run's warm engines, or with placement=remote a run of the stage deployment for the GPU
-    stages (rollout, update, validate), whose weights travel through checkpoints."""
+    the run's warm engines, or with placement=remote a deployment run for the GPU stages (rollout
+    and validate on trainer.rollout_deployment, update and the trainer's log-probs on
+    trainer.stage_deployment; flows/remote.py), whose weights travel through checkpoints."""
 
-    REMOTE = ("rollout", "update", "validate")
+    REMOTE = ("rollout", "logprobs", "update", "validate")
 
     def __init__(self, run: Run, engines: Engines | None):
         cfg = run.cfg
@@ -80,8 +81,9 @@ class PrefectCalls:
 
 @task(name="remote-stage", cache_policy=NO_CACHE)  # the stage itself is idempotent; a Run cannot be hashed
 def _remote_stage(run: Run, k: int, stage: str, inputs: list[str]) -> str:
-    """A run of the stage deployment, started from a task so Prefect's task runner can overlap
-    it with another (async: a rollout on one pool while the update runs on another)."""
+    """A deployment run of a remote stage, started from a task so Prefect's task runner can
+    overlap it with another (async: a rollout on the rollout pool while the update runs on the
+    stage pool)."""
     return run_remote(run, k, stage, inputs)
 
 

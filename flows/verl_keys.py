@@ -192,8 +192,8 @@ def _model_rollout_ref_rules() -> dict[str, Rule]:
         r + "max_model_len": rename("rollout.engine_options.max_model_len"),
         r + "max_num_seqs": rename("rollout.engine_options.max_batch_size"),
         r + "log_prob_micro_batch_size_per_gpu": rename("actor.log_prob_micro_batch_size_per_gpu"),
-        r + "tensor_model_parallel_size": _one(
-            "vLLM tensor parallelism", "rlmill's rollout engine holds the whole model: set it to 1"),
+        r + "tensor_model_parallel_size": rename("rollout.engine_options.tensor_parallel_size"),
+        r + "data_parallel_size": rename("rollout.engine_options.data_parallel_size"),
         r + "do_sample": Rule("False -> rollout.temperature=0 (greedy)",
                               lambda v: {} if v else {"rollout.temperature": 0.0}, ("rollout.temperature",)),
         r + "mode": accept("sync or async serving inside verl's rollout workers: the same samples; rlmill runs "

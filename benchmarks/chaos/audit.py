@@ -6,6 +6,7 @@ and every iteration produced.
     report = audit(layout, snap, iterations=3)
     report.data_lost                   # committed, then gone, changed, unreadable or duplicated: must be 0
     report.not_finished                # stages of the 3 iterations never committed: 0 once the run completed
+    audit(layout, snap, 3, staleness_threshold=1)   # async: each rollout used once, with its scheduled weights
 
 The two are kept apart: a run that stops early has lost nothing it committed, it has work left
 to do (resume it); data lost means something committed is no longer what it was.
@@ -39,11 +40,12 @@ class AuditReport:
     unreadable: list[str] = field(default_factory=list)  # a listed shard missing or failing its sha256
     missing: list[str] = field(default_factory=list)     # a stage of an iteration never committed
     duplicated: list[str] = field(default_factory=list)  # rows committed twice within a stage
+    misused: list[str] = field(default_factory=list)     # async: a rollout not used exactly once, or stale wrongly
 
     @property
     def data_lost(self) -> int:
         """Committed, then gone, changed, unreadable or duplicated."""
-        return len(self.lost) + len(self.changed) + len(self.unreadable) + len(self.duplicated)
+        return len(self.lost) + len(self.changed) + len(self.unreadable) + len(self.duplicated) + len(self.misused)
 
     @property
     def not_finished(self) -> int:
@@ -67,8 +69,29 @@ def _check_table(uri: str, layout: RunLayout, report: AuditReport) -> None:
             report.duplicated.append(uri)
 
 
+def rollout_lineage(layout: RunLayout, iterations: int, staleness_threshold: int) -> list[str]:
+    """Async runs: every committed rollout k sampled with the weights the schedule names
+    (update max(0, k-1-s)), and is the input of exactly one gate, iteration k's. A rollout lost
+    and made again with other weights, or consumed by two iterations, is named here."""
+    from storage import committed, read_manifest
+
+    problems, used_by = [], {}
+    for k in range(1, iterations + 1):
+        if uri := committed(layout.stage(k, "rollout"), layout.storage):
+            version = read_manifest(uri, layout.storage).metrics.get("async/weights_version")
+            if version != max(0, k - 1 - staleness_threshold):
+                problems.append(f"rollout {k} sampled with the weights of update {version}")
+        if gate := committed(layout.stage(k, "gate"), layout.storage):
+            for src in read_manifest(gate, layout.storage).inputs:
+                used_by.setdefault(src, []).append(k)
+            if uri and uri not in read_manifest(gate, layout.storage).inputs:
+                problems.append(f"gate {k} did not read rollout {k}")
+    problems += [f"{src} used by iterations {ks}" for src, ks in used_by.items() if len(ks) > 1]
+    return problems
+
+
 def audit(layout: RunLayout, before: dict[str, str], iterations: int | None = None,
-          damaged: set[str] = frozenset()) -> AuditReport:
+          damaged: set[str] = frozenset(), staleness_threshold: int | None = None) -> AuditReport:
     """Compare the run's committed manifests with `before`; read back every committed table.
 
     `damaged` lists manifests whose data the fault itself destroyed (a corrupted shard): those are
@@ -90,4 +113,6 @@ def audit(layout: RunLayout, before: dict[str, str], iterations: int | None = No
         for stage in ("rollout", "gate", "reward", "advantages", "update", "commit"):
             if join(layout.stage(k, stage), MANIFEST_NAME) not in now:
                 report.missing.append(f"iteration {k} {stage}")
+    if staleness_threshold is not None:
+        report.misused = rollout_lineage(layout, iterations or 0, staleness_threshold)
     return report

@@ -13,6 +13,8 @@ rlmill itself knows about them.
   before-manifest:<stage>:<k> shards written, the manifest not yet (mid-commit)
   after-train:update:<k>      the trainer applied update k in memory; no checkpoint, no manifest
   after-checkpoint:update:<k> checkpoint k published (LATEST moved), update k's manifest not yet
+  in-flight:update:<k>        async (staleness 1): update k trained in memory and the stale rollout
+                              of k+1 generated, neither committed: both held until the kill
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-KINDS = ("after-commit", "before-commit", "before-manifest", "after-train", "after-checkpoint")
+KINDS = ("after-commit", "before-commit", "before-manifest", "after-train", "after-checkpoint", "in-flight")
 
 
 def parse(spec: str) -> tuple[str, str, int]:
@@ -62,7 +64,9 @@ def install(spec: str, marker: str) -> None:
     import storage.manifest as manifest
 
     kind, stage, k = parse(spec)
-    if kind in ("after-commit", "before-commit"):
+    if kind == "in-flight":
+        _install_in_flight(k, marker)
+    elif kind in ("after-commit", "before-commit"):
         real_write = shell.write_table
 
         def write_table(dest, table, *a, **kw):
@@ -103,6 +107,38 @@ def install(spec: str, marker: str) -> None:
                 _hit(marker)
 
         it.save_checkpoint = save_checkpoint
+
+
+def _install_in_flight(k: int, marker: str) -> None:
+    """Hold update k (after training, before its checkpoint or manifest) and the rollout of k+1
+    (generated, before its commit) until both got there, then touch the marker: the kill lands
+    while the two stages of one-step-off async are in flight together. Each waits for the other,
+    so neither can finish first whatever the thread scheduling."""
+    import threading
+
+    import gpu_jobs.stages.iteration as it
+    import gpu_jobs.stages.shell as shell
+
+    trained, generated = threading.Event(), threading.Event()
+    real_write, real_train = shell.write_table, it.train_on
+
+    def write_table(dest, table, *a, **kw):
+        if _stage_of(dest) == ("rollout", k + 1):
+            generated.set()
+            trained.wait()
+            while True:  # until the SIGKILL: the rollout must not commit
+                time.sleep(0.1)
+        return real_write(dest, table, *a, **kw)
+
+    def train_on(run, engines, kk, table):
+        metrics = real_train(run, engines, kk, table)
+        if kk == k:
+            trained.set()
+            generated.wait()
+            _hit(marker)
+        return metrics
+
+    shell.write_table, it.train_on = write_table, train_on
 
 
 def main(argv: list[str]) -> None:

@@ -50,7 +50,7 @@ class Chaos:
     work: Path
     api_url: str
     timeout: float = 600.0
-    _reference: dict[str, Any] | None = field(default=None, repr=False)
+    _references: dict[tuple[str, ...], dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @classmethod
     @contextlib.contextmanager
@@ -81,11 +81,12 @@ class Chaos:
                 *overrides(root, run_id, *extra)]
 
     def kill_at(self, root: str, run_id: str, failpoint: str,
-                while_held: Callable[[int], None] | None = None) -> int:
-        """Run until `failpoint` is reached, then SIGKILL the run's whole process group; returns
-        the killed run's pid. `while_held(pid)` runs first, while the run is alive at that point."""
+                while_held: Callable[[int], None] | None = None, extra: tuple[str, ...] = ()) -> int:
+        """Run (with overrides `extra`) until `failpoint` is reached, then SIGKILL the run's whole
+        process group; returns the killed run's pid. `while_held(pid)` runs first, while the run
+        is alive at that point."""
         marker = self.work / f"marker-{time.monotonic_ns()}"
-        proc = subprocess.Popen(self.cmd(root, run_id), cwd=REPO, env=self.env(failpoint, marker),
+        proc = subprocess.Popen(self.cmd(root, run_id, *extra), cwd=REPO, env=self.env(failpoint, marker),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self._wait_for(marker, proc, failpoint)
@@ -154,20 +155,30 @@ class Chaos:
                               stderr=subprocess.STDOUT, timeout=self.timeout)
 
     # ------------------------------------------------------------------ results
-    def reference(self) -> dict[str, Any]:
-        """Final weights of the uninterrupted run (computed once per session)."""
-        if self._reference is None:
-            root = str(self.work / "reference")
-            done = self.finish(root, "r")
+    def reference_root(self, extra: tuple[str, ...] = ()) -> str:
+        """Where the uninterrupted run with overrides `extra` lives (run once per session)."""
+        import hashlib
+
+        tag = hashlib.sha256("\n".join(extra).encode()).hexdigest()[:8] if extra else ""
+        root = str(self.work / f"reference{'-' + tag if tag else ''}")
+        if extra not in self._references:
+            done = self.finish(root, "r", *extra)
             if done.returncode:
                 raise RuntimeError(f"the uninterrupted reference run failed:\n{done.stdout[-3000:]}")
-            self._reference = final_weights(root, "r")
-        return self._reference
+            self._references[extra] = final_weights(root, "r")
+        return root
 
-    def same_as_reference(self, root: str, run_id: str, storage: Any = None) -> str:
+    def reference(self, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Final weights of the uninterrupted run with overrides `extra` (computed once per session)."""
+        self.reference_root(extra)
+        return self._references[extra]
+
+    def same_as_reference(self, root: str, run_id: str, storage: Any = None, extra: tuple[str, ...] = ()) -> str:
+        """Whether the run ended with the weights of the uninterrupted one with the same `extra`
+        (an async run against an async reference with the same staleness threshold)."""
         import torch
 
-        ref, got = self.reference(), final_weights(root, run_id, storage)
+        ref, got = self.reference(extra), final_weights(root, run_id, storage)
         same = ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
         return "= reference" if same else "differ"
 

@@ -520,6 +520,8 @@ def bad_config(chaos: Chaos) -> Outcome:
     return _refused(chaos, "bad-config", cases, expect)
 
 
-# The orchestrator going away (real server + workers) lives in its own module, which registers its
-# scenarios here when imported (it imports this module, so it is loaded last).
+# The orchestrator going away (real server + workers) and async runs killed mid-flight live in
+# their own modules, which register their scenarios here when imported (they import this module,
+# so they are loaded last).
 importlib.import_module(f"{__package__}.orchestrator")
+importlib.import_module(f"{__package__}.async_runs")

@@ -85,7 +85,7 @@ def _serve(conn, backend: str, model_path: Any, config: Any, kwargs: dict, env: 
     import torch
 
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from gpu_jobs.rollout.base import get_rollout_engine
+    from gpu_jobs.rollout import get_rollout_engine  # the package: importing it registers the backends
 
     try:
         engine = get_rollout_engine(backend, model_path, config, **kwargs)

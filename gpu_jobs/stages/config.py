@@ -160,22 +160,33 @@ class LoopConfig(_Section):
         "ranks with torchrun on the first update and keeps it for the run: ZeRO-3 partitions parameters, "
         "gradients and optimizer state across them; the reference model and critic stay on one rank.")
     nnodes: int = Field(
-        1, ge=1, description="Nodes of the trainer group. Only 1 today: the group runs on the flow's node "
-        "(or the remote update's, with placement=remote).")
+        1, ge=1, description="Nodes of the trainer group, n_gpus_per_node ranks each (verl's name). The process "
+        "running the update (the flow's, or the remote update's with placement=remote) is node 0; every other "
+        "node joins with `python -m gpu_jobs.train.launch --nnodes M --node-rank i ...` (README 'Several nodes').")
+    master_addr: str = Field(
+        "", description="With nnodes > 1: the address of node 0 that the other nodes' launchers reach. "
+        "Empty = $MASTER_ADDR of the process that runs the update (e.g. a work pool's job variable).")
+    master_port: int = Field(
+        0, ge=0, le=65535, description="With nnodes > 1: node 0's rendezvous port. 0 = $MASTER_PORT of the "
+        "process that runs the update.")
     stage_deployment: str = Field(
-        "rl-stage/gpu", description="With placement=remote: the deployment (flow/deployment) that runs GPU stages.")
+        "rl-stage/gpu", description="With placement=remote: the deployment (flow/deployment) that runs GPU stages: "
+        "the update and the trainer's log-prob pass, and rollout/validation too unless rollout_deployment names another.")
+    rollout_deployment: str = Field(
+        "", description="With placement=remote: the deployment that runs rollout and validation (both generate "
+        "with the rollout engine from published checkpoints), e.g. 'rl-stage/rollout' on its own work pool, so "
+        "an async run (async_training.staleness_threshold > 0) samples on one pool while the update trains on "
+        "another. Empty = trainer.stage_deployment.")
     samples_in_artifact: int = Field(4, ge=0, description="Prompts/responses shown in each iteration's markdown artifact.")
     tensorboard: bool = Field(True, description="Also write metrics as TensorBoard events under the run's folder.")
     loggers: list[Literal["wandb", "mlflow"]] = Field(
         default_factory=list, description="Extra metric loggers: 'wandb' and/or 'mlflow' (their packages must be installed).")
 
-    @field_validator("nnodes")
-    @classmethod
-    def _one_node(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("the trainer's rank group runs on one node for now: set trainer.nnodes=1 and "
-                             "trainer.n_gpus_per_node to the ranks you want")
-        return v
+    def deployment_for(self, stage: str) -> str:
+        """The deployment a remote stage runs on: generation on rollout_deployment (if set), the
+        trainer's stages (update, log-probs) on stage_deployment."""
+        return (self.rollout_deployment or self.stage_deployment) if stage in ("rollout", "validate") \
+            else self.stage_deployment
 
     @model_validator(mode="after")
     def _loggers_installed(self) -> "LoopConfig":
@@ -370,13 +381,18 @@ class RunConfig(_Section):
             if self.trainer.checkpoint_every != 1:
                 raise ValueError("placement=remote hands weights between processes through checkpoints: "
                                  "set trainer.checkpoint_every=1")
-            if self.critic is not None or self.needs_ref or self.actor.recompute_old_logprobs \
-                    or self.algorithm.needs_reward_baselines:
+            # actor.recompute_old_logprobs is a remote stage of its own (on stage_deployment, beside
+            # the update whose checkpoint it restores): async runs need it.
+            if self.critic is not None or self.needs_ref or self.algorithm.needs_reward_baselines:
                 raise ValueError("placement=remote runs critic-free runs without a reference model for now: "
-                                 "drop critic / KL / actor.recompute_old_logprobs / remax, or use placement=colocated")
+                                 "drop critic / KL / remax, or use placement=colocated")
         if self.rollout.engine == "vllm" and self.rollout.temperature > 2.0:
             raise ValueError(f"rollout.temperature={self.rollout.temperature}: vLLM samples at temperatures in [0, 2]; "
                              "lower it or use rollout.engine=hf")
+        if self.trainer.placement == "colocated":  # this process builds the engine: check it can (remote: the pool's)
+            from gpu_jobs.rollout.base import check_parallelism
+
+            check_parallelism(self.rollout.engine, self.rollout.engine_options)
         if self.rollout.engine == "vllm" and self.rollout.engine_options.dtype == "float16":
             raise ValueError("rollout.engine_options.dtype=float16 is not supported on CPU vLLM; use bfloat16")
         return self

@@ -75,7 +75,8 @@ class Engines:
             # run: every update/log-prob pass is a command to it, not a new launch.
             from gpu_jobs.train.group import GroupTrainer
 
-            self.trainer = GroupTrainer(self.model_path, actor, n_ranks=ranks, tokenizer=tok, storage=cfg.storage)
+            self.trainer = GroupTrainer(self.model_path, actor, n_ranks=ranks, tokenizer=tok, storage=cfg.storage,
+                                        **self._rendezvous(cfg.trainer))
         else:
             from gpu_jobs.models.lora import lora_spec_of
 
@@ -90,6 +91,11 @@ class Engines:
         self.critic = (Critic(self.model_path, cfg.critic, tokenizer=tok, storage=cfg.storage)
                        if cfg.critic is not None else None)
         self.version = 0
+
+    def _rendezvous(self, trainer: Any) -> dict[str, Any]:
+        if not hasattr(self, "_nodes"):  # once: the environment's values are taken out of it
+            self._nodes = _rendezvous(trainer)
+        return self._nodes
 
     def sync_rollout(self) -> None:
         """Hand the trainer's full weights to the rollout engine, in memory (from a rank group:
@@ -140,3 +146,17 @@ def load_reward_scorer(run: Run) -> Any:
     rm = run.cfg.reward_model
     path = resolve_reward_model_path(rm.model.path, run.storage)
     return ModelRewardScorer(path, max_length=rm.max_length or 1 << 30, batch_size=rm.micro_batch_size_per_gpu)
+
+
+def _rendezvous(trainer: Any) -> dict[str, Any]:
+    """nnodes, master_addr and master_port of the rank group: the config's, else (nnodes > 1) this
+    process's MASTER_ADDR / MASTER_PORT, which are then taken out of its environment: they name the
+    group's rendezvous, and a one-rank DeepSpeed engine built here (reference model, critic) must
+    pick a port of its own instead of taking the one node 0's launcher listens on."""
+    import os
+
+    if trainer.nnodes == 1:
+        return {"nnodes": 1}
+    addr = trainer.master_addr or os.environ.pop("MASTER_ADDR", "")
+    port = trainer.master_port or int(os.environ.pop("MASTER_PORT", "0") or 0)
+    return {"nnodes": trainer.nnodes, "master_addr": addr, "master_port": port}

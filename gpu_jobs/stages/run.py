@@ -32,7 +32,10 @@ RESUMABLE_KEYS = {("trainer", "total_iterations"), ("trainer", "val_every"), ("t
                   # how long storage waits out an outage, and how many ranks train: neither changes
                   # what a committed stage means (a run.json from before these keys resumes too)
                   ("storage", "retry_budget_seconds"), ("storage", "retry_max_delay_seconds"),
-                  ("trainer", "n_gpus_per_node"), ("trainer", "nnodes")}
+                  ("trainer", "n_gpus_per_node"), ("trainer", "nnodes"), ("trainer", "master_addr"),
+                  ("trainer", "master_port"),
+                  # where a remote stage runs changes nothing it computes (bitwise, tests/flows/test_remote.py)
+                  ("trainer", "stage_deployment"), ("trainer", "rollout_deployment")}
 
 
 class RunConfigMismatchError(ValueError):

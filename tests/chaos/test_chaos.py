@@ -68,12 +68,38 @@ def test_audit_keeps_data_lost_apart_from_not_finished(tmp_path):
     assert report.data_lost == 1 and report.lost and report.not_finished == 1
 
 
+def test_async_lineage_names_a_rollout_used_twice_or_made_with_other_weights(tmp_path):
+    import pyarrow as pa
+
+    from benchmarks.chaos.audit import audit, rollout_lineage
+    from storage import RunLayout, write_table
+
+    lay = RunLayout(str(tmp_path), "r")
+    # s=1: rollouts 1 and 2 sample with the start model (version 0), rollout 3 with update 1's weights
+    rollouts = {k: write_table(lay.stage(k, "rollout"), pa.table({"uid": [f"{k}-a"]}),
+                               metrics={"async/weights_version": v}) for k, v in ((1, 0), (2, 0), (3, 1))}
+    for k in (1, 2):
+        write_table(lay.stage(k, "gate"), pa.table({"uid": [f"{k}-a"]}), inputs=[rollouts[k]])
+    assert rollout_lineage(lay, 3, staleness_threshold=1) == []
+    assert rollout_lineage(lay, 3, staleness_threshold=0) == ["rollout 2 sampled with the weights of update 0",
+                                                              "rollout 3 sampled with the weights of update 1"]
+    write_table(lay.stage(3, "gate"), pa.table({"uid": ["2-a"]}), inputs=[rollouts[2]])  # rollout 2 again
+    problems = rollout_lineage(lay, 3, staleness_threshold=1)
+    assert "gate 3 did not read rollout 3" in problems and any("used by iterations [2, 3]" in p for p in problems)
+    assert audit(lay, {}, 3, staleness_threshold=1).data_lost == len(problems)
+
+
+def test_in_flight_failpoint_parses():
+    assert parse("in-flight:update:2") == ("in-flight", "update", 2)
+
+
 def test_quick_set_has_the_40s_outage_and_every_scenario_is_kept():
     from benchmarks.chaos.scenarios import SCENARIOS
 
     assert "s3-outage-long" in QUICK and set(QUICK) <= set(SCENARIOS)
     for name in ("s3-outage", "s3-outage-long", "s3-outage-3min", "stale-lock", "kill-leaves-nothing",
-                 "sigkill-chain", "kill-mid-commit", "corrupt-checkpoint", "reward-faults", "bad-config"):
+                 "sigkill-chain", "kill-mid-commit", "corrupt-checkpoint", "reward-faults", "bad-config",
+                 "async-kill-in-flight", "async-kill-random"):
         assert name in SCENARIOS
 
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import subprocess
 import time
 from pathlib import Path
-from uuid import UUID
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -190,22 +188,4 @@ def test_nightly_promotes_refuses_and_skips(prefect_worker, api, tools, tmp_path
     assert time.monotonic() - t0 < 120
     assert len(json.loads(state_file.read_text())["history"]) == 2
 
-
-# ------------------------------------------------------------------------------ remote placement
-def test_remote_placement_runs_gpu_stages_as_deployment_runs(prefect_worker, api, tools, tmp_path):
-    """trainer.placement=remote: the manual run starts rl-stage/gpu runs (rollout, update,
-    validate) on the same pool, and they hand weights over through checkpoints."""
-    F = _filters()
-    run_id = "deploy-remote"
-    flow_run_id = tools.trigger("rl-training/manual", {
-        "iterations": 1, "overrides": [f"root={tmp_path}", f"run_id={run_id}", *tools.tiny,
-                                       "trainer.placement=remote", "trainer.checkpoint_every=1"]}, tools.env)
-    run = tools.wait_final(api, flow_run_id, 2 * RUN_TIMEOUT_S, prefect_worker)
-    assert run.state.is_completed(), f"{run.state}"
-    stage_dep = api(lambda c: c.read_deployment_by_name("rl-stage/gpu"))
-    stage_runs = api(lambda c: c.read_flow_runs(deployment_filter=F.DeploymentFilter(
-        id=F.DeploymentFilterId(any_=[stage_dep.id]))))
-    names = {r.name for r in stage_runs if r.parameters.get("run_id") == run_id}
-    assert {"rollout-0001", "update-0001", "validate-0000", "validate-0001"} <= names, names
-    assert all(r.state.is_completed() for r in stage_runs if r.parameters.get("run_id") == run_id)
-    assert (tmp_path / "runs" / run_id / "checkpoints" / "1" / "policy" / "model.safetensors.index.json").exists()
+# Remote placement through deployment runs: tests/deployments/test_async_pools.py (two pools, async).

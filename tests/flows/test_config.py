@@ -86,3 +86,21 @@ def test_a_logger_that_is_not_installed_is_refused_up_front():
         pytest.skip("wandb and mlflow are both installed here")
     with pytest.raises(ConfigError, match=f"pip install {missing[0]}"):
         load_run_config(None, [f"trainer.loggers=[{missing[0]}]"])
+
+
+def test_several_nodes_take_their_rendezvous_from_the_config_or_the_environment(monkeypatch):
+    from flows.config import load_run_config
+    from gpu_jobs.stages.engines import _rendezvous
+
+    assert _rendezvous(load_run_config(None, []).trainer) == {"nnodes": 1}
+    given = load_run_config(None, ["trainer.nnodes=2", "trainer.master_addr=10.0.0.5", "trainer.master_port=29400"])
+    assert _rendezvous(given.trainer) == {"nnodes": 2, "master_addr": "10.0.0.5", "master_port": 29400}
+    # From a work pool's job variables; taken out of the environment, so that a one-rank engine
+    # built in this process does not bind node 0's rendezvous port.
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.6")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    env = _rendezvous(load_run_config(None, ["trainer.nnodes=2"]).trainer)
+    assert env == {"nnodes": 2, "master_addr": "10.0.0.6", "master_port": 29500}
+    import os
+
+    assert "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ

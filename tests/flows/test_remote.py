@@ -13,7 +13,7 @@ import torch
 from flows.remote import rl_stage
 from gpu_jobs import stages
 from gpu_jobs.stages import Run, open_warm
-from storage import load_state_dict
+from storage import committed, load_state_dict
 
 pytestmark = pytest.mark.deepspeed
 
@@ -60,3 +60,70 @@ def test_remote_placement_requires_per_iteration_checkpoints(tiny_config):
 
     with pytest.raises(ConfigError, match="checkpoint_every=1"):
         tiny_config("trainer.placement=remote", "trainer.checkpoint_every=2")
+
+
+class _InProcessRemote:
+    """The graph's calls as remote placement makes them, without Prefect: GPU stages through
+    `rl_stage.fn` (what a deployment run executes, from storage alone), the rest with no engines.
+    Records which deployment each GPU stage would have gone to."""
+
+    def __init__(self, cfg):
+        from flows.training import PrefectCalls
+
+        self.cfg, self.run, self.remote, self.sent = cfg, Run.open(cfg), PrefectCalls.REMOTE, []
+
+    def __call__(self, stage, k, *inputs):
+        from gpu_jobs.stages import STAGE_FUNCTIONS
+
+        if stage in self.remote:
+            if not committed(self.run.layout.stage(k, stage), self.run.storage):  # run_remote starts none then
+                self.sent.append((self.cfg.trainer.deployment_for(stage), stage, k))
+            return rl_stage.fn(self.cfg.root, self.cfg.run_id, k, stage, list(inputs))
+        if stage == "weight-sync":
+            return 0.0
+        return STAGE_FUNCTIONS[stage](self.run, None, k, *inputs)
+
+    def start(self, stage, k, *inputs):
+        result = self(stage, k, *inputs)
+        return lambda: result
+
+
+ASYNC_REMOTE = ("trainer.total_iterations=3", "trainer.checkpoint_every=1", "async_training.staleness_threshold=1",
+                "actor.recompute_old_logprobs=true", "algorithm.rollout_correction.rollout_is=token")
+
+
+def test_async_remote_stages_on_two_deployments_match_the_colocated_async_run_bitwise(tiny_config, tmp_path):
+    """One-step-off async with rollout on its own deployment: the schedule (which rollout used
+    which published weights, the trainer's log-probs restored from checkpoint k-1) is a pure
+    function of the config, so the weights equal the colocated async run's."""
+    from gpu_jobs.stages import DirectCalls, run_iteration
+
+    remote = tiny_config(*ASYNC_REMOTE, "trainer.placement=remote", "trainer.rollout_deployment=rl-stage/rollout",
+                         root=str(tmp_path / "remote"))
+    calls = _InProcessRemote(remote)
+    for k in (1, 2, 3):
+        run_iteration(calls, remote, k)
+    local = tiny_config(*ASYNC_REMOTE, root=str(tmp_path / "local"))
+    run, engines = open_warm(local)
+    for k in (1, 2, 3):
+        run_iteration(DirectCalls(run, engines), local, k)
+    a = load_state_dict(str(tmp_path / "remote" / "runs" / remote.run_id / "checkpoints" / "3" / "policy"))
+    b = load_state_dict(str(tmp_path / "local" / "runs" / local.run_id / "checkpoints" / "3" / "policy"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    by_stage = {}
+    for dep, stage, _ in calls.sent:
+        by_stage.setdefault(stage, set()).add(dep)
+    assert by_stage == {"rollout": {"rl-stage/rollout"}, "logprobs": {"rl-stage/gpu"}, "update": {"rl-stage/gpu"}}
+    # rollout 2 ran ahead during iteration 1 (with the start model), rollout 3 during iteration 2
+    assert [k for _, s, k in calls.sent if s == "rollout"] == [1, 2, 3]
+
+
+def test_rollout_deployment_defaults_to_the_stage_deployment(tiny_config):
+    cfg = tiny_config("trainer.placement=remote", "trainer.checkpoint_every=1").trainer
+    assert {cfg.deployment_for(s) for s in ("rollout", "logprobs", "update", "validate")} == {"rl-stage/gpu"}
+    cfg = tiny_config("trainer.placement=remote", "trainer.checkpoint_every=1",
+                      "trainer.rollout_deployment=rl-stage/rollout").trainer
+    assert [cfg.deployment_for(s) for s in ("rollout", "validate", "logprobs", "update")] == \
+        ["rl-stage/rollout", "rl-stage/rollout", "rl-stage/gpu", "rl-stage/gpu"]

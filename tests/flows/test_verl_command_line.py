@@ -166,12 +166,12 @@ def test_custom_reward_function_keys(tmp_path):
 
 def test_unsupported_verl_keys_fail_together_naming_each():
     with pytest.raises(ConfigError) as err:
-        load_run_config(None, ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "data.truncation=left",
+        load_run_config(None, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "data.truncation=left",
                                "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.rollout.nn=5",
                                "trainer.logger=[console,swanlab]", "rollout.n=4"])
     lines = str(err.value).splitlines()
     assert lines[0].startswith("verl keys rlmill does not support")
-    for key in ("tensor_model_parallel_size=2", "data.truncation='left'", "strategy='megatron'",
+    for key in ("ulysses_sequence_parallel_size=2", "data.truncation='left'", "strategy='megatron'",
                 "actor_rollout_ref.rollout.nn:", "swanlab"):
         assert sum(key in line for line in lines[1:]) == 1, (key, lines)
     assert len(lines) == 6
@@ -271,3 +271,15 @@ def test_the_example_script_is_this_command_line(tmp_path):
     data_make, train = (json.loads(line) for line in out.stdout.splitlines())
     assert data_make[:4] == ["data", "make", "gsm_symbolic", "--out"]
     assert train == ["train", *verl_gsm8k("/d/train.parquet", "/d/test.parquet"), *CPU_SCALE]
+
+
+def test_rollout_parallelism_keys_reach_the_engine_options_and_tensor_parallel_needs_cuda():
+    cfg = load_run_config(None, ["actor_rollout_ref.rollout.data_parallel_size=2"])
+    assert cfg.rollout.engine_options.data_parallel_size == 2
+    # Tensor parallelism splits one replica over GPUs: refused before any work on a CPU box
+    # (colocated: this process would build the engine), named with its fix.
+    with pytest.raises(ConfigError, match="no CUDA device is visible"):
+        load_run_config(None, ["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                               "actor_rollout_ref.rollout.name=vllm"])
+    with pytest.raises(ConfigError, match="needs rollout.engine=vllm"):
+        load_run_config(None, ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])

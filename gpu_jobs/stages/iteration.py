@@ -299,6 +299,8 @@ def update(run: Run, engines: Engines, k: int, adv_uri: str) -> Output:
         staleness = float(k - 1 - run.cfg.async_training.weights_version(k))
         metrics = {**train_on(run, engines, k, table), **probe,
                    "async/staleness_mean": staleness, "async/staleness_max": staleness}
+        if hasattr(engines.trainer, "groups_started"):  # a warm rank group: started once per process, or a restart
+            metrics["perf/rank_group_starts"] = float(engines.trainer.groups_started)
         engines.update_metrics[k] = metrics
     if _checkpoint_due(run, k) and (run.layout.latest_checkpoint() or 0) < k:
         t0 = time.perf_counter()

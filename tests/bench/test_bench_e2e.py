@@ -69,8 +69,8 @@ def test_table_ratios_are_row_over_trl_and_missing_values_show_as_dashes():
     assert "50.0 %" in lines[2] and "40.0 %" in lines[2]
     assert lines[3].split()[0] == "rlmill-vllm" and lines[3].count("-") >= 10
     assert lines[4].split()[-4:] == ["1.00x"] * 4
-    goals = be.goal_lines(results)
-    assert goals == ["  rlmill-flow: train tok/s 1.50x TRL (goal >= 1.5x: met); acc after 50.0 % vs TRL 40.0 % (met)"]
+    goals = be.goal_lines(results, {"rlmill-flow": 1.5, "rlmill-stages": 1.0})
+    assert goals == ["  rlmill-flow: train tok/s 1.50x trl (goal >= 1.5x: met); acc after 50.0 % vs TRL 40.0 % (met)"]
 
 
 def test_shared_evaluation_agrees_with_rlmill_engine_and_can_fail(builtin, tmp_path):
@@ -111,7 +111,7 @@ def test_trl_smoke_counts_tokens_and_stops_on_the_clock(builtin, tmp_path):
 
     path, start, tok = builtin
     w = be.Workload(prompts=2)
-    spec = {"workload": be.asdict(w), "model_path": path, "data_dir": str(tmp_path / "data"),
+    spec = {"row": "trl", "workload": be.asdict(w), "model_path": path, "data_dir": str(tmp_path / "data"),
             "root": str(tmp_path / "trl"), "steps": 6, "budget": 1e-3, "heldout": 8}
     out = be.run_trl(spec)
     # A budget of ~0 stops after step 2 (the clock starts after step 1), not at the cap of 6.

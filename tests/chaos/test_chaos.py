@@ -99,7 +99,7 @@ def test_quick_set_has_the_40s_outage_and_every_scenario_is_kept():
     assert "s3-outage-long" in QUICK and set(QUICK) <= set(SCENARIOS)
     for name in ("s3-outage", "s3-outage-long", "s3-outage-3min", "stale-lock", "kill-leaves-nothing",
                  "sigkill-chain", "kill-mid-commit", "corrupt-checkpoint", "reward-faults", "bad-config",
-                 "async-kill-in-flight", "async-kill-random"):
+                 "async-kill-in-flight", "async-kill-random", "ranks-kill-after-train"):
         assert name in SCENARIOS
 
 

@@ -127,3 +127,19 @@ def test_rollout_deployment_defaults_to_the_stage_deployment(tiny_config):
                       "trainer.rollout_deployment=rl-stage/rollout").trainer
     assert [cfg.deployment_for(s) for s in ("rollout", "validate", "logprobs", "update")] == \
         ["rl-stage/rollout", "rl-stage/rollout", "rl-stage/gpu", "rl-stage/gpu"]
+
+
+@pytest.mark.slow
+def test_a_remote_update_runs_its_own_rank_group(tiny_config, tmp_path):
+    """placement=remote with trainer.n_gpus_per_node=2: the rl-stage update process (a pod on a GPU
+    pool) starts the rank group itself and commits checkpoint 1 from it."""
+    from storage import read_manifest
+
+    cfg = tiny_config("trainer.total_iterations=1", "trainer.checkpoint_every=1", "trainer.placement=remote",
+                      "trainer.n_gpus_per_node=2", root=str(tmp_path / "remote"))
+    _iteration_remote(cfg, 1)
+    run = Run.open(cfg)
+    metrics = read_manifest(committed(run.layout.stage(1, "update"), run.storage), run.storage).metrics
+    assert metrics["perf/rank_group_starts"] == 1.0 and metrics["actor/pg_loss"] == metrics["actor/pg_loss"]
+    state = read_manifest(committed(run.layout.trainer(1), run.storage), run.storage).extra["trainer_state"]
+    assert state["world_size"] == 2 and state["zero_stage"] == 3  # zero_stage auto: 3 across ranks

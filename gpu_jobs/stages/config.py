@@ -358,10 +358,12 @@ class RunConfig(_Section):
         if stale and self.algorithm.needs_reward_baselines:
             raise ValueError("adv_estimator=remax scores greedy baselines with the rollout engine's current weights, "
                              "which async_training makes stale: use another estimator or staleness_threshold=0")
-        if self.actor.pipeline_parallel_size > 1:
-            raise ValueError("actor.pipeline_parallel_size > 1 is not wired into runs yet: the pipeline trainer "
-                             "runs on its own (`python -m gpu_jobs.train`, README 'More than one rank'); "
-                             "set actor.pipeline_parallel_size=1")
+        pp, ranks = self.actor.pipeline_parallel_size, self.trainer.n_gpus_per_node * self.trainer.nnodes
+        if pp > 1 and (ranks % pp or ranks < pp):
+            raise ValueError(f"actor.pipeline_parallel_size={pp} splits the model over that many trainer ranks: "
+                             f"trainer.n_gpus_per_node x trainer.nnodes ({ranks}) must be a multiple of it")
+        if self.critic is not None and self.critic.pipeline_parallel_size > 1:
+            raise ValueError("critic.pipeline_parallel_size > 1: the critic trains on one rank; set it to 1")
         if self.algorithm.adv_estimator == "gae" and self.critic is None:
             raise ValueError("algorithm.adv_estimator=gae needs a critic: set critic: {} (or critic.lr=...)")
         if self.actor.ppo_mini_batch_size > self.data.train_batch_size:

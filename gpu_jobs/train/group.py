@@ -603,17 +603,16 @@ class GroupTrainer:
         from .config import TrainerConfig
 
         self.config = config if config is not None else TrainerConfig()
-        if self.config.pipeline_parallel_size > 1:
-            raise ValueError(
-                "GroupTrainer runs the ZeRO data-parallel PolicyTrainer; pipeline_parallel_size="
-                f"{self.config.pipeline_parallel_size} runs as the torchrun job (python -m gpu_jobs.train).")
+        pp = self.config.pipeline_parallel_size  # > 1: the ranks run PipelinePolicyTrainer (ZeRO 0/1)
+        if n_ranks % pp or n_ranks < 2 * (pp > 1):
+            raise ValueError(f"pipeline_parallel_size={pp} must divide the {n_ranks} ranks of the group")
         self.storage = storage
         self.model_path = resolve_model_path(model_path, storage)
         self.model_config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = tokenizer
         self.rank, self.world_size = 0, n_ranks
         resolve = getattr(self.config, "resolved_zero_stage", None)
-        self.zero_stage = resolve(n_ranks) if resolve else self.config.zero_stage
+        self.zero_stage = resolve(n_ranks // pp) if resolve else self.config.zero_stage
         self.step = 0
         self.state_lost = False
         self.groups_started = 0

@@ -7,7 +7,8 @@ commands until told to stop.
 Not a command to run by hand: RankGroup starts it with the control channel's authkey in
 RLMILL_GROUP_AUTHKEY (hex). Rank 0 connects to the parent's Listener, receives each command and
 broadcasts it to the other ranks (torch.distributed broadcast_object_list over gloo/nccl); every
-rank runs it on its own PolicyTrainer, a barrier closes it, and rank 0 replies. A rank that raises
+rank runs it on its own PolicyTrainer (PipelinePolicyTrainer with pipeline_parallel_size > 1), a
+barrier closes it, and rank 0 replies. A rank that raises
 writes ``<workdir>/error-rank<k>.json`` (time, traceback) and exits at once: its peers then fail
 in their next collective, torchrun stops the rest, and the parent reports the first error.
 """
@@ -137,9 +138,15 @@ class Server:
 
     # ---- commands -------------------------------------------------------------------------
     def cmd_init(self, model_path: str, config: Any, tokenizer: Any = None, storage: Any = None) -> dict:
-        from .policy import PolicyTrainer
+        if getattr(config, "pipeline_parallel_size", 1) > 1:  # DeepSpeed pipeline stages, ZeRO 0/1
+            from .pipeline import PipelinePolicyTrainer
 
-        self.trainer = PolicyTrainer(model_path, config, tokenizer=tokenizer, storage=storage)
+            self.trainer = PipelinePolicyTrainer(model_path, config, tokenizer=tokenizer)
+            self.trainer.storage = storage  # its save()/load() reach storage through it
+        else:
+            from .policy import PolicyTrainer
+
+            self.trainer = PolicyTrainer(model_path, config, tokenizer=tokenizer, storage=storage)
         return {"step": self.trainer.step, "zero_stage": getattr(self.trainer, "zero_stage", None)}
 
     def cmd_update(self, path: str) -> dict:
@@ -188,6 +195,8 @@ class Server:
         from . import dist
 
         target = getattr(torch, dtype)
+        if hasattr(self.trainer, "pipe"):
+            return self._pipeline_weights(workdir, bucket_bytes, target)
         buckets = plan_buckets(self._param_sizes(target), bucket_bytes)
         sent = 0
         for i, names in enumerate(buckets):
@@ -211,6 +220,28 @@ class Server:
         if self.rank == 0 and sent == len(buckets) and sent:
             self._acked(sent - 1)
         return sent
+
+    def _pipeline_weights(self, workdir: str, bucket_bytes: int, dtype: Any) -> int:
+        """The pipeline trainer's weights: each stage's layers gathered to rank 0 at once (the
+        stages hold disjoint layers, a ZeRO 0/1 stage whole ones), then streamed as buckets by
+        rank 0 alone; the other ranks are done after the gather."""
+        from safetensors.torch import save_file
+
+        state = self.trainer.gathered_state_dict()  # collective; the full weights on rank 0 only
+        if self.rank != 0:
+            return 0
+        size = {n: t.numel() * t.to(dtype).element_size() for n, t in state.items()}
+        buckets = plan_buckets(list(size.items()), bucket_bytes)
+        for i, names in enumerate(buckets):
+            if i > 0 and not self._acked(i - 1):
+                return i
+            path = os.path.join(workdir, f"bucket-{i:05d}.safetensors")
+            save_file({n: state[n].to(dtype).contiguous() for n in names}, path + ".tmp")
+            os.replace(path + ".tmp", path)
+            self.conn.send(("bucket", {"index": i, "path": path, "last": i == len(buckets) - 1}))
+        if buckets:
+            self._acked(len(buckets) - 1)
+        return len(buckets)
 
     def _acked(self, index: int) -> bool:
         """Wait for the parent to take bucket ``index``: True to go on, False to stop."""

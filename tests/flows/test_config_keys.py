@@ -82,8 +82,12 @@ def test_adaptive_kl_controller_steps_once_per_iteration_even_when_a_commit_is_r
     assert kl_controller_for(run, 2).value == pytest.approx(once["value"])
 
 
-def test_pipeline_parallelism_is_refused_in_runs(tiny_config):
+def test_pipeline_parallelism_needs_ranks_it_can_split_over(tiny_config):
     from flows.config import ConfigError
 
-    with pytest.raises(ConfigError, match="pipeline_parallel_size > 1 is not wired into runs"):
+    with pytest.raises(ConfigError, match=r"trainer.n_gpus_per_node x trainer.nnodes \(1\) must be a multiple"):
         tiny_config("actor.pipeline_parallel_size=2", "actor.zero_stage=1")
+    with pytest.raises(ConfigError, match="set zero_stage to 0 or 1"):
+        tiny_config("actor.pipeline_parallel_size=2", "actor.zero_stage=3", "trainer.n_gpus_per_node=2")
+    cfg = tiny_config("actor.pipeline_parallel_size=2", "trainer.n_gpus_per_node=2", "actor.use_remove_padding=true")
+    assert cfg.actor.resolved_zero_stage(1) == 0  # auto: one data-parallel rank per stage

@@ -108,11 +108,15 @@ def nvidia_device_present() -> bool:
     return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
 
 
-def gpu_overrides(root: str, run_id: str, iterations: int, prompts: int, samples: int) -> list[str]:
-    """The dotted overrides of examples/grpo_gsm_smollm2.yaml for the check (all existing keys)."""
+def gpu_overrides(root: str, run_id: str, iterations: int, prompts: int, samples: int, ranks: int = 1,
+                  tensor_parallel: int = 1) -> list[str]:
+    """The dotted overrides of examples/grpo_gsm_smollm2.yaml for the check (all existing keys):
+    `ranks` trainer ranks (a warm ZeRO-3 group over NCCL when > 1), vLLM tensor parallelism over
+    `tensor_parallel` GPUs."""
     return [f"root={root}", f"run_id={run_id}",
             "rollout.engine=vllm", "rollout.engine_options.dtype=bfloat16",
-            "actor.dtype=bf16", "actor.zero_stage=3", "trainer.n_gpus_per_node=1",
+            f"rollout.engine_options.tensor_parallel_size={tensor_parallel}",
+            "actor.dtype=bf16", "actor.zero_stage=3", f"trainer.n_gpus_per_node={ranks}",
             f"data.train_batch_size={prompts}", f"rollout.n={samples}",
             # A quarter of the prompts per optimizer step: 4 steps per iteration.
             f"actor.ppo_mini_batch_size={max(1, prompts // 4)}",
@@ -211,7 +215,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8, help="responses per prompt (rollout.n, >= 2)")
     p.add_argument("--root", default=None, help="storage root for the run (kept); default a temp folder, removed")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the run is stopped as failed")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="trainer ranks, one GPU each (trainer.n_gpus_per_node): > 1 runs the warm ZeRO-3 group over NCCL")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="GPUs the vLLM rollout engine is split across (rollout.engine_options.tensor_parallel_size)")
     args = p.parse_args(argv)
+    if args.ranks < 1 or args.tensor_parallel < 1:
+        p.error("need --ranks >= 1 and --tensor-parallel >= 1")
     if args.iterations < 2 or args.prompts < 4 or args.samples < 2 or args.timeout <= 0:
         p.error("need --iterations >= 2, --prompts >= 4, --samples >= 2 and --timeout > 0")
     return args
@@ -228,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     versions = installed_versions()
     problems = ([why] if verdict == "fix" else []) + install_problems(versions, sys.executable)
+    wanted = max(args.ranks, args.tensor_parallel)
+    if verdict != "fix" and wanted > torch.cuda.device_count():
+        problems.append(f"--ranks {args.ranks} / --tensor-parallel {args.tensor_parallel} need {wanted} GPUs, "
+                        f"{torch.cuda.device_count()} visible")
     if problems:
         print("\n".join(f"{PREFIX} cannot run: {p}" for p in problems), flush=True)
         return 2
@@ -236,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     run_id = f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         t0 = time.monotonic()
-        status = train(gpu_overrides(root, run_id, args.iterations, args.prompts, args.samples), args.timeout)
+        status = train(gpu_overrides(root, run_id, args.iterations, args.prompts, args.samples, args.ranks,
+                                     args.tensor_parallel), args.timeout)
         seconds = time.monotonic() - t0
         per_iteration, state = read_run(root, run_id, args.iterations)
     finally:

@@ -130,3 +130,12 @@ def test_read_run_reads_committed_iterations_and_the_trainer_state(tmp_path):
                                                     {"timing_s/gen": 0.2, "iteration": 2}], None)
     commit(layout.trainer(2), [], kind="trainer", extra={"trainer_state": {"zero_stage": 3, "world_size": 1}})
     assert gc.read_run(root, "gpu-check-r", 2)[1] == {"zero_stage": 3, "world_size": 1}
+
+
+def test_more_ranks_and_tensor_parallelism_are_run_keys(tmp_path):
+    from flows.config import load_run_config
+
+    cfg = load_run_config(gc.EXAMPLE, gc.gpu_overrides(str(tmp_path), "gpu-check-x", 10, 32, 8, ranks=2))
+    assert cfg.trainer.n_gpus_per_node == 2 and cfg.rollout.engine_options.tensor_parallel_size == 1
+    over = gc.gpu_overrides(str(tmp_path), "gpu-check-x", 10, 32, 8, tensor_parallel=2)
+    assert "rollout.engine_options.tensor_parallel_size=2" in over  # refused here (no CUDA), run on a GPU box

@@ -138,8 +138,18 @@ class Walk:
 def _tiny_train(walk: Walk, step: Step) -> None:
     words = shlex.split(step.text)
     at = words.index("--config") + 2  # tiny first: the README's own overrides win over it
-    out = walk.sh(shlex.join([*words[:at], *TINY, *words[at:], "trainer.total_iterations=1"]))
+    group = any(w.startswith("trainer.n_gpus_per_node=") for w in words)
+    iterations = 2 if group else 1  # a rank group must serve more than one update to show it stays warm
+    # (checkpoint 1 too: the README's multi-rank job below redoes update 1 of this run and compares)
+    extra = [f"trainer.total_iterations={iterations}"] + (["trainer.checkpoint_every=1"] if group else [])
+    out = walk.sh(shlex.join([*words[:at], *TINY, *words[at:], *extra]))
     walk.runs.append(re.search(r"^rlmill: new run (\S+);", out, re.M).group(1))
+    if group:  # through the flow: one group start for the whole run, reported by every update
+        from storage import read_manifest
+
+        updates = sorted((walk.clone / ".rlmill" / "runs" / walk.runs[-1] / "iterations").glob("*/update"))
+        starts = [read_manifest(str(u)).metrics["perf/rank_group_starts"] for u in updates]
+        assert starts == [1.0] * iterations, starts
 
 
 def _data_make_s3(walk: Walk, step: Step) -> None:

@@ -84,7 +84,11 @@ def read_table(
 ) -> pa.Table:
     """Read the shards a manifest lists, verifying each one's size and sha256."""
     manifest = read_manifest(manifest_uri_or_dir, storage, kind=TABLE_KIND)
-    parts = [pq.read_table(pa.BufferReader(data), columns=columns) for data in read_files(manifest, storage=storage)]
+    # use_threads=False: shards are small, and Arrow's CPU thread pool can abort the process at
+    # interpreter exit ("terminate called without an active exception", apache/arrow#34314; seen
+    # once here, exit 134 after a read had finished).
+    parts = [pq.read_table(pa.BufferReader(data), columns=columns, use_threads=False)
+             for data in read_files(manifest, storage=storage)]
     return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
 
 

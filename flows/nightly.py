@@ -114,7 +114,7 @@ def evaluate_model(model: str, heldout_files: list[str], eval_size: int, cfg: "R
     from gpu_jobs.data import render_many
     from gpu_jobs.models import load_tokenizer, resolve_model_path
     from gpu_jobs.reward import decode_ground_truth
-    from gpu_jobs.rollout import get_rollout_engine
+    from gpu_jobs.rollout.data_parallel import build_rollout_engine
     from gpu_jobs.stages.scoring import greedy_evaluate
     from storage.datasets import read_prompts
 
@@ -122,11 +122,12 @@ def evaluate_model(model: str, heldout_files: list[str], eval_size: int, cfg: "R
     path = resolve_model_path(model, cfg.storage, cfg.model.seed)
     tok = load_tokenizer(path)
     prompts = [dict(r, row=i) for i, r in enumerate(rows.to_dict("records"))]
-    engine = get_rollout_engine(cfg.rollout.engine, path, cfg.rollout.engine_options)
+    engine = build_rollout_engine(cfg.rollout.engine, path, cfg.rollout.engine_options)
     try:
         table, metrics = greedy_evaluate(engine, tok, prompts, render_many(rows[cfg.data.prompt_key], tok),
                                          cfg.reward, cfg.rollout.max_response_length)
     finally:
+        getattr(engine, "close", lambda: None)()  # data-parallel replicas are processes
         del engine
         gc.collect()
     texts = table.column("response_text").to_pylist()

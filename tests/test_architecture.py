@@ -34,7 +34,9 @@ def _in_type_checking(node: ast.AST) -> bool:
     return getattr(node, "_rlmill_type_checking", False)
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(named_only: bool = False) -> dict[str, set[str]]:
+    """module -> the project modules importing it runs; named_only: only those its import
+    statements name (not the package __init__s above them that run first)."""
     modules = _modules()
     graph = {}
     for name, path in modules.items():
@@ -46,11 +48,12 @@ def _graph() -> dict[str, set[str]]:
         graph[name] = set()
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and not _in_type_checking(node):
-                graph[name] |= _imports_of_node(name, path, node, modules)
+                graph[name] |= _imports_of_node(name, path, node, modules, named_only)
     return graph
 
 
-def _imports_of_node(name: str, path: Path, node: ast.AST, modules: dict[str, Path]) -> set[str]:
+def _imports_of_node(name: str, path: Path, node: ast.AST, modules: dict[str, Path],
+                     named_only: bool = False) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     if isinstance(node, ast.Import):
         targets = [a.name for a in node.names]
@@ -61,6 +64,8 @@ def _imports_of_node(name: str, path: Path, node: ast.AST, modules: dict[str, Pa
             base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
         targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
     found = {m for t in targets if (m := _resolve(t, modules)) and m != name}
+    if named_only:
+        return found
     # Importing a.b.c runs a/__init__ and a/b/__init__ first: those are imports too (a package
     # whose __init__ imports its engines makes every importer of a small helper in it depend on them).
     return found | {a for m in found for a in _ancestors(m) if a in modules and a != name}
@@ -82,12 +87,14 @@ def test_nothing_below_flows_imports_flows():
 
 
 def test_no_import_cycles_between_modules():
-    """Package __init__ files re-export their own submodules, so an edge into a package's
-    __init__ from inside that package is the re-export's, not a design loop: leave those out.
-    The __init__'s own imports of its submodules stay: they run whenever anything in the
-    package is imported, so a loop through them is a real one."""
+    """Importing a.b.c runs a/__init__ first, but from inside package a that __init__ has
+    already run: leave those implied edges out. An import that names its own package (`from
+    gpu_jobs.rollout import X` inside gpu_jobs/rollout/) stays: it depends on everything the
+    __init__ re-exports, so a loop through it is a real one. The __init__'s own imports of its
+    submodules stay too: they run whenever anything in the package is imported."""
     modules = _modules()
-    graph = {m: {t for t in ts if not (_is_package_init(t, modules) and m.startswith(t + "."))}
+    named = _graph(named_only=True)
+    graph = {m: {t for t in ts if not (_is_package_init(t, modules) and m.startswith(t + ".") and t not in named[m])}
              for m, ts in _graph().items()}
     cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)

@@ -113,11 +113,9 @@ def get_rollout_engine(name: str, model_path, config: RolloutConfig | None = Non
     importing this module already did."""
     config = config or RolloutConfig()
     check_parallelism(name, config)
-    if config.data_parallel_size > 1:
-        from gpu_jobs.rollout.data_parallel import DataParallelRollout
-
-        ROLLOUT_ENGINES[name]  # an unknown backend fails here, listing the valid ones, not in a replica
-        return DataParallelRollout(name, model_path, config, config.data_parallel_size, **kwargs)
+    if config.data_parallel_size > 1:  # built one layer up: the replicas build their engines through here
+        raise ValueError(f"data_parallel_size={config.data_parallel_size} is several engines: build them with "
+                         "gpu_jobs.rollout.data_parallel.build_rollout_engine")
     return ROLLOUT_ENGINES[name](model_path, config, **kwargs)
 
 

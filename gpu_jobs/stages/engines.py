@@ -47,12 +47,12 @@ class Engines:
         return engines
 
     def load_rollout(self, run: Run) -> None:
-        from gpu_jobs.rollout import get_rollout_engine
+        from gpu_jobs.rollout.data_parallel import build_rollout_engine
 
         from gpu_jobs.rollout.agent_loop import with_agent_loop
 
         cfg = run.cfg
-        engine = get_rollout_engine(cfg.rollout.engine, self.model_path, cfg.rollout.engine_options,
+        engine = build_rollout_engine(cfg.rollout.engine, self.model_path, cfg.rollout.engine_options,
                                     storage=cfg.storage)
         # Multi-turn runs: every user of the engine (rollout, validation, the start probe) goes
         # through the tool loop; unchanged when rollout.multi_turn.enable is false.

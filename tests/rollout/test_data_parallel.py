@@ -16,6 +16,7 @@ from gpu_jobs.rollout.base import check_parallelism
 from gpu_jobs.rollout.data_parallel import (
     SEED_STRIDE,
     DataParallelRollout,
+    build_rollout_engine,
     RolloutReplicaError,
     replica_env,
     split_evenly,
@@ -55,11 +56,13 @@ def test_tensor_parallelism_is_refused_where_it_cannot_run():
     check_parallelism("vllm", RolloutConfig(tensor_parallel_size=2), cuda=True)
     with pytest.raises(ValueError):
         RolloutConfig(data_parallel_size=0)
+    with pytest.raises(ValueError, match="build them with gpu_jobs.rollout.data_parallel.build_rollout_engine"):
+        get_rollout_engine("hf", "builtin", RolloutConfig(data_parallel_size=2))  # never one engine in silence
 
 
 @pytest.fixture(scope="module")
 def replicas(builtin_path):
-    engine = get_rollout_engine("hf", builtin_path, RolloutConfig(data_parallel_size=2))
+    engine = build_rollout_engine("hf", builtin_path, RolloutConfig(data_parallel_size=2))
     yield engine
     engine.close()
 

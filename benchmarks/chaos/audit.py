@@ -82,9 +82,10 @@ def rollout_lineage(layout: RunLayout, iterations: int, staleness_threshold: int
             if version != max(0, k - 1 - staleness_threshold):
                 problems.append(f"rollout {k} sampled with the weights of update {version}")
         if gate := committed(layout.stage(k, "gate"), layout.storage):
-            for src in read_manifest(gate, layout.storage).inputs:
+            inputs = read_manifest(gate, layout.storage).inputs
+            for src in inputs:
                 used_by.setdefault(src, []).append(k)
-            if uri and uri not in read_manifest(gate, layout.storage).inputs:
+            if uri and uri not in inputs:
                 problems.append(f"gate {k} did not read rollout {k}")
     problems += [f"{src} used by iterations {ks}" for src, ks in used_by.items() if len(ks) > 1]
     return problems

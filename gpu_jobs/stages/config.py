@@ -359,7 +359,7 @@ class RunConfig(_Section):
             raise ValueError("adv_estimator=remax scores greedy baselines with the rollout engine's current weights, "
                              "which async_training makes stale: use another estimator or staleness_threshold=0")
         pp, ranks = self.actor.pipeline_parallel_size, self.trainer.n_gpus_per_node * self.trainer.nnodes
-        if pp > 1 and (ranks % pp or ranks < pp):
+        if ranks % pp:
             raise ValueError(f"actor.pipeline_parallel_size={pp} splits the model over that many trainer ranks: "
                              f"trainer.n_gpus_per_node x trainer.nnodes ({ranks}) must be a multiple of it")
         if self.critic is not None and self.critic.pipeline_parallel_size > 1:

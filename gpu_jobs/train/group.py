@@ -604,7 +604,7 @@ class GroupTrainer:
 
         self.config = config if config is not None else TrainerConfig()
         pp = self.config.pipeline_parallel_size  # > 1: the ranks run PipelinePolicyTrainer (ZeRO 0/1)
-        if n_ranks % pp or n_ranks < 2 * (pp > 1):
+        if n_ranks % pp:
             raise ValueError(f"pipeline_parallel_size={pp} must divide the {n_ranks} ranks of the group")
         self.storage = storage
         self.model_path = resolve_model_path(model_path, storage)

@@ -209,12 +209,7 @@ class Server:
             if not dist.broadcast_object(go):
                 break
             if self.rank == 0:
-                from safetensors.torch import save_file
-
-                path = os.path.join(workdir, f"bucket-{i:05d}.safetensors")
-                save_file(tensors, path + ".tmp")
-                os.replace(path + ".tmp", path)
-                self.conn.send(("bucket", {"index": i, "path": path, "last": i == len(buckets) - 1}))
+                self._send_bucket(workdir, i, tensors, last=i == len(buckets) - 1)
                 sent += 1
             del tensors
         if self.rank == 0 and sent == len(buckets) and sent:
@@ -225,23 +220,30 @@ class Server:
         """The pipeline trainer's weights: each stage's layers gathered to rank 0 at once (the
         stages hold disjoint layers, a ZeRO 0/1 stage whole ones), then streamed as buckets by
         rank 0 alone; the other ranks are done after the gather."""
-        from safetensors.torch import save_file
+        import torch
 
         state = self.trainer.gathered_state_dict()  # collective; the full weights on rank 0 only
         if self.rank != 0:
             return 0
-        size = {n: t.numel() * t.to(dtype).element_size() for n, t in state.items()}
-        buckets = plan_buckets(list(size.items()), bucket_bytes)
+        size = torch.empty(0, dtype=dtype).element_size()
+        buckets = plan_buckets([(n, t.numel() * size) for n, t in state.items()], bucket_bytes)
         for i, names in enumerate(buckets):
             if i > 0 and not self._acked(i - 1):
                 return i
-            path = os.path.join(workdir, f"bucket-{i:05d}.safetensors")
-            save_file({n: state[n].to(dtype).contiguous() for n in names}, path + ".tmp")
-            os.replace(path + ".tmp", path)
-            self.conn.send(("bucket", {"index": i, "path": path, "last": i == len(buckets) - 1}))
+            self._send_bucket(workdir, i, {n: state[n].to(dtype).contiguous() for n in names},
+                              last=i == len(buckets) - 1)
         if buckets:
             self._acked(len(buckets) - 1)
         return len(buckets)
+
+    def _send_bucket(self, workdir: str, index: int, tensors: dict[str, Any], *, last: bool) -> None:
+        """Rank 0: write bucket ``index`` as a safetensors file (whole, then renamed) and tell the parent."""
+        from safetensors.torch import save_file
+
+        path = os.path.join(workdir, f"bucket-{index:05d}.safetensors")
+        save_file(tensors, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        self.conn.send(("bucket", {"index": index, "path": path, "last": last}))
 
     def _acked(self, index: int) -> bool:
         """Wait for the parent to take bucket ``index``: True to go on, False to stop."""

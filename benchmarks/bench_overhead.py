@@ -1,6 +1,6 @@
 """What orchestration and storage cost per RL iteration (issue 7's `make bench-overhead`).
 
-    .venv/bin/python -m benchmarks.bench_overhead [--iterations 6] [--batches 16,64,256]
+    .venv/bin/python -m benchmarks.bench_overhead [--iterations 6] [--batches 16,64,256,256x64]
 
 The same GRPO iterations (built-in model and task, same seeds) three ways, side by side:
   memory  the stage math in one loop, nothing written (engine.generate -> score -> advantages
@@ -9,6 +9,8 @@ The same GRPO iterations (built-in model and task, same seeds) three ways, side 
           manifests, the great-expectations gate, reads back by URI;
   flow    the rl-training Prefect flow (one subflow per iteration, tasks, artifacts) on an
           ephemeral Prefect API: adds Prefect's own cost (~1.1 s per subflow, PLATFORM.md).
+A batch `PxT` is P prompts whose responses are forced to exactly T tokens (rollout.ignore_eos):
+iterations of several seconds, where a fixed per-iteration cost should vanish.
 Per-iteration wall time is the median over iterations 2..N (the first warms caches) of
 --repeats runs of each mode, run in alternating order. Not a test:
 numbers depend on the machine and its load; the ratios within one run are what to compare.
@@ -32,11 +34,20 @@ os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_arith.yaml"
 
 
-def overrides(root: str, batch: int, iterations: int, run_id: str) -> list[str]:
+def overrides(root: str, batch: int, iterations: int, run_id: str, response_tokens: int = 0) -> list[str]:
+    """The example's GRPO run at `batch` prompts x 8; `response_tokens` > 0 forces every response
+    to that length (0: natural stopping, at most the example's 6 tokens)."""
+    forced = ["rollout.ignore_eos=true", f"rollout.max_response_length={response_tokens}"] if response_tokens else []
     return [f"root={root}", f"run_id={run_id}", f"data.train_batch_size={batch}",
             f"actor.ppo_mini_batch_size={max(1, batch // 4)}", f"trainer.total_iterations={iterations}",
             "trainer.val_every=0", f"trainer.checkpoint_every={iterations}", "trainer.tensorboard=false",
-            "data.val_size=32"]
+            "data.val_size=32", *forced]
+
+
+def parse_batch(text: str) -> tuple[int, int]:
+    """'256' -> (256, 0); '256x64' -> (256, 64): prompts, forced response tokens (0 = natural)."""
+    prompts, _, tokens = text.strip().partition("x")
+    return int(prompts), int(tokens or 0)
 
 
 def memory_loop(cfg, iterations: int) -> list[float]:
@@ -85,7 +96,7 @@ def stage_loop(cfg, iterations: int) -> list[float]:
     return times
 
 
-def flow_loop(root: str, batch: int, iterations: int, run_id: str) -> list[float]:
+def flow_loop(root: str, batch: int, iterations: int, run_id: str, response_tokens: int = 0) -> list[float]:
     """Per-iteration wall time of the Prefect flow, read from its subflow runs' start/end."""
     import asyncio
 
@@ -94,7 +105,8 @@ def flow_loop(root: str, batch: int, iterations: int, run_id: str) -> list[float
 
     from flows.training import rl_training
 
-    state = rl_training(config=str(EXAMPLE), overrides=overrides(root, batch, iterations, run_id), return_state=True)
+    state = rl_training(config=str(EXAMPLE), overrides=overrides(root, batch, iterations, run_id, response_tokens),
+                        return_state=True)
     parent = state.state_details.flow_run_id
 
     async def subflows():
@@ -111,7 +123,8 @@ def flow_loop(root: str, batch: int, iterations: int, run_id: str) -> list[float
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=6)
-    p.add_argument("--batches", default="16,64,256", help="prompts per iteration (x 8 samples)")
+    p.add_argument("--batches", default="16,64,256,256x64",
+                   help="prompts per iteration (x 8 samples); PxT forces responses of exactly T tokens")
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating the order")
     args = p.parse_args(argv)
     import torch
@@ -122,30 +135,30 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     modes = ("memory", "stages", "flow")
     with tempfile.TemporaryDirectory() as tmp:
-        for batch in (int(b) for b in args.batches.split(",")):
+        for batch, tokens in (parse_batch(b) for b in args.batches.split(",")):
             times: dict[str, list[float]] = {m: [] for m in modes}
             for r in range(args.repeats):
                 # A/B/C then C/B/A: a slow spell on the shared box hits every mode alike.
                 for mode in modes if r % 2 == 0 else modes[::-1]:
-                    root, run_id = f"{tmp}/{mode}-{batch}-{r}", f"bench-{mode}-{batch}-{r}"
-                    cfg = load_run_config(EXAMPLE, overrides(root, batch, args.iterations, run_id))
+                    root, run_id = f"{tmp}/{mode}-{batch}x{tokens}-{r}", f"bench-{mode}-{batch}x{tokens}-{r}"
+                    cfg = load_run_config(EXAMPLE, overrides(root, batch, args.iterations, run_id, tokens))
                     t = {"memory": lambda: memory_loop(cfg, args.iterations),
                          "stages": lambda: stage_loop(cfg, args.iterations),
-                         "flow": lambda: flow_loop(root, batch, args.iterations, run_id)}[mode]()
+                         "flow": lambda: flow_loop(root, batch, args.iterations, run_id, tokens)}[mode]()
                     times[mode] += t[1:]
-                    print(f"  batch {batch:4d} {mode:7s} run {r + 1}: {statistics.median(t[1:]):.2f} s/iteration",
+                    print(f"  batch {batch:4d}x{tokens or '-':<3} {mode:7s} run {r + 1}: {statistics.median(t[1:]):.2f} s/iteration",
                           file=sys.stderr, flush=True)
-            rows.append((batch, {m: statistics.median(v) for m, v in times.items()}))
+            rows.append((batch, tokens, {m: statistics.median(v) for m, v in times.items()}))
 
     print(f"\nper-iteration wall time, median of iterations 2..{args.iterations} of {args.repeats} alternating "
           f"run(s) per mode (GRPO, built-in model, n=8, {time.strftime('%Y-%m-%d')}, load average "
           f"{os.getloadavg()[0]:.1f})")
-    head = (f"{'prompts':>7} {'samples':>7} {'memory s':>9} {'stages s':>9} {'flow s':>8} "
+    head = (f"{'prompts':>7} {'samples':>7} {'resp tok':>8} {'memory s':>9} {'stages s':>9} {'flow s':>8} "
             f"{'storage+gate':>13} {'prefect':>9} {'rlmill share':>13} {'total share':>12}")
     print(head)
-    for batch, m in rows:
+    for batch, tokens, m in rows:
         storage, prefect = m["stages"] - m["memory"], m["flow"] - m["stages"]
-        print(f"{batch:>7} {batch * 8:>7} {m['memory']:>9.2f} {m['stages']:>9.2f} {m['flow']:>8.2f} "
+        print(f"{batch:>7} {batch * 8:>7} {tokens or '<=6':>8} {m['memory']:>9.2f} {m['stages']:>9.2f} {m['flow']:>8.2f} "
               f"{storage:>12.2f}s {prefect:>8.2f}s {storage / m['flow']:>12.1%} {(m['flow'] - m['memory']) / m['flow']:>11.1%}")
     print("storage+gate = stages - memory (what rlmill adds: commits, manifests, GX gate, reads);"
           " prefect = flow - stages; shares are of the flow's iteration time.")

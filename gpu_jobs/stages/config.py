@@ -208,8 +208,15 @@ class AgreementConfig(_Section):
         "None = 1e-3 when both engines run fp32 and 1e-2 with bf16; with top_k/top_p sampling the "
         "rollout's log-probs are of the filtered distribution, so None then only reports. "
         "Set a large value to report without failing.")
-    rows: int = Field(64, ge=0, description="Responses of each batch the trainer re-scores for the probe when the "
-                      "logprobs stage did not already (0 = all). Also checked at run start and after a resume.")
+    in_update: bool = Field(
+        True, description="Probe with the update's own forwards: every response of its first (shuffled) "
+        "mini-batch, compared and checked before that mini-batch's optimizer step, with no forward pass of its "
+        "own. Used when the trainer runs in the stage's process (one rank, no pipeline) at ZeRO stage 0 "
+        "without dropout; otherwise, or with false, the probe is a separate forward over `rows` responses.")
+    rows: int = Field(64, ge=0, description="Responses of each batch the trainer re-scores in a separate forward "
+                      "for the probe, when the update does not probe itself (agreement.in_update) and the "
+                      "logprobs stage did not already re-score them (0 = all). Also the probe at run start and "
+                      "after a resume.")
 
     def threshold(self, rollout: "RolloutStageConfig", actor: TrainerConfig) -> float | None:
         if self.max_probs_diff_mean is not None:

@@ -231,8 +231,9 @@ def advantages(run: Run, engines: Engines, k: int, batch_uri: str, reward_uri: s
 # -------------------------------------------------------------------------------- update
 def _agreement(run: Run, engines: Engines, k: int, table: pa.Table) -> dict[str, float]:
     """The trainer's log-probs of (some of) the batch's sampled tokens against the rollout
-    engine's; raises AgreementError past the configured limit, before anything trains."""
-    from gpu_jobs.stages.agreement import check_agreement, probe_rows, rows_agreement
+    engine's, from a forward of its own; raises AgreementError past the configured limit,
+    before anything trains."""
+    from gpu_jobs.stages.agreement import probe_rows, rows_agreement
 
     cfg = run.cfg
     if not len(table):
@@ -245,12 +246,44 @@ def _agreement(run: Run, engines: Engines, k: int, table: pa.Table) -> dict[str,
         probe = table.take(pa.array(probe_rows(len(table), cfg.agreement.rows), pa.int64()))
         trainer_lp = engines.trainer.compute_log_probs(probe)
     metrics = rows_agreement(probe.column("rollout_logprobs").to_pylist(), trainer_lp, response_masks(probe))
-    # A stale batch (async) was sampled with older weights than the trainer's: the gap is then
-    # policy drift plus any mismatch, reported but not a fault; the limit applies on-policy.
-    if cfg.async_training.weights_version(k) == k - 1:
-        check_agreement(metrics, cfg.agreement.threshold(cfg.rollout, cfg.actor), f"the update of iteration {k}")
+    _check_on_policy(run, k, metrics)
     metrics["timing_s/agreement"] = time.perf_counter() - t0
     return metrics
+
+
+def _check_on_policy(run: Run, k: int, metrics: dict[str, float]) -> None:
+    # A stale batch (async) was sampled with older weights than the trainer's: the gap is then
+    # policy drift plus any mismatch, reported but not a fault; the limit applies on-policy.
+    from gpu_jobs.stages.agreement import check_agreement
+
+    cfg = run.cfg
+    if cfg.async_training.weights_version(k) == k - 1:
+        check_agreement(metrics, cfg.agreement.threshold(cfg.rollout, cfg.actor), f"the update of iteration {k}")
+
+
+def _probed_by_the_update(run: Run, engines: Engines, k: int, table: pa.Table) -> bool:
+    """Whether the update's own first forward is the agreement probe (agreement.in_update): the
+    trainer can (one process, no dropout), trains in this update (not a critic warm-up) and no
+    logprobs stage already re-scored the batch."""
+    cfg = run.cfg
+    recomputed = "old_logprobs" in table.column_names and cfg.actor.recompute_old_logprobs
+    warming_critic = engines.critic is not None and k <= cfg.critic.critic_warmup
+    return (cfg.agreement.in_update and len(table) > 0 and not recomputed and not warming_critic
+            and getattr(engines.trainer, "probes_in_update", False))
+
+
+def _update_probe(run: Run, k: int, found: dict[str, float]):
+    """The probe PolicyTrainer.update calls on its first micro-batch, before its backward: the
+    agreement metrics go into `found`, and past the limit it raises AgreementError there."""
+    from gpu_jobs.stages.agreement import agreement_metrics
+
+    def probe(rollout_logprobs, trainer_logprobs, response_mask) -> None:
+        t0 = time.perf_counter()
+        found.update(agreement_metrics(rollout_logprobs, trainer_logprobs, response_mask))
+        _check_on_policy(run, k, found)
+        found["timing_s/agreement"] = time.perf_counter() - t0
+
+    return probe
 
 
 def _checkpoint_due(run: Run, k: int) -> bool:
@@ -295,9 +328,14 @@ def update(run: Run, engines: Engines, k: int, adv_uri: str) -> Output:
         if engines.version != k - 1:
             raise RuntimeError(f"trainer holds update {engines.version}, cannot apply update {k}: restore first")
         table = read(run, adv_uri)
-        probe = _agreement(run, engines, k, table)
+        if _probed_by_the_update(run, engines, k, table):  # no forward of its own: the update's first one
+            probe: dict[str, float] = {}
+            trained = train_on(run, engines, k, table, probe=_update_probe(run, k, probe))
+        else:
+            probe = _agreement(run, engines, k, table)
+            trained = train_on(run, engines, k, table)
         staleness = float(k - 1 - run.cfg.async_training.weights_version(k))
-        metrics = {**train_on(run, engines, k, table), **probe,
+        metrics = {**trained, **probe,
                    "async/staleness_mean": staleness, "async/staleness_max": staleness}
         if hasattr(engines.trainer, "groups_started"):  # a warm rank group: started once per process, or a restart
             metrics["perf/rank_group_starts"] = float(engines.trainer.groups_started)

@@ -13,14 +13,15 @@ from gpu_jobs.stages.run import Run
 __all__ = ["train_on"]
 
 
-def train_on(run: Run, engines: Engines, k: int, table: pa.Table) -> dict[str, float]:
+def train_on(run: Run, engines: Engines, k: int, table: pa.Table, probe=None) -> dict[str, float]:
     """Apply update k to the trainer (and critic). Also replays committed updates on resume, so
-    everything here depends only on (k, table, the engines' state)."""
+    everything here depends only on (k, table, the engines' state). `probe`: the agreement check
+    the trainer runs on its first forward (PolicyTrainer.update), before anything trains."""
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
     warming_critic = engines.critic is not None and k <= run.cfg.critic.critic_warmup
     if len(table) and not warming_critic:
-        metrics.update(engines.trainer.update(table))
+        metrics.update(engines.trainer.update(table) if probe is None else engines.trainer.update(table, probe=probe))
     t1 = time.perf_counter()
     if engines.critic is not None and len(table):
         metrics.update(engines.critic.update(table))

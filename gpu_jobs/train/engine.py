@@ -254,10 +254,13 @@ class ZeroModule(Resumable):
 
     # ---- the update loop -----------------------------------------------------------------
     def _run_update(self, rows: Rows, loss_of: LossOf, agg_mode: str, role: str,
-                    prep_seconds: float = 0.0) -> dict[str, float]:
+                    prep_seconds: float = 0.0, before_first_step: Callable[[], None] | None = None
+                    ) -> dict[str, float]:
         """ppo_epochs passes of shuffled mini-batches, one optimizer step each; returns the
         metrics of ``loss_of`` averaged over steps and ranks, plus lr, throughput and timings.
-        ``prep_seconds`` (e.g. recomputing old log-probs) counts towards perf/throughput."""
+        ``prep_seconds`` (e.g. recomputing old log-probs) counts towards perf/throughput.
+        ``before_first_step`` runs once, before the first optimizer step; if it raises, the first
+        mini-batch's gradients are dropped and nothing trains."""
         timer, t0 = PhaseTimer(), time.perf_counter()
         lr = self._apply_lr()
         sums = _MetricSums()
@@ -266,7 +269,8 @@ class ZeroModule(Resumable):
         for _ in range(self.config.ppo_epochs):
             gen = self._shuffle if self.config.shuffle else None
             for mini in plan_minibatches(len(rows), rows_per_mini, gen):
-                self._train_minibatch(rows, mini, loss_of, agg_mode, timer, sums)
+                self._train_minibatch(rows, mini, loss_of, agg_mode, timer, sums, before_first_step)
+                before_first_step = None
         self.step += 1
         self.samples_seen += len(rows)
         seconds = time.perf_counter() - t0
@@ -285,7 +289,8 @@ class ZeroModule(Resumable):
         return out
 
     def _train_minibatch(self, rows: Rows, mini: np.ndarray, loss_of: LossOf, agg_mode: str,
-                         timer: PhaseTimer, sums: "_MetricSums") -> None:
+                         timer: PhaseTimer, sums: "_MetricSums",
+                         before_step: Callable[[], None] | None = None) -> None:
         """Accumulate gradients over this rank's micro-batches, then one optimizer step.
 
         Each micro-batch loss is scaled by its share of the mini-batch (tokens for token-mean,
@@ -307,6 +312,12 @@ class ZeroModule(Resumable):
             with timer("backward"):
                 self.engine.backward(loss * (share * self.world_size), scale_wrt_gas=False)
             sums.add(metrics, share)
+        if before_step is not None:
+            try:
+                before_step()
+            except BaseException:
+                self.engine.zero_grad()  # ZeRO-0 keeps them in param.grad: this mini-batch never reaches the weights
+                raise
         with timer("optimizer"):
             norm = self._grad_norm_untracked_by_deepspeed()
             self.engine.step()

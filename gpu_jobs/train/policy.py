@@ -13,7 +13,7 @@ same whole batch and trains on its slice of each mini-batch).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -199,16 +199,39 @@ class PolicyTrainer(_CausalLM):
             m.p == 0 for m in self.engine.module.modules() if isinstance(m, _DropoutNd))
 
     # ---- the update ----------------------------------------------------------------------
-    def update(self, batch: Any) -> dict[str, float]:
+    @property
+    def probes_in_update(self) -> bool:
+        """Whether ``update(batch, probe=...)`` can hand the agreement probe the log-probs of its
+        own first mini-batch: this process holds the whole model (one rank), a training-mode
+        forward equals the eval-mode one (no active dropout), and a probe that fails can drop the
+        mini-batch's gradients by clearing ``param.grad`` (ZeRO stage 0; stages 1-3 keep theirs
+        in the optimizer's partitions)."""
+        return self.world_size == 1 and self._no_dropout and self.zero_stage == 0
+
+    def update(self, batch: Any, probe: Callable[[Any, Any, Any], None] | None = None) -> dict[str, float]:
         """One policy update on ``batch`` (pyarrow.Table): ppo_epochs passes of shuffled
         mini-batches, one optimizer step each. Returns verl-named metrics. Every input check
-        runs before the first weight changes."""
+        runs before the first weight changes.
+
+        ``probe(rollout_logprobs, trainer_logprobs, response_mask)``, each ``(1, N)`` over the N
+        response tokens of the first mini-batch, is called before that mini-batch's optimizer
+        step: its forwards scored it with the weights that sampled it, so this is a
+        trainer/rollout agreement check that costs no forward of its own (needs
+        ``probes_in_update``). If it raises, the update stops there with the trainer unchanged
+        (weights, optimizer state, gradients, shuffling generator).
+        """
         from gpu_jobs.algos import get_policy_loss_fn
 
         t0 = time.perf_counter()
         c = self.config
         loss_fn = get_policy_loss_fn(c.policy_loss.loss_mode)
-        rows = self._read(batch, required_columns(c, batch))
+        require = required_columns(c, batch)
+        if probe is not None:
+            if not self.probes_in_update:
+                raise ValueError("this trainer cannot score the agreement probe in its update (several ranks, or "
+                                 "dropout): check agreement with compute_log_probs before update()")
+            require = tuple(dict.fromkeys((*require, "rollout_logprobs")))
+        rows = self._read(batch, require)
         old_from_forward = c.recompute_old_logprobs and self._single_step(rows)
         old_seconds = 0.0
         if c.recompute_old_logprobs and not old_from_forward:
@@ -216,10 +239,17 @@ class PolicyTrainer(_CausalLM):
             old_seconds = time.perf_counter() - t0
         elif not c.recompute_old_logprobs and "old_logprobs" not in rows.columns:
             rows.columns["old_logprobs"] = rows.columns["rollout_logprobs"]
-        metrics = self._run_update(
-            rows, lambda mb: self._loss(mb, loss_fn, old_from_forward), c.policy_loss.loss_agg_mode,
-            role="actor", prep_seconds=old_seconds,
-        )
+        first = _FirstMiniBatch(probe)
+        shuffle_state = self._shuffle.get_state()
+        try:
+            metrics = self._run_update(
+                rows, lambda mb: self._loss(mb, loss_fn, old_from_forward, first), c.policy_loss.loss_agg_mode,
+                role="actor", prep_seconds=old_seconds, before_first_step=first.before_step if probe else None,
+            )
+        except BaseException:
+            if first.failed:  # nothing trained yet: the next update shuffles as this one would have
+                self._shuffle.set_state(shuffle_state)
+            raise
         if c.recompute_old_logprobs:  # else a 0 here would overwrite the logprobs stage's own time
             metrics["timing_s/old_log_prob"] = old_seconds
         return metrics
@@ -232,8 +262,11 @@ class PolicyTrainer(_CausalLM):
         return (c.ppo_epochs == 1 and c.ppo_mini_batch_size * rows.samples_per_prompt >= len(rows)
                 and self._no_dropout)
 
-    def _loss(self, mb: dict[str, Any], loss_fn: Any, old_from_forward: bool = False):
+    def _loss(self, mb: dict[str, Any], loss_fn: Any, old_from_forward: bool = False,
+              first: "_FirstMiniBatch | None" = None):
         log_prob, entropy = self._response_terms(mb)
+        if first is not None:
+            first.collect(mb, log_prob)
         if old_from_forward:  # ratio = exp(log_prob - log_prob.detach()): 1, with the PPO gradient
             mb = {**mb, "old_logprobs": log_prob.detach()}
         return policy_loss(log_prob, entropy, mb, loss_fn, self.config)
@@ -253,6 +286,34 @@ class PolicyTrainer(_CausalLM):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if self.kl_controller is not None and state.get("kl_controller") is not None:
             self.kl_controller.load_state_dict(state["kl_controller"])
+
+
+class _FirstMiniBatch:
+    """The probe of PolicyTrainer.update: collects the trainer's log-probs of the first
+    mini-batch's response tokens as its forwards score them, and hands them with the rollout's to
+    ``probe`` once, before that mini-batch's optimizer step."""
+
+    def __init__(self, probe: Callable[[Any, Any, Any], None] | None):
+        self.probe, self.failed, self.parts = probe, False, []
+
+    def collect(self, mb: dict[str, Any], log_prob: Any) -> None:
+        if self.probe is not None:
+            keep = mb["response_mask"].bool()
+            self.parts.append((mb["rollout_logprobs"][keep], log_prob.detach()[keep]))
+
+    def before_step(self) -> None:
+        import torch
+
+        if self.probe is None:
+            return
+        probe, self.probe = self.probe, None
+        rollout, trainer = (torch.cat([part[i] for part in self.parts])[None] for i in (0, 1))
+        self.parts = []
+        try:
+            probe(rollout, trainer, torch.ones_like(rollout))
+        except BaseException:
+            self.failed = True
+            raise
 
 
 class AdapterOffRef:

@@ -189,3 +189,45 @@ def test_data_parallel_rollout_replicas_agree_with_the_trainer_after_every_sync(
         assert after["training/rollout_logprobs_diff_max"] < 1e-3, after
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------------------------- probe in the update
+@pytest.mark.deepspeed
+def test_the_update_probes_with_its_own_forwards_and_the_key_turns_it_off(tiny_config, tmp_path):
+    """agreement.in_update (default): no separate forward; false: the trainer re-scores `rows`."""
+    for in_update in (True, False):
+        run, eng = _open(tiny_config(f"agreement.in_update={str(in_update).lower()}", root=str(tmp_path / str(in_update))))
+        assert eng.trainer.probes_in_update
+        calls, separate = [], eng.trainer.compute_log_probs
+        eng.trainer.compute_log_probs = lambda batch: calls.append(len(batch)) or separate(batch)
+        m = read_manifest(_iterate(run, eng, 1), run.storage).metrics
+        samples = run.cfg.data.train_batch_size * run.cfg.rollout.n
+        assert calls == ([] if in_update else [min(run.cfg.agreement.rows, samples)]), calls
+        assert m["training/agreement_tokens"] > 0
+        assert m["training/rollout_probs_diff_mean"] < 1e-4, m
+
+
+@pytest.mark.deepspeed
+def test_a_failed_update_probe_leaves_the_trainer_exactly_as_it_was(tiny_config, tmp_path):
+    """The probe fails before the first optimizer step: weights, Adam state, gradients and the
+    shuffling generator are untouched, so once the cause is fixed the update is bitwise the one an
+    untroubled run makes."""
+    run, eng = _open(tiny_config("rollout.temperature=0.6"))
+    good = eng.trainer.config
+    before = {n: t.clone() for n, t in eng.trainer.gathered_state_dict().items()}
+    optimizer, shuffle = repr(eng.trainer.engine.optimizer.state_dict()), eng.trainer._shuffle.get_state()
+    eng.trainer.config = good.model_copy(update={"temperature": 1.0})  # the trainer no longer matches the rollout
+    with pytest.raises(AgreementError, match="iteration 1"):
+        _iterate(run, eng, 1)
+    after = eng.trainer.gathered_state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert repr(eng.trainer.engine.optimizer.state_dict()) == optimizer
+    assert all(p.grad is None for p in eng.trainer.engine.module.parameters())
+    assert torch.equal(eng.trainer._shuffle.get_state(), shuffle) and eng.version == 0
+
+    eng.trainer.config = good
+    _iterate(run, eng, 1)
+    run2, eng2 = _open(tiny_config("rollout.temperature=0.6", root=str(tmp_path / "untroubled")))
+    _iterate(run2, eng2, 1)
+    fixed, untroubled = eng.trainer.gathered_state_dict(), eng2.trainer.gathered_state_dict()
+    assert all(torch.equal(fixed[n], untroubled[n]) for n in fixed)

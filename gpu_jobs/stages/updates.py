@@ -16,7 +16,7 @@ __all__ = ["train_on"]
 def train_on(run: Run, engines: Engines, k: int, table: pa.Table, probe=None) -> dict[str, float]:
     """Apply update k to the trainer (and critic). Also replays committed updates on resume, so
     everything here depends only on (k, table, the engines' state). `probe`: the agreement check
-    the trainer runs on its first forward (PolicyTrainer.update), before anything trains."""
+    the trainer runs on its first mini-batch (PolicyTrainer.update), before anything trains."""
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
     warming_critic = engines.critic is not None and k <= run.cfg.critic.critic_warmup

@@ -228,8 +228,8 @@ class PolicyTrainer(_CausalLM):
         require = required_columns(c, batch)
         if probe is not None:
             if not self.probes_in_update:
-                raise ValueError("this trainer cannot score the agreement probe in its update (several ranks, or "
-                                 "dropout): check agreement with compute_log_probs before update()")
+                raise ValueError("this trainer cannot score the agreement probe in its update (several ranks, ZeRO "
+                                 "stage 1-3, or dropout): check agreement with compute_log_probs before update()")
             require = tuple(dict.fromkeys((*require, "rollout_logprobs")))
         rows = self._read(batch, require)
         old_from_forward = c.recompute_old_logprobs and self._single_step(rows)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpu_jobs.stages import DirectCalls, open_warm, run_iteration
+from tests.train.update_gap import REORDER_REL, update_gap
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -77,13 +78,21 @@ def test_a_pipeline_parallel_run_trains_on_its_warm_group_like_one_rank(tiny_con
     one_cfg = tiny_config(*common, "actor.use_remove_padding=false", root=str(tmp_path / "one"))  # pads, as the pipeline
     run, eng = open_warm(one_cfg)
     try:
+        init = _weights(eng)  # both runs start from the same checkpoint
         for k in (1, 2):
             run_iteration(DirectCalls(run, eng), one_cfg, k)
         one = _weights(eng)
     finally:
         eng.close()
     # Same samples, same math; sums in another order (the layers on two stages, micro-batches as
-    # the pipeline schedules them), so float32 rounding that Adam's 1/sqrt(v) amplifies over 2 steps.
+    # the pipeline schedules them), so the two differ by float32 rounding, which depends on the
+    # CPU's kernels: bitwise equal on an Intel Xeon, max |dw| 2.7e-4 on an AMD EPYC (AVX2) box, as
+    # large as the 4 Adam steps of lr 1e-4 themselves, because Adam turns a gradient within rounding
+    # of zero into a full step of either sign. So the bound is on the gap over all weights, as a
+    # fraction of how far the update moved them (tests/train/update_gap.py says why 1e-2: rounding
+    # 1e-6-7e-5 of the update here, a mis-scaled or dropped micro-batch 0.25-0.5 of it).
+    gap = update_gap(piped, one, init)
     diff = max((piped[k] - one[k]).abs().max().item() for k in one)
-    print(f"\npipeline (2 stages) vs one rank after 2 iterations: max |dw| {diff:.2e}")
-    assert diff < 1e-4, diff
+    print(f"\npipeline (2 stages) vs one rank after 2 iterations: ||dw|| {gap:.2e} of the update's norm, "
+          f"max |dw| {diff:.2e}")
+    assert gap < REORDER_REL, (gap, diff)

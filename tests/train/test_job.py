@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from gpu_jobs.train import PolicyTrainer, TrainerConfig
+from tests.train.update_gap import REORDER_REL, initial_weights, metric_approx, update_gap
 
 pytestmark = pytest.mark.deepspeed
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,9 +64,12 @@ def test_two_rank_torchrun_job_equals_one_rank(job_inputs, caplog):
     one = PolicyTrainer(job_inputs["model"], TrainerConfig(**CFG))
     one_metrics = one.update(job_inputs["batch"])
     one_rank = one.gathered_state_dict()
-    assert max((two_rank[k] - v).abs().max().item() for k, v in one_rank.items()) < 1e-5
+    # Float32 sums in another order (2 ranks' micro-batches): bounded as tests/train/update_gap.py says.
+    gap = update_gap(two_rank, one_rank, initial_weights(job_inputs["model"]))
+    print(f"\n2 ranks vs 1: ||dw|| {gap:.2e} of the update")
+    assert gap < REORDER_REL
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
-        assert metrics[key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-6), key
+        assert metrics[key] == metric_approx(key, one_metrics[key], job_inputs["batch"]), key
 
     # The 2-rank ZeRO-3 state on 1 rank: exact weights and Adam state, resharded.
     resumed = PolicyTrainer(job_inputs["model"], TrainerConfig(**CFG))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gpu_jobs.train import Critic, CriticConfig, PolicyTrainer, TrainerConfig
+from tests.train.update_gap import REORDER_REL, initial_weights, metric_approx, update_gap
 
 pytestmark = pytest.mark.deepspeed
 
@@ -37,10 +38,6 @@ def batch(helpers):
     lens = [len(r) for r in table.column("response_ids").to_pylist()]
     assert min(lens) == 1 and len(set(lens)) > 5
     return table
-
-
-def _max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def _backward(module, loss):
@@ -135,14 +132,17 @@ def test_packed_update_equals_padded_under_zero3(tiny_model, batch, dynamic):
     # ZeRO-3 (what several ranks run), 2 epochs x shuffled mini-batches x uneven micro-batches.
     # On the random tiny model: in the trained built-in one some weights get gradients near Adam's
     # eps, where float noise of any kind (ZeRO-0 vs 3, micro-batch 1 vs 4: ~1e-4 after 4 steps)
-    # is amplified into the weights; the gradients themselves are compared above.
+    # is amplified into the weights; the gradients themselves are compared above. The weights are
+    # bounded by update_gap, as a fraction of the update's norm (tests/train/update_gap.py says why).
     extra = {"zero_stage": 3, "use_dynamic_bsz": dynamic, "ppo_max_token_len_per_gpu": 60}
     padded = PolicyTrainer(tiny_model, TrainerConfig(**CFG, **extra, use_remove_padding=False))
     packed = PolicyTrainer(tiny_model, TrainerConfig(**CFG, **extra, use_remove_padding=True))
     m_padded, m_packed = padded.update(batch), packed.update(batch)
-    assert _max_diff(packed.gathered_state_dict(), padded.gathered_state_dict()) < 1e-5
+    gap = update_gap(packed.gathered_state_dict(), padded.gathered_state_dict(), initial_weights(tiny_model))
+    print(f"\npacked vs padded: ||dw|| {gap:.2e} of the update")
+    assert gap < REORDER_REL
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl"):
-        assert m_packed[key] == pytest.approx(m_padded[key], rel=1e-4, abs=1e-6), key
+        assert m_packed[key] == metric_approx(key, m_padded[key], batch), key
 
 
 def test_critic_packed_equals_padded(builtin, tiny_model, batch):
@@ -167,6 +167,9 @@ def test_critic_packed_equals_padded(builtin, tiny_model, batch):
     out = []
     for packing in (True, False):
         critic = Critic(tiny_model, CriticConfig(**cfg, use_remove_padding=packing))
+        init = critic.gathered_state_dict()  # the value head is not in the checkpoint
         out.append((critic.update(_critic_table(batch, critic.compute_values(batch))), critic.gathered_state_dict()))
-    assert _max_diff(out[0][1], out[1][1]) < 1e-5
-    assert out[0][0]["critic/vf_loss"] == pytest.approx(out[1][0]["critic/vf_loss"], rel=1e-5)
+    gap = update_gap(out[0][1], out[1][1], init)
+    print(f"\ncritic packed vs padded: ||dw|| {gap:.2e} of the update")
+    assert gap < REORDER_REL
+    assert out[0][0]["critic/vf_loss"] == metric_approx("critic/vf_loss", out[1][0]["critic/vf_loss"], batch)

@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from gpu_jobs.train import PolicyTrainer, TrainerConfig
+from tests.train.update_gap import REORDER_REL, initial_weights, metric_approx, update_gap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = dict(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3, ppo_epochs=2, lr=1e-3, eps=1e-6,
@@ -50,8 +51,11 @@ def test_two_stage_pipeline_equals_one_rank_zero3(tied_model, helpers, tmp_path)
     one_metrics = one.update(batch)
     ref = one.gathered_state_dict()
     assert set(piped) == set(ref)
-    assert max((piped[k] - v).abs().max().item() for k, v in ref.items()) < 1e-5
+    # Float32 sums in another order (2 stages, 1F1B micro-batches): bounded as tests/train/update_gap.py says.
+    gap = update_gap(piped, ref, initial_weights(tiny_model))
+    print(f"\n2-stage pipeline vs 1 rank: ||dw|| {gap:.2e} of the update")
+    assert gap < REORDER_REL
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
-        assert metrics[key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-6), key
+        assert metrics[key] == metric_approx(key, one_metrics[key], batch), key
     # pipeline_worker.py also saved, reloaded into a fresh trainer and continued both
     assert metrics["resume_bitwise_equal"] is True and metrics["resume_same_pg_loss"] is True

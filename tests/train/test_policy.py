@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gpu_jobs.train import PolicyTrainer, TrainerConfig, TrainInputError
+from tests.train.update_gap import REORDER_REL, initial_weights, metric_approx, update_gap
 
 pytestmark = pytest.mark.deepspeed
 
@@ -92,8 +93,11 @@ def test_update_matches_plain_torch_reference(trained):
     got = trained["trainer"].gathered_state_dict()
     ref = trained["ref_state"]
     assert set(got) <= set(ref) and "model.embed_tokens.weight" in got
-    print("max |zero3 - reference| =", _max_diff(got, ref))
-    assert _max_diff(got, ref) < 1e-5
+    # Plain torch sums in another order (unpadded rows, one backward per mini-batch): float32
+    # rounding only, bounded as a fraction of the update's norm (tests/train/update_gap.py says why).
+    gap = update_gap(got, ref, initial_weights(trained["trainer"].model_path))
+    print(f"zero3 vs reference: ||dw|| {gap:.2e} of the update, max |dw| {_max_diff(got, ref):.2e}")
+    assert gap < REORDER_REL
     # and the update did move the weights (4 optimizer steps at lr 1e-3)
     from transformers import AutoModelForCausalLM
 
@@ -108,7 +112,7 @@ def test_metrics_use_verl_names_and_match_the_reference(trained):
                 "timing_s/update_actor/backward", "timing_s/update_actor/optimizer"):
         assert np.isfinite(m[key]), key
     assert m["actor/lr"] == 1e-3 and m["perf/throughput"] > 0
-    assert m["actor/grad_norm"] == pytest.approx(np.mean(trained["ref_norms"]), rel=1e-4)
+    assert m["actor/grad_norm"] == metric_approx("actor/grad_norm", np.mean(trained["ref_norms"]), trained["batch"])
     assert 0 < m["actor/entropy"] <= np.log(64) + 1e-6
 
 
@@ -142,8 +146,10 @@ def test_token_budget_microbatches_give_the_same_step(tiny_model, helpers, train
     cfg = TrainerConfig(**{**CFG, "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24})
     trainer = PolicyTrainer(tiny_model, cfg)
     metrics = trainer.update(trained["batch"])
-    assert _max_diff(trainer.gathered_state_dict(), trained["ref_state"]) < 1e-5
-    assert metrics["actor/pg_loss"] == pytest.approx(trained["metrics"]["actor/pg_loss"], abs=1e-6)
+    init = initial_weights(trainer.model_path)
+    assert update_gap(trainer.gathered_state_dict(), trained["ref_state"], init) < REORDER_REL
+    assert metrics["actor/pg_loss"] == metric_approx("actor/pg_loss", trained["metrics"]["actor/pg_loss"],
+                                                     trained["batch"])
 
 
 def test_rollout_logprobs_stand_in_when_not_recomputing(tiny_model, helpers):
@@ -164,7 +170,8 @@ def test_zero_stage_0_and_1_give_the_same_step(tiny_model, trained, stage):
     # The stages a pipeline-parallel config may use; here without a pipeline.
     trainer = PolicyTrainer(tiny_model, TrainerConfig(**{**CFG, "zero_stage": stage}))
     trainer.update(trained["batch"])
-    assert _max_diff(trainer.gathered_state_dict(), trained["ref_state"]) < 1e-5
+    init = initial_weights(trainer.model_path)
+    assert update_gap(trainer.gathered_state_dict(), trained["ref_state"], init) < REORDER_REL
 
 
 def test_bf16_update_hands_out_fp32_master_weights(tiny_model, helpers):

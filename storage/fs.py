@@ -171,7 +171,7 @@ def _s3_fs(url: str, storage: StorageConfig) -> tuple[fsspec.AbstractFileSystem,
     if redact_url(url) != url:
         raise UnsupportedURLError(
             f"credentials inside the URL {redact_url(url)!r} are not accepted: "
-            "put them in StorageConfig or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+            "put them in the config keys storage.key / storage.secret, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
         )
     opts = storage.s3fs_options()
     policy = RetryPolicy.of(storage)
@@ -229,12 +229,18 @@ def _translate_s3_error(e: BaseException, bucket: str, endpoint: str | None) -> 
             f"S3 bucket '{bucket}' does not exist {where}: create it first "
             f"(e.g. `aws s3 mb s3://{bucket}`) or fix the URL/endpoint_url"
         )
+    if "NoCredentialsError" in names:  # botocore found none: nothing was sent, nothing was rejected
+        return CredentialsError(
+            f"no S3 credentials were given for bucket '{bucket}' {where}: set the config keys storage.key and "
+            "storage.secret (or the overrides storage.key=... storage.secret=...), or export "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        )
     if (code in ("403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
                  "InvalidToken", "ExpiredToken", "InvalidClientTokenId")
-            or isinstance(e, PermissionError) or "NoCredentialsError" in names):
+            or isinstance(e, PermissionError)):
         return CredentialsError(
             f"S3 {where} rejected the credentials for bucket '{bucket}' ({code or type(e).__name__}): "
-            "set StorageConfig.key/secret or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY correctly"
+            "fix the config keys storage.key / storage.secret, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
         )
     return StorageError(
         f"cannot use S3 bucket '{bucket}' {where} ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "

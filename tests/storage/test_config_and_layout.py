@@ -115,6 +115,8 @@ def test_bad_credentials_are_one_line(auth_moto):
     with pytest.raises(CredentialsError, match="AWS_ACCESS_KEY_ID") as e:
         url_to_fs("s3://some-bucket/x", cfg)
     assert "\n" not in str(e.value) and "S3CRETVALUE" not in str(e.value)
+    assert "rejected the credentials" in str(e.value) and "storage.key / storage.secret" in str(e.value)
+    assert "StorageConfig" not in str(e.value)
 
 
 @pytest.mark.s3
@@ -130,8 +132,30 @@ def test_credentials_never_in_manifest(storage_config_s3, s3_endpoint, s3_bucket
 
 
 def test_credentials_in_s3_url_rejected():
-    with pytest.raises(UnsupportedURLError, match="StorageConfig"):
+    with pytest.raises(UnsupportedURLError, match="config keys storage.key / storage.secret"):
         url_to_fs("s3://key:secret@bucket/x")
+
+
+@pytest.mark.s3
+def test_no_credentials_at_all_is_said_so_with_the_keys_to_set(s3_endpoint, monkeypatch):
+    """examples/verl_dataset_s3.yaml without credentials: none were given, so none were
+    "rejected"; the fix names the config keys (storage.key), not a class (StorageConfig.key)."""
+    from storage.probe import StorageCheckError, check_root
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup
+    bare = StorageConfig(endpoint_url=s3_endpoint["endpoint_url"])
+    with pytest.raises(CredentialsError) as e:
+        url_to_fs("s3://my-bucket/rlmill", bare)
+    text = str(e.value)
+    assert text.startswith("no S3 credentials were given for bucket 'my-bucket' at http://127.0.0.1:"), text
+    assert "storage.key and storage.secret" in text and "AWS_ACCESS_KEY_ID" in text
+    assert "rejected" not in text and "StorageConfig" not in text and "\n" not in text
+    with pytest.raises(StorageCheckError, match=r"^storage root s3://my-bucket/rlmill: no S3 credentials were given"):
+        check_root("s3://my-bucket/rlmill", bare)
 
 
 def test_write_once_and_pointer(storage_root):

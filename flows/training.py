@@ -216,7 +216,7 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
 
     from flows.overrides import with_run_id
     from flows.reporting import (check_startable, deliver_logged_line, one_traceback_per_error, run_id_taken,
-                                 user_error_line)
+                                 run_start_words, user_error_line)
 
     in_run = FlowRunContext.get() is not None  # False for rl_training.fn(...): plain exceptions
     logger = get_run_logger() if in_run else log
@@ -228,8 +228,7 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
         extra += [f"run_id={run_id}"] if run_id else []
         extra, fresh = with_run_id(config, extra, taken=run_id_taken(config, extra))
         cfg = load_run_config(config, extra)
-        logger.info("run %s (%s)", cfg.run_id, f"new; to resume it, start again with run_id={fresh}" if fresh
-                    else "named by run_id: resumed where it stopped if it exists")
+        logger.info("run %s (%s)", cfg.run_id, run_start_words(cfg, fresh))
         check_startable(cfg)
         with RunLock(cfg.root, cfg.run_id), tags("rlmill", f"run:{cfg.run_id}"):
             if in_run:

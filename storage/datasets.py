@@ -20,9 +20,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["VERL_COLUMNS", "write_prompts", "read_prompts", "normalize_messages"]
+__all__ = ["VERL_COLUMNS", "DatasetError", "write_prompts", "read_prompts", "read_prompt_file",
+           "normalize_messages"]
 
 VERL_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+# What a verl prompt row looks like, quoted by the errors that ask for one.
+VERL_ROW = ('{"data_source": "...", "prompt": [{"role": "user", "content": "..."}], '
+            '"reward_model": {"style": "rule", "ground_truth": "..."}}')
+
+
+class DatasetError(ValueError):
+    """A prompt dataset file that cannot be used as it is: the message names the file, the column
+    or row, and the fix, in one line."""
 
 
 def _url_to_fs(url: str, storage=None):
@@ -81,24 +90,51 @@ def read_prompts(urls: str | Iterable[str], *, storage=None, columns: Sequence[s
 
     `prompt` cells come back as lists of {role, content, ...} dicts and `reward_model` /
     `extra_info` as dicts, whatever Parquet nesting the writer (pandas, HF datasets, pyarrow)
-    used. Raises ValueError naming the file when a verl column is missing.
+    used. Raises DatasetError (a ValueError) naming the file and the fix when one is not Parquet or
+    lacks a verl column.
     """
     import pandas as pd
-    import pyarrow.parquet as pq
 
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls:
         raise ValueError("read_prompts needs at least one URL")
-    frames = []
-    for url in urls:
-        fs, path = _url_to_fs(url, storage)
-        with fs.open(path, "rb") as f:
-            df = pq.read_table(f, columns=list(columns) if columns else None).to_pandas()
-        missing = [c for c in ("data_source", "prompt") if c not in df.columns and (not columns or c in columns)]
-        if missing:
-            raise ValueError(f"{url} is not a verl prompt dataset: missing column(s) {missing}")
-        frames.append(df)
+    frames = [read_prompt_file(url, storage=storage, columns=columns, plain=False) for url in urls]
     df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    return _plain_cells(df)
+
+
+def read_prompt_file(url: str, *, storage=None, columns: Sequence[str] | None = None,
+                     required: Sequence[str] = ("data_source", "prompt"), plain: bool = True, name: str | None = None):
+    """One verl-format Parquet file as a pandas DataFrame (cells as `read_prompts` gives them).
+
+    Raises DatasetError, naming the file (as `name`, default its URL) and the fix, when it is not
+    a Parquet file or lacks a `required` column; FileNotFoundError when it does not exist."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from storage.fs import redact_url
+
+    shown = name or redact_url(url)
+    fs, path = _url_to_fs(url, storage)
+    with fs.open(path, "rb") as f:
+        try:
+            table = pq.read_table(f, columns=list(columns) if columns else None)
+        except pa.ArrowInvalid as exc:  # "Parquet magic bytes not found", a 0-byte file, ...
+            why = " ".join(str(exc).split())[:200]
+            raise DatasetError(f"data file {shown} is not a Parquet file ({why}): give a verl-format .parquet "
+                               "file (pandas `DataFrame.to_parquet`, or `rlmill data make`)") from None
+    df = table.to_pandas()
+    missing = [c for c in required if c not in df.columns and (not columns or c in columns)]
+    if missing:
+        have = ", ".join(map(str, df.columns)) or "none"
+        raise DatasetError(
+            f"data file {shown} has no {' or '.join(repr(c) for c in missing)} column (its columns: {have}): "
+            f"write verl's columns, one row like {VERL_ROW}")
+    return _plain_cells(df) if plain else df
+
+
+def _plain_cells(df):
+    """`prompt` as lists of message dicts, `reward_model` / `extra_info` as plain dicts."""
     if "prompt" in df.columns:
         # Lenient on purpose: a malformed message is kept as it is for the quality gate to
         # name, instead of failing the read with a bare KeyError.

@@ -3,9 +3,9 @@
     >>> from gpu_jobs.data import make_dataset
     >>> train_url, test_url = make_dataset("arith", "/tmp/data/arith", train_size=512, test_size=64, seed=0)
 
-Generators are registered by name: "arith" (the built-in 2-digit addition task),
-"gsm_symbolic" (reasoning-gym's GSM8K-style word problems) and "rg:<task>" for any other
-reasoning-gym task. A reasoning-gym row keeps the generated entry as a JSON string in
+Generators are registered by name (`dataset_names()` lists them): "arith" (the built-in 2-digit
+addition task), "gsm_symbolic" (reasoning-gym's GSM8K-style word problems), "arith_tools"
+(gpu_jobs/data/tool_tasks.py) and "rg:<task>" for any other reasoning-gym task. A reasoning-gym row keeps the generated entry as a JSON string in
 `extra_info["rg_entry"]`, which is what the reward needs to call that task's `score_answer`.
 """
 
@@ -27,7 +27,7 @@ ARITH_SOURCE = "rlmill/arith"
 RG_SOURCE_PREFIX = "reasoning_gym/"
 
 __all__ = ["ARITH_SOURCE", "RG_SOURCE_PREFIX", "GENERATORS", "register_generator", "get_generator", "make_dataset",
-           "arith_pairs", "arith_row"]
+           "dataset_names", "arith_pairs", "arith_row"]
 
 
 def _json_safe(value: Any) -> Any:
@@ -63,6 +63,12 @@ Generator = Callable[[str, int, int], list[dict[str, Any]]]
 GENERATORS: Registry = Registry("dataset generator")
 register_generator = GENERATORS.register
 """Decorator: register a dataset generator under `name`; registering a name twice raises."""
+
+
+def dataset_names() -> list[str]:
+    """Every name `make_dataset` takes, as help and errors list them: the registered generators,
+    then reasoning-gym's pattern ("rg:<reasoning-gym task>")."""
+    return [*sorted(GENERATORS), "rg:<reasoning-gym task>"]
 
 
 def get_generator(name: str) -> Generator:

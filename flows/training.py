@@ -25,6 +25,7 @@ from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig, frozen_config, load_run_config
+from flows.failpoints import reach
 from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact, iteration_artifacts,
                              local_tb_dir, validation_artifact)
 from flows.remote import run_remote
@@ -195,7 +196,12 @@ def _history(run: Run, upto: int) -> tuple[list, list]:
     return hist, val
 
 
-@flow(name="rl-training", log_prints=True)
+def _completed(flow, flow_run, state) -> None:
+    """After the API stored the run's Completed state (Prefect runs completion hooks then)."""
+    reach("run:completed")
+
+
+@flow(name="rl-training", log_prints=True, on_completion=[_completed])
 def rl_training(config: str | None = None, overrides: list[str] | None = None,
                 iterations: int | None = None, run_id: str | None = None) -> dict[str, Any]:
     """A whole RL run. `config` is a YAML file, `overrides` verl-style `key=value` strings;
@@ -289,8 +295,10 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
             tb.log(k, metrics)
             guard(f"the progress artifact of iteration {k}", progress.update, k, metrics)
         train_s = time.perf_counter() - t_train - val_s
+        reach("run:final-validation")
         last_val = guard("the final validation", _validation, calls, total)
         acc_after = float(last_val["val/acc"])
+        reach("run:report")
         hist, val = _history(run, total)
         png_url = join(run.layout.root, "report", "curves.png")
         _write_bytes(png_url, curves_png(hist, val), run)
@@ -298,6 +306,7 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
                    "val/acc after": acc_after, "train seconds (this process)": round(train_s, 1),
                    "resumed from iteration": done}
         guard("the final artifact", final_artifact, cfg.run_id, summary, png_url, last_val)
+        reach("run:return")
         return {**summary, "curves": png_url, "root": cfg.root, "val_curve": val_curve}
     finally:
         tb.close()

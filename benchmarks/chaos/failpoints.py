@@ -15,6 +15,8 @@ rlmill itself knows about them.
   after-checkpoint:update:<k> checkpoint k published (LATEST moved), update k's manifest not yet
   in-flight:update:<k>        async (staleness 1): update k trained in memory and the stale rollout
                               of k+1 generated, neither committed: both held until the kill
+  run:<moment>                after the last commit (flows/failpoints.py: final validation, report,
+                              return, completed): the flow itself holds there, nothing is wrapped
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
+
+from flows.failpoints import POINTS, hold
 
 KINDS = ("after-commit", "before-commit", "before-manifest", "after-train", "after-checkpoint", "in-flight")
 
@@ -38,10 +41,7 @@ def parse(spec: str) -> tuple[str, str, int]:
 def _hit(marker: str) -> None:
     """Touch the marker and hold: until killed (the harness kills the whole process group now), or,
     with RLMILL_FAILPOINT_RELEASE set, until that file exists (a fault elsewhere, then go on)."""
-    Path(marker).write_text(str(os.getpid()))
-    release, deadline = os.environ.get("RLMILL_FAILPOINT_RELEASE"), time.monotonic() + 3600
-    while time.monotonic() < deadline and not (release and os.path.exists(release)):
-        time.sleep(0.1)
+    hold(marker)
 
 
 def _stage_of(url: str) -> tuple[str, int] | None:
@@ -63,6 +63,8 @@ def install(spec: str, marker: str) -> None:
     import gpu_jobs.stages.shell as shell
     import storage.manifest as manifest
 
+    if spec in POINTS:
+        return  # the flow reaches it itself (flows.failpoints.reach)
     kind, stage, k = parse(spec)
     if kind == "in-flight":
         _install_in_flight(k, marker)

@@ -18,7 +18,7 @@ from .audit import audit, snapshot
 from .harness import EXAMPLE, ITERATIONS, Chaos, Outcome, layout, overrides
 
 SCENARIOS: dict[str, tuple[str, Callable[[Chaos], Outcome]]] = {}
-QUICK = ("sigkill-chain", "corrupt-checkpoint", "s3-outage-long", "reward-faults-mixed", "bad-dataset", "bad-config")
+QUICK = ("sigkill-chain", "kill-after-last-commit", "corrupt-checkpoint", "s3-outage-long", "reward-faults-mixed", "bad-dataset", "bad-config")
 
 
 def scenario(name: str, fault: str):
@@ -79,6 +79,36 @@ for _name, (_fault, _point) in KILL_POINTS.items():
 def sigkill_chain(chaos: Chaos) -> Outcome:
     return _kill_then_resume(chaos, "sigkill-chain", SCENARIOS["sigkill-chain"][0],
                              ["before-commit:rollout:1", "before-manifest:reward:2", "after-train:update:3"])
+
+
+@scenario("kill-after-last-commit", "SIGKILL after the last commit: at the final validation, then each resume at "
+                                   "the report, the flow's return, after Completed; resumed by hand")
+def kill_after_last_commit(chaos: Chaos) -> Outcome:
+    """A chain over the moments of flows/failpoints.py: the run is killed at the first, each resume
+    at the next (so each resume has got past the moment before), and the last resume finishes.
+    Nothing may be committed after the first kill: every stage and checkpoint was already there."""
+    from flows.failpoints import POINTS
+
+    root = str(chaos.work / "kill-after-last-commit")
+    lay, recommitted = layout(root, "r"), []
+    points = list(POINTS)
+    chaos.kill_at(root, "r", points[0])
+    before = snapshot(lay)
+    for point in points[1:]:
+        chaos.kill_at(root, "r", point)
+        recommitted += sorted(set(snapshot(lay)) - set(before))
+    done = chaos.finish(root, "r")
+    recommitted += sorted(set(snapshot(lay)) - set(before))
+    report = audit(lay, before, ITERATIONS)
+    ok = done.returncode == 0 and not recommitted and bool(before)
+    if done.returncode:
+        outcome = f"resume failed: {_tail(done.stdout)}"
+    elif recommitted or not before:
+        outcome = f"a resume committed again: {recommitted[:2]}"
+    else:
+        outcome = f"killed at {len(points)} moments after the last commit; resumed, completed, committed nothing new"
+    return _result(SCENARIOS["kill-after-last-commit"][0], outcome, ok, report,
+                   chaos.same_as_reference(root, "r") if ok else "-")
 
 
 # ------------------------------------------------------------------------------ corruption

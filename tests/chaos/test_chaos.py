@@ -96,7 +96,7 @@ def test_in_flight_failpoint_parses():
 def test_quick_set_has_the_40s_outage_and_every_scenario_is_kept():
     from benchmarks.chaos.scenarios import SCENARIOS
 
-    assert "s3-outage-long" in QUICK and set(QUICK) <= set(SCENARIOS)
+    assert {"s3-outage-long", "kill-after-last-commit"} <= set(QUICK) <= set(SCENARIOS)
     for name in ("s3-outage", "s3-outage-long", "s3-outage-3min", "stale-lock", "kill-leaves-nothing",
                  "sigkill-chain", "kill-mid-commit", "corrupt-checkpoint", "reward-faults", "bad-config",
                  "async-kill-in-flight", "async-kill-random", "ranks-kill-after-train"):

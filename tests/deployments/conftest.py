@@ -203,11 +203,13 @@ def api(prefect_server):
     return call
 
 
-def trigger(name: str, params: dict, env: dict[str, str]) -> str:
-    """`prefect deployment run NAME -p k=v ...`; returns the new flow run's id."""
+def trigger(name: str, params: dict, env: dict[str, str], job_variables: dict | None = None) -> str:
+    """`prefect deployment run NAME -p k=v ... [--job-variable k=v ...]`; returns the new flow run's id."""
     args = ["prefect", "deployment", "run", name]
     for k, v in params.items():
         args += ["-p", f"{k}={json.dumps(v)}"]  # the CLI parses each value as JSON when it can
+    for k, v in (job_variables or {}).items():
+        args += ["--job-variable", f"{k}={json.dumps(v)}"]
     out = run_cli([str(VENV_BIN / args[0]), *args[1:]], env, timeout=120).stdout
     m = re.search(r"UUID: ([0-9a-f-]{36})", out)
     assert m, f"no flow run id in:\n{out}"

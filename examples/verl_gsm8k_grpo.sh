@@ -4,12 +4,19 @@
 # CPU-scale overrides (later keys win, as in verl/hydra): 4 prompts x 5 samples, 8-token responses,
 # one trainer rank, no tensor parallelism, 1 iteration, console logging only.
 #
-#   bash examples/verl_gsm8k_grpo.sh          # a couple of minutes on 2 cores
+#   bash examples/verl_gsm8k_grpo.sh                    # a new run each time (a minute or two on 2 cores)
+#   RUN_ID=<id it printed> bash examples/verl_gsm8k_grpo.sh      # resume that run
+#   bash examples/verl_gsm8k_grpo.sh trainer.total_training_steps=5   # more overrides: appended, last wins
 #
-# tests/flows/test_verl_command_line.py checks that these are exactly the keys it trains with.
+# verl's trainer.experiment_name names the run (rlmill's run_id), and naming a run resumes it: the
+# fixed name verl's script gives would make every run after the first resume the finished one and
+# train nothing. So the last override names a new run per call (RUN_ID= to resume one).
+# tests/flows/test_verl_command_line.py checks that these are exactly the keys it trains with;
+# tests/test_examples.py runs the script twice in a row.
 set -euo pipefail
 RLMILL=${RLMILL:-.venv/bin/rlmill}
-DATA=${DATA:-/tmp/rlmill-gsm8k}
+DATA=${DATA:-.rlmill/data/gsm_symbolic-32}            # this clone's, under rlmill's default root
+RUN_ID=${RUN_ID:-verl-gsm8k-grpo-$(date +%Y%m%d-%H%M%S)}
 "$RLMILL" data make gsm_symbolic --out "$DATA" --train-size 32 --test-size 8
 
 "$RLMILL" train \
@@ -58,4 +65,7 @@ DATA=${DATA:-/tmp/rlmill-gsm8k}
     data.train_batch_size=4 \
     actor_rollout_ref.actor.ppo_mini_batch_size=4 \
     data.max_response_length=8 \
-    trainer.total_training_steps=1
+    trainer.total_training_steps=1 \
+    `# a new run per call (RUN_ID= resumes one), then the caller's overrides` \
+    "trainer.experiment_name=$RUN_ID" \
+    "$@"

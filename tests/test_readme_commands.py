@@ -1,6 +1,8 @@
-"""Every `rlmill` command in README.md's code blocks is of a kind the tests know, the README's
-bad-key example is what the CLI prints, and deliberate mistakes end in one `rlmill:` error and
-never a traceback (a new process each, as a user runs them).
+"""Every `rlmill` command in README.md's code blocks and in the CLI's help texts is of a kind the
+tests know, parses, and names only config keys that exist (with values the config accepts);
+every config key the README names exists; the README's bad-key example is what the CLI prints,
+and deliberate mistakes end in one `rlmill:` error and never a traceback (a new process each,
+as a user runs them).
 
 The README's commands themselves run, in order, in tests/test_readme_walkthrough.py.
 """
@@ -86,3 +88,137 @@ def test_mistakes_end_in_one_rlmill_line_before_any_work(argv, words, tmp_path):
     first = proc.stderr.strip().splitlines()[0]
     assert first.startswith("rlmill: ") and words in proc.stderr, proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+# ------------------------------------------------- the help texts and the keys, in step with the code
+def _help_texts() -> dict[str, str]:
+    """`rlmill ... --help` of every command level, by the command's words ("" for rlmill's own)."""
+    import argparse
+
+    from flows.cli import build_parser
+
+    texts = {}
+
+    def walk(parser: argparse.ArgumentParser, words: str) -> None:
+        texts[words] = parser.format_help()
+        for action in parser._actions:  # argparse keeps subcommands here, and nowhere public
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{words} {name}".strip())
+
+    walk(build_parser(), "")
+    return texts
+
+
+HELP = _help_texts()
+PLACEHOLDERS = {"ID": "grpo-arith-20261201-093000"}  # how the help writes a run id
+
+
+def _help_commands() -> list[tuple[str, list[str]]]:
+    """(the help it is in, argv after `rlmill`) of every example command line in the help texts."""
+    def filled(word: str) -> str:
+        key, sep, value = word.partition("=")
+        return f"{key}={PLACEHOLDERS[value]}" if sep and value in PLACEHOLDERS else word
+
+    return [(where, [filled(w) for w in shlex.split(line.strip(), comments=True)[1:]])
+            for where, text in HELP.items() for line in text.splitlines() if line.startswith("  rlmill ")]
+
+
+def _rlmill_keys() -> tuple[set[str], set[str]]:
+    """(every dotted key of RunConfig, the keys whose value is a free-form mapping)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from gpu_jobs.stages.config import RunConfig
+
+    keys, free = set(), set()
+
+    def walk(model, prefix=""):
+        for name, fld in model.model_fields.items():
+            key = prefix + (fld.alias or name)
+            keys.add(key)
+            args = (fld.annotation, *typing.get_args(fld.annotation))
+            if any(typing.get_origin(a) is dict or a is dict for a in args):
+                free.add(key)
+            for arg in args:
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    walk(arg, key + ".")
+
+    walk(RunConfig)
+    return keys, free
+
+
+def _is_config_key(key: str) -> bool:
+    from flows.verl_keys import VERL_KEYS
+
+    keys, free = _rlmill_keys()
+    return key in keys or key in VERL_KEYS or any(key.startswith(f + ".") for f in free)
+
+
+def _check_command(argv: list[str]) -> None:
+    """argv parses as main() parses it, is a kind the tests know, and every override is a
+    config key with a valid value (the config loads, as `rlmill config show` would)."""
+    from flows.cli import _check_dataset_name, build_parser
+    from flows.config import load_run_config
+
+    args, extra = build_parser().parse_known_args(argv)
+    assert all("=" in e and not e.startswith("-") for e in extra), (argv, extra)
+    kind = tuple(argv[:2]) if argv[:1] in (["config"], ["data"]) else (argv[0],)
+    assert kind in KINDS, argv
+    overrides = [*getattr(args, "overrides", []), *extra]
+    for text in overrides:
+        assert _is_config_key(text.partition("=")[0]), f"{argv}: {text.partition('=')[0]} is no config key"
+    if args.command in ("train", "verify", "config"):
+        load_run_config(args.config, overrides)
+    if args.command == "data":
+        _check_dataset_name(args.name)
+
+
+def test_every_help_text_shows_examples_that_run(monkeypatch):
+    monkeypatch.chdir(REPO)
+    commands = _help_commands()
+    shown_in = {where for where, _ in commands}
+    assert {"", "run", "train", "verify", "data make", "config show"} <= shown_in, shown_in
+    for where, argv in commands:
+        _check_command(argv)
+
+
+def test_every_readme_command_parses_and_names_real_keys(monkeypatch):
+    monkeypatch.chdir(REPO)
+    for argv in COMMANDS:
+        _check_command(argv)
+
+
+# The README's Benchmarks section quotes other programs (`model.generate`, ...): no config keys there.
+USAGE = README.split("\n## Benchmarks\n", 1)[0] + README.split("\n## Reliability\n", 1)[1]
+
+
+def test_every_config_key_the_readme_names_exists():
+    from flows.verl_keys import VERL_SECTIONS
+    from gpu_jobs.stages.config import RunConfig
+
+    named = set()
+    for code in re.findall(r"`([^`\n]+)`", USAGE):
+        for word in code.split():
+            key = word.partition("=")[0]
+            if re.fullmatch(r"[a-z_]+(\.[A-Za-z0-9_]+)+", key) and \
+                    key.split(".")[0] in (*RunConfig.model_fields, *VERL_SECTIONS):
+                named.add(key)
+    assert {"reward.custom_reward_function.path", "storage.key", "storage.secret", "data.max_prompt_length"} <= named
+    unknown = sorted(k for k in named if not _is_config_key(k))
+    assert not unknown, f"README names config keys RunConfig and the verl table do not have: {unknown}"
+
+
+def test_the_readme_and_the_help_list_the_datasets_the_registry_has():
+    from gpu_jobs.data import dataset_names
+
+    names = " | ".join(dataset_names())
+    assert names in README and names in " ".join(HELP["data make"].split())
+
+
+def test_the_readme_documents_the_custom_reward_key_and_the_s3_example():
+    section = README.split("\n### Your own reward function", 1)[1].split("\n### ", 1)[0]
+    assert "reward.custom_reward_function.path" in section and "compute_score" in section
+    s3 = README.split("\n### verl-format data on S3\n", 1)[1].split("\n### ", 1)[0]
+    assert "examples/verl_dataset_s3.yaml" in s3 and "s3://my-bucket/data/arith" in s3 and "storage.key" in s3

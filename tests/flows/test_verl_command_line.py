@@ -270,7 +270,9 @@ def test_the_example_script_is_this_command_line(tmp_path):
                          capture_output=True, text=True, env={**os.environ, "RLMILL": str(fake), "DATA": "/d"})
     data_make, train = (json.loads(line) for line in out.stdout.splitlines())
     assert data_make[:4] == ["data", "make", "gsm_symbolic", "--out"]
-    assert train == ["train", *verl_gsm8k("/d/train.parquet", "/d/test.parquet"), *CPU_SCALE]
+    # ... then a new run per call (verl's fixed experiment_name would resume the finished run):
+    assert train[:-1] == ["train", *verl_gsm8k("/d/train.parquet", "/d/test.parquet"), *CPU_SCALE]
+    assert train[-1].startswith("trainer.experiment_name=verl-gsm8k-grpo-")
 
 
 def test_rollout_parallelism_keys_reach_the_engine_options_and_tensor_parallel_needs_cuda():

@@ -30,9 +30,8 @@ help:
 run: venv
 	$(PY) -m flows.cli run
 
-test: venv
-	@bash scripts/ensure_test_tools.sh
-	$(PY) -m pytest -q --durations=30 tests
+test:
+	@bash scripts/run_tests.sh
 
 test-fast: venv
 	$(PY) -m pytest -q tests -m "not slow"

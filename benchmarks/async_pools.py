@@ -13,22 +13,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
+from gpu_jobs.train.dist import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "prefect_local.sh"
 PREFECT = REPO / ".venv" / "bin" / "prefect"
 ROLLOUT_DEPLOYMENT = "rl-stage/rollout"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(args: list[str], env: dict[str, str], timeout: float = 400) -> str:
@@ -74,7 +69,7 @@ class TwoPools:
     def __init__(self, work: Path, update_pool: str = "update", rollout_pool: str = "rollout"):
         self.work, self.pools = work, (update_pool, rollout_pool)
         work.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         self.api = f"http://127.0.0.1:{port}/api"
         self.env = {**os.environ, "PREFECT_HOME": str(work / "home"), "PORT": str(port), "PREFECT_API_URL": self.api,
                     "RLMILL_WORK_POOL": update_pool, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}",

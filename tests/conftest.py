@@ -25,6 +25,46 @@ except ImportError:  # torch-less environments can still run the storage tests t
     pass
 
 
+def pytest_configure(config):
+    """One Prefect API server for the whole pytest run, started here in the controlling process
+    (with pytest-xdist its workers inherit PREFECT_API_URL), so that every `rlmill train` a test
+    starts, and every flow a test runs in-process without a harness of its own, talks to it
+    instead of starting an ephemeral server of its own (10-20 s each on 2 cores). A run that
+    sets PREFECT_API_URL itself keeps it; RLMILL_TEST_EPHEMERAL_PREFECT=1 keeps ephemeral mode."""
+    if (hasattr(config, "workerinput") or config.option.collectonly or os.environ.get("PREFECT_API_URL")
+            or os.environ.get("RLMILL_TEST_EPHEMERAL_PREFECT")):
+        return
+    import tempfile
+
+    from tests.servers import PrefectServer
+
+    server = PrefectServer(tempfile.mkdtemp(prefix="rlmill-test-prefect-")).start()
+    os.environ["PREFECT_API_URL"] = server.api_url
+    config._rlmill_prefect_server = server
+
+
+def pytest_unconfigure(config):
+    server = getattr(config, "_rlmill_prefect_server", None)
+    if server is not None:
+        import shutil
+
+        server.stop()
+        shutil.rmtree(server.home, ignore_errors=True)
+        os.environ.pop("PREFECT_API_URL", None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """pytest-xdist (`--dist loadgroup`): a module's tests stay on one worker, so its module- and
+    session-scoped fixtures (a warm engine, a built model) are built once; the tests that share
+    tests/deployments' Prefect server, deployments and worker all go to one worker."""
+    for item in items:
+        if any(m.name == "xdist_group" for m in item.iter_markers()):
+            continue
+        shared = {"prefect_server", "prefect_worker", "deployed", "api"} & set(getattr(item, "fixturenames", ()))
+        item.add_marker(pytest.mark.xdist_group("prefect-deployments" if shared and "deployments" in item.nodeid
+                                                else item.nodeid.split("::")[0]))
+
+
 def _start_moto(extra_env=None):
     from tests.servers import moto_server_exe, start_moto_server
 

@@ -1,8 +1,11 @@
-"""Test servers for tests and benchmarks: a real S3 endpoint on loopback via `moto_server`.
+"""Test servers for tests and benchmarks: a real S3 endpoint on loopback via `moto_server`, and
+a real Prefect API server (`prefect server start`, SQLite in its own PREFECT_HOME).
 
     with MotoServer() as s3:
         cfg = s3.config()          # StorageConfig for it
         url = s3.new_bucket()      # 's3://bucket-<hex>'
+    with PrefectServer(home) as prefect:
+        env = {**os.environ, "PREFECT_API_URL": prefect.api_url}
 
 Lives in tests/, not in the product packages; it needs `moto[server]` installed. Benchmarks import
 it as `tests.servers` (they run as `python -m benchmarks...` from the repository root).
@@ -10,28 +13,38 @@ it as `tests.servers` (they run as `python -m benchmarks...` from the repository
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
+from gpu_jobs.train.dist import free_port
 from storage import StorageConfig
 
-__all__ = ["MotoServer", "free_port", "start_moto_server", "stop_process"]
+__all__ = ["MotoServer", "PrefectServer", "free_port", "nightly_timezone", "start_moto_server", "stop_process"]
 
 MOTO_KEY = "rlmill-test-key"
 MOTO_SECRET = "rlmill-test-secret"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def nightly_timezone(now: dt.datetime | None = None) -> str:
+    """A non-UTC zone whose next 02:00 is more than an hour away, so the worker started by these
+    tests never picks up a real scheduled night (Tokyo and New York 02:00 are 10-11 h apart)."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    for tz in ("Asia/Tokyo", "America/New_York"):
+        local = now.astimezone(ZoneInfo(tz))
+        nxt = local.replace(hour=2, minute=0, second=0, microsecond=0)
+        if nxt <= local:
+            nxt += dt.timedelta(days=1)
+        if nxt - local > dt.timedelta(hours=1):
+            return tz
+    return "Asia/Tokyo"  # unreachable: the two 02:00s are never both within the hour
 
 
 def moto_server_exe() -> str | None:
@@ -108,3 +121,64 @@ class MotoServer:
                               aws_secret_access_key=self.secret, region_name="us-east-1")
         client.create_bucket(Bucket=name)
         return f"s3://{name}"
+
+
+class PrefectServer:
+    """`prefect server start` on a free loopback port, with its database in `home` (PREFECT_HOME),
+    for the life of a `with` block (or start()/stop()). The UI is off: the tests that look at the
+    UI start the server the README's way (scripts/prefect_local.sh).
+
+    Example:
+        >>> with PrefectServer(tmp_path) as prefect:  # doctest: +SKIP
+        ...     subprocess.run(["rlmill", "train"], env={**os.environ, "PREFECT_API_URL": prefect.api_url})
+    """
+
+    def __init__(self, home: str | os.PathLike, startup_timeout: float = 180.0):
+        self.home, self.timeout = Path(home), startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.api_url = ""
+
+    def start(self) -> "PrefectServer":
+        self.home.mkdir(parents=True, exist_ok=True)
+        port, log = free_port(), self.home / "server.log"
+        env = {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": "false"}
+        env.pop("PREFECT_API_URL", None)
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+                 "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.api_url = f"http://127.0.0.1:{port}/api"
+        deadline = time.monotonic() + self.timeout  # ~11 s on idle cores, ~30 s on busy ones
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.api_url}/health", timeout=5).read()
+                return self
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"prefect server did not answer /health within {self.timeout:.0f} s:\n"
+                                       f"{log.read_text()[-3000:]}") from None
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        """SIGTERM its process group (uvicorn runs in it), SIGKILL after 5 s."""
+        import signal
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=5)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> "PrefectServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port, start_moto_server, stop_process
+from tests.servers import free_port, nightly_timezone, start_moto_server, stop_process
 from tests.tiny import REPO, TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.deepspeed, pytest.mark.s3]
@@ -318,15 +318,6 @@ def _stop(proc: subprocess.Popen) -> None:
             return
 
 
-def _nightly_timezone() -> str:
-    """A zone whose 02:00 is hours away, so the worker never starts a real scheduled night."""
-    import datetime as dt
-    from zoneinfo import ZoneInfo
-
-    hour = dt.datetime.now(ZoneInfo("Asia/Tokyo")).hour
-    return "Asia/Tokyo" if hour not in (0, 1, 2) else "America/New_York"
-
-
 def test_a_newcomer_walks_the_readme_top_to_bottom(tmp_path):
     from gpu_jobs.train.dist import child_env
 
@@ -334,7 +325,7 @@ def test_a_newcomer_walks_the_readme_top_to_bottom(tmp_path):
     port = free_port()
     env = {k: v for k, v in child_env().items() if not k.startswith(("AWS_", "PREFECT_"))}
     env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PORT": str(port),  # a fresh user's Prefect
-                "RLMILL_NIGHTLY_TZ": _nightly_timezone(), "PREFECT_WORKER_QUERY_SECONDS": "2",
+                "RLMILL_NIGHTLY_TZ": nightly_timezone(), "PREFECT_WORKER_QUERY_SECONDS": "2",
                 "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     walk = Walk(clone, tmp_path, env, port)
     try:

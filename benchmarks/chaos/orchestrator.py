@@ -13,7 +13,6 @@ process); here the run is a deployment run, started by a worker that lives throu
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import os
 import re
@@ -21,7 +20,9 @@ import signal
 import subprocess
 import time
 import urllib.request
-from zoneinfo import ZoneInfo
+
+from gpu_jobs.train.dist import free_port
+from tests.servers import nightly_timezone
 
 from .audit import audit, snapshot
 from .harness import ITERATIONS, REPO, Chaos, Outcome, layout, overrides, session_processes
@@ -41,24 +42,6 @@ if os.environ.get("PREFECT__FLOW_RUN_ID") and os.environ.get("RLMILL_FAILPOINT")
 """
 
 
-def _far_from_2am() -> str:
-    """A time zone whose next 02:00 is hours away: the nightly schedule must not fire mid-scenario."""
-    now = dt.datetime.now(dt.timezone.utc)
-    for tz in ("Asia/Tokyo", "America/New_York"):
-        local = now.astimezone(ZoneInfo(tz))
-        if not 0 <= (local.hour - 1) % 24 <= 2:
-            return tz
-    return "Asia/Tokyo"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalPrefect:
     """Server + deployments + workers started like `make server/deploy/worker`, stopped by pid."""
 
@@ -67,11 +50,11 @@ class LocalPrefect:
         (self.dir / "site").mkdir(parents=True, exist_ok=True)
         (self.dir / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
         self.marker = self.dir / "failpoint-reached"
-        port = _free_port()
+        port = free_port()
         self.api = f"http://127.0.0.1:{port}/api"
         self.env = {**chaos.env(failpoint, self.marker), "PYTHONPATH": f"{self.dir / 'site'}:{REPO}",
                     "PREFECT_HOME": str(self.dir / "home"), "PORT": str(port),
-                    "PREFECT_API_URL": self.api, "RLMILL_WORK_POOL": POOL, "RLMILL_NIGHTLY_TZ": _far_from_2am(),
+                    "PREFECT_API_URL": self.api, "RLMILL_WORK_POOL": POOL, "RLMILL_NIGHTLY_TZ": nightly_timezone(),
                     "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
         self.env.pop("PREFECT_UI_API_URL", None)
         self.procs: list[subprocess.Popen] = []

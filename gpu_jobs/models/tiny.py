@@ -372,21 +372,38 @@ def ensure_builtin_model(cache_dir: str | os.PathLike | None = None, seed: int =
 
 def build_once(final: Path, build: Callable[[Path], None]) -> str:
     """The cached model folder `final`, built by `build(tmp)` into a temp sibling and renamed
-    into place the first time: a crash never leaves a half-written model, and two concurrent
-    builders race to the same (identical) result."""
+    into place the first time: a crash never leaves a half-written model. Builders of the same
+    folder take turns on `<final>.lock` (flock: released by the kernel when a builder dies), so a
+    second process (another test worker, a second `rlmill train`) waits for the first build
+    instead of repeating it. The first build says on stderr what it builds: it can take minutes."""
+    import fcntl
+    import sys
+
     if (final / "config.json").exists():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        build(tmp)
+    lock_path = final.parent / f".{final.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished first: theirs is identical
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            if (final / "config.json").exists():  # built while this process waited
+                return str(final)
+            print(f"rlmill: building {final.name} into {final.parent} (first use on this machine; "
+                  "cached for every later run)", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+            try:
+                build(tmp)
+                try:
+                    os.rename(tmp, final)
+                except OSError:  # a builder that took a lock file removed meanwhile finished first
+                    if not (final / "config.json").exists():
+                        raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            print(f"rlmill: built {final.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        finally:
+            lock_path.unlink(missing_ok=True)  # the cache holds models only; a waiter re-checks above
     return str(final)
 
 

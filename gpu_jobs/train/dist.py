@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "init_distributed",
     "child_env",
+    "free_port",
     "rank",
     "world_size",
     "is_rank0",
@@ -27,7 +28,8 @@ __all__ = [
 ]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it; someone may take it before it is bound)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,7 +47,7 @@ def _fill_single_rank_env() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
         _PORT_CHOSEN_HERE = True
 
 
@@ -64,7 +66,7 @@ def _init_gloo_single_rank(deepspeed) -> None:
             if not (_PORT_CHOSEN_HERE and "EADDRINUSE" in str(exc)) or attempt == 4:
                 raise
             ds_comm.cdb = None
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
 
 
 def _on_cpu() -> bool:

@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from zoneinfo import ZoneInfo
 
 import pytest
+
+from tests.servers import free_port, nightly_timezone
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "prefect_local.sh"
@@ -36,12 +35,6 @@ CHROMIUM = "/usr/bin/chromium"
 # The tiny run every end-to-end test trains: 8 prompts x 4 samples, 50 held-out rows, 1 iteration.
 TINY = ["data.train_batch_size=8", "rollout.n=4", "data.val_size=50", "actor.ppo_mini_batch_size=8",
         "trainer.total_iterations=1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -90,20 +83,6 @@ def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
                 return
             time.sleep(0.2)
     proc.wait(timeout=5)
-
-
-def nightly_timezone(now: dt.datetime | None = None) -> str:
-    """A non-UTC zone whose next 02:00 is more than an hour away, so the worker started by these
-    tests never picks up a real scheduled night (Tokyo and New York 02:00 are 10-11 h apart)."""
-    now = now or dt.datetime.now(dt.timezone.utc)
-    for tz in ("Asia/Tokyo", "America/New_York"):
-        local = now.astimezone(ZoneInfo(tz))
-        nxt = local.replace(hour=2, minute=0, second=0, microsecond=0)
-        if nxt <= local:
-            nxt += dt.timedelta(days=1)
-        if nxt - local > dt.timedelta(hours=1):
-            return tz
-    return "Asia/Tokyo"  # unreachable: the two 02:00s are never both within the hour
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:

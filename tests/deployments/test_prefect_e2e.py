@@ -182,10 +182,8 @@ def test_nightly_promotes_refuses_and_skips(prefect_worker, api, tools, tmp_path
     assert "REFUSED" in md and f"{night2['new']['mean_reward']:.4f}" in md
     assert f"{night2['promoted_before']['mean_reward']:.4f}" in md
 
-    t0 = time.monotonic()
     night3 = _nightly_cli(tools, ["--iterations", "1", "--eval-size", "50", *overrides])
-    assert night3["status"] == "nothing to do"
-    assert time.monotonic() - t0 < 120
+    assert night3["status"] == "nothing to do" and "run_id" not in night3  # nothing trained, nothing evaluated
     assert len(json.loads(state_file.read_text())["history"]) == 2
 
 # Remote placement through deployment runs: tests/deployments/test_async_pools.py (two pools, async).

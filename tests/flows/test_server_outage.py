@@ -16,7 +16,6 @@ import collections
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers import free_port
 from tests.tiny import EXAMPLE, REPO, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
@@ -65,12 +65,6 @@ print("RLMILL-DONE", summary["run_id"], summary["iterations"], flush=True)
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(what: str, ok, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not ok():
@@ -101,7 +95,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 class Server:
     def __init__(self, home: Path, logs: Path):
-        self.port, self.home, self.logs, self.proc, self.starts = _free_port(), home, logs, None, 0
+        self.port, self.home, self.logs, self.proc, self.starts = free_port(), home, logs, None, 0
         self.api = f"http://127.0.0.1:{self.port}/api"
         from gpu_jobs.train.dist import child_env
 

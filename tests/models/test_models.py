@@ -216,3 +216,40 @@ def test_smollm2_converts_to_plain_hf_folder():
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits
     assert torch.isfinite(logits).all() and logits.shape[-1] >= len(tok) - 64
+
+
+def test_concurrent_builders_take_turns_and_the_second_builds_nothing(tmp_path):
+    """Two processes ask for one uncached model (two test workers, two `rlmill train`): the first
+    builds until the second has started asking; the second, whether it reached the lock while
+    the first held it or after, finds the folder built and does not build it again."""
+    import subprocess
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from pathlib import Path
+        from gpu_jobs.models.tiny import build_once
+
+        asking = Path({str(tmp_path)!r}) / f"asking-{{sys.argv[1]}}"
+
+        def build(tmp):
+            print("built by", sys.argv[1], flush=True)
+            other = asking.with_name("asking-b" if sys.argv[1] == "a" else "asking-a")
+            deadline = time.monotonic() + 120  # the other interpreter's start
+            while not other.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            (tmp / "config.json").write_text("{{}}")
+
+        asking.write_text("")
+        print(build_once(Path({str(tmp_path)!r}) / "m", build))
+    """)
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", script, name], cwd=repo, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum("built by" in out for out, _ in outs) == 1, outs
+    assert sum("rlmill: building m into" in err for _, err in outs) == 1, outs
+    assert all(out.strip().endswith(str(tmp_path / "m")) for out, _ in outs)
+    assert sorted(os.listdir(tmp_path)) == ["asking-a", "asking-b", "m"]  # no lock or temp folder left

@@ -21,11 +21,11 @@ SCRIPT = textwrap.dedent("""
     taken.listen()
     busy = taken.getsockname()[1]
     import gpu_jobs.train.dist as dist
-    real, ports = dist._free_port, []
+    real, ports = dist.free_port, []
     def free_port():  # the first pick is a port someone took meanwhile
         ports.append(busy if not ports else real())
         return ports[-1]
-    dist._free_port = free_port
+    dist.free_port = free_port
     dist.init_distributed()
     import torch.distributed as td
     assert td.is_initialized() and os.environ["MASTER_PORT"] != str(busy), (ports, os.environ["MASTER_PORT"])

@@ -7,13 +7,15 @@
     rlmill config show [--config FILE] [key=value ...]
     rlmill verify --config FILE run_id=... [--repair]
     rlmill models fetch smollm2                  # the real SmolLM2-135M-Instruct (what `make smollm2` runs)
+    rlmill --help, rlmill <command> --help       # what each needs, with examples (MAIN_HELP, TRAIN_HELP, ...)
 
 Run ids: a run that the config and the overrides do not name gets a fresh id,
 `<config file>-<YYYYmmdd-HHMMSS>`, printed first; `run_id=<id>` resumes that run.
 
-A user's mistake (a bad key or value, a missing config, data or model file, a storage root that
-does not answer or cannot be written, a run id reused with another config, a run that does not
-exist, a dataset size too large) ends in one `rlmill: ...` line naming the problem and the fix,
+A user's mistake (a bad key or value, a missing config, data or model file, a data file that is
+not verl-format Parquet or has rows the data gate refuses, a storage root that does not answer or
+cannot be written, a run id reused with another config, a run that does not exist, a dataset size
+too large) ends in one `rlmill: ...` line naming the problem and the fix,
 exit status 1, before any work; argparse's own usage errors
 exit 2. Only those checked cases are turned into messages. Anything else is a bug: one
 `rlmill: unexpected error` line, then its traceback, once (when the rl-training flow already
@@ -557,6 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
 
     run = sub.add_parser("run", help="the main job: GRPO on the built-in task, accuracy before and after",
+                         description="The main job: GRPO on the built-in task, accuracy before and after.",
                          formatter_class=raw, epilog=RUN_HELP)
     run.add_argument("--run-id", default=None, metavar="ID", help="resume run ID (default: a new timestamped run)")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. trainer.total_iterations=10")

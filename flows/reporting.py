@@ -304,8 +304,8 @@ def user_error_line(exc: BaseException, cfg: Any = None, *, one_line: bool = Tru
 
 def check_startable(cfg: Any) -> None:
     """What a run would otherwise find out minutes in: missing local data files or model folder,
-    the SmolLM2 package not installed, a run id reused with a different config, another live
-    process on the run. Raises UserError / RunConfigMismatchError / RunLockedError. Run by
+    a data file the data gate would refuse (not Parquet, a missing column, bad rows), the SmolLM2
+    package not installed, a run id reused with a different config, another live process on the run. Raises UserError / RunConfigMismatchError / RunLockedError. Run by
     `rlmill train` before Prefect starts, and first thing by the rl-training flow."""
     import importlib.util
 

@@ -80,7 +80,8 @@ def console_line(k: int, total: int, metrics: dict[str, Any]) -> str:
     if "val/acc" in metrics:
         shown.append(f"val/acc={_fmt(metrics['val/acc'])}")
     for (source, var), cells in sorted(_val_core_cells(metrics).items()):
-        shown.append(f"val-core {source} {var}: " + " ".join(f"{m}={c}" for m, c in sorted(cells.items(), key=_mean_first)))
+        values = " ".join(f"{m}={c}" for m, c in sorted(cells.items(), key=_mean_first))
+        shown.append(f"val-core {source} {var}: {values}")
     return f"[{bar:<20}] iter {k}/{total}  " + "  ".join(shown)
 
 
@@ -305,7 +306,8 @@ def user_error_line(exc: BaseException, cfg: Any = None, *, one_line: bool = Tru
 def check_startable(cfg: Any) -> None:
     """What a run would otherwise find out minutes in: missing local data files or model folder,
     a data file the data gate would refuse (not Parquet, a missing column, bad rows), the SmolLM2
-    package not installed, a run id reused with a different config, another live process on the run. Raises UserError / RunConfigMismatchError / RunLockedError. Run by
+    package not installed, a run id reused with a different config, another live process on the
+    run. Raises UserError / DatasetError / RunConfigMismatchError / RunLockedError. Run by
     `rlmill train` before Prefect starts, and first thing by the rl-training flow."""
     import importlib.util
 

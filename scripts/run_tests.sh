@@ -13,8 +13,9 @@ workers=${RLMILL_TEST_WORKERS:-$(nproc)}
 # loadscope: a module's tests (a class's, where a module splits its work into classes) on one
 # worker, so module- and session-scoped fixtures (a warm engine, a built model, tests/deployments'
 # server and worker) are built once per worker. (loadgroup cannot be used: pytest-xdist 3.8's
-# groups do not reach pytest 9.2's node ids.)
-.venv/bin/python -m pytest -q --durations=30 -n "$workers" --dist loadscope "${@:-tests}"
+# groups do not reach pytest 9.2's node ids.) Modules go out longest first (tests/conftest.py),
+# not by test count, which xdist would otherwise do.
+.venv/bin/python -m pytest -q --durations=30 -n "$workers" --dist loadscope --no-loadscope-reorder "${@:-tests}"
 rc=$?
 secs=$(( $(date +%s) - start ))
 budget=$(( 12 * 60 ))

@@ -53,6 +53,23 @@ def pytest_unconfigure(config):
         os.environ.pop("PREFECT_API_URL", None)
 
 
+# The longest modules first (measured: minutes each, most of it one process at a time), then
+# the other slow ones, then the rest: `make test` hands whole modules to its workers in this
+# order (--no-loadscope-reorder), so no long module starts last and runs alone at the end.
+LONGEST_FIRST = ("tests/chaos/", "tests/test_readme_walkthrough.py", "tests/test_examples.py", "tests/deployments/")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order modules for the workers (see LONGEST_FIRST); a module's own tests keep their order."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> int:
+        module = item.nodeid.split("::")[0]
+        return 0 if module.startswith(LONGEST_FIRST) else 1 if module in slow else 2
+
+    items.sort(key=rank)  # stable
+
+
 def _start_moto(extra_env=None):
     from tests.servers import moto_server_exe, start_moto_server
 

@@ -2,12 +2,13 @@
 
     .venv/bin/python -m pytest -q tests/chaos
 
-Each scenario is a real run with a real fault: SIGKILLs at exact points of three iterations,
-a checkpoint file corrupted on disk, the S3 endpoint stopped for 40 s during a commit (one run,
+Each scenario is a real run with a real fault: SIGKILLs at exact points of three iterations and
+at each moment after the last commit (the final validation, the report, the flow's return, after
+Completed), a checkpoint file corrupted on disk, the S3 endpoint stopped for 40 s during a commit (one run,
 no restart: storage's own backoff carries it), a reward function that raises/hangs/returns NaN or
 a string, bad datasets and bad configs. A killed-and-resumed run must finish with weights bitwise
-equal to an uninterrupted one. About 3.5 minutes on 2 cores (198 s measured 2026-11-30 with the
-40 s outage included; `python -m benchmarks.chaos --quick`).
+equal to an uninterrupted one. It runs as two halves (two classes), which `make test` runs side
+by side on its two workers (`python -m benchmarks.chaos --quick` runs the whole set in one process).
 """
 
 from __future__ import annotations

@@ -422,7 +422,8 @@ def test_config_show_names_the_run_as_train_will(example_path, capsys):
     assert re.match(r"run_id: run-\d{8}-\d{6}  #", capsys.readouterr().out)
 
 
-def test_the_first_line_of_a_run_says_new_or_resuming_truthfully(example_path, tiny, tmp_path, monkeypatch):
+def test_the_first_line_of_a_run_says_new_or_resuming_truthfully(example_path, tiny, tmp_path, monkeypatch,
+                                                                 request):
     """A named run that does not exist yet is new; one whose run.json exists resumes. The
     rl-training flow logged every named run as "resumed where it stopped if it exists"."""
     import logging
@@ -459,7 +460,14 @@ def test_the_first_line_of_a_run_says_new_or_resuming_truthfully(example_path, t
             log.removeHandler(lines)
         return lines.lines[0]
 
-    monkeypatch.setattr(log, "level", logging.INFO)
+    # setLevel, not a plain attribute: it clears the loggers' isEnabledFor caches, and an earlier
+    # test in this process may have cached "INFO is off" for this logger (it failed that way under
+    # pytest-xdist). Whatever ran before may also have disabled the logger or muted logging.
+    level = log.level
+    log.setLevel(logging.INFO)
+    request.addfinalizer(lambda: log.setLevel(level))
+    monkeypatch.setattr(log, "disabled", False)
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
     monkeypatch.setattr(reporting, "check_startable", stop)
     assert first_line() == "run named (new)"
     RunLayout(cfg.root, cfg.run_id).write_run_json({"run_uid": "u", "config": frozen_config(cfg)})

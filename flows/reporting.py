@@ -422,25 +422,14 @@ def run_id_taken(config: str | None, overrides: list[str]):
 class _OneTraceback(logging.Filter):
     """Drops Prefect log records that would repeat an error the rl-training flow already
     reported (flows.training.rl_training marks the exception): a user's mistake (`rlmill_line`)
-    is reported by its one line, so no traceback at all; a bug (`rlmill_reported`) keeps its
-    first traceback (the engine's "Encountered exception during execution", right after the
-    flow's summary line) and loses the repeats (a deployment run's process logs it again on
-    exit, "Engine execution exited with unexpected exception"; a parent flow logs it again)."""
+    is reported by its one line, so no traceback at all; a bug (`rlmill_reported`) was logged
+    with its traceback on the flow's summary line, so the engine's copies go ("Encountered
+    exception during execution"; a deployment run's process logs it again on exit, "Engine
+    execution exited with unexpected exception"; a parent flow logs it again)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is None:
-            return True
-        if getattr(exc, "rlmill_line", None):
-            return False
-        if getattr(exc, "rlmill_reported", False):
-            if getattr(exc, "rlmill_traceback_shown", False):
-                return False
-            try:
-                exc.rlmill_traceback_shown = True
-            except AttributeError:
-                pass
-        return True
+        return exc is None or not (getattr(exc, "rlmill_line", None) or getattr(exc, "rlmill_reported", False))
 
 
 def one_traceback_per_error() -> None:

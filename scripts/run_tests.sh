@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# `make test`: the environment, the system tools, then the whole suite side by side on the cores
-# (pytest-xdist, one worker per core unless RLMILL_TEST_WORKERS says otherwise), and last one line
-# with how long it all took against the 12-minute budget (README "Tests").
+# `make test` and `make e2e`: the environment, the system tools, then one tier of the suite side by
+# side on the cores (pytest-xdist, one worker per core unless RLMILL_TEST_WORKERS says otherwise),
+# and last one line with how long it took against the tier's budget (README "What `make test` runs").
+#   test  every test but the `e2e` ones; 12 minutes
+#   e2e   the tests marked `e2e` (whole user journeys of many processes: the README walkthrough,
+#         every example, the chaos quick set); 15 minutes. CI (.ci/run) runs both tiers.
 #
-#   bash scripts/run_tests.sh [pytest args]    (make test; extra args go to pytest)
+#   bash scripts/run_tests.sh [test|e2e] [pytest args]    (extra args go to pytest)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
+tier=test
+case "${1:-}" in test|e2e) tier=$1; shift ;; esac
+if [ "$tier" = e2e ]; then marker="e2e"; minutes=15; else marker="not e2e"; minutes=12; fi
 bash scripts/ensure_venv.sh test || exit $?
 bash scripts/ensure_test_tools.sh || exit $?
 workers=${RLMILL_TEST_WORKERS:-$(nproc)}
@@ -15,10 +21,12 @@ workers=${RLMILL_TEST_WORKERS:-$(nproc)}
 # server and worker) are built once per worker. (loadgroup cannot be used: pytest-xdist 3.8's
 # groups do not reach pytest 9.2's node ids.) Modules go out longest first (tests/conftest.py),
 # not by test count, which xdist would otherwise do.
-.venv/bin/python -m pytest -q --durations=30 -n "$workers" --dist loadscope --no-loadscope-reorder "${@:-tests}"
+.venv/bin/python -m pytest -q --durations=30 -n "$workers" --dist loadscope --no-loadscope-reorder -m "$marker" \
+    "${@:-tests}"
 rc=$?
 secs=$(( $(date +%s) - start ))
-budget=$(( 12 * 60 ))
+budget=$(( minutes * 60 ))
 verdict=$([ "$secs" -le "$budget" ] && echo "within" || echo "OVER")
-printf 'make test: %d min %02d s, %s the 12 min budget (%d workers, exit %d)\n' $((secs / 60)) $((secs % 60)) "$verdict" "$workers" "$rc"
+printf 'make %s: %d min %02d s, %s the %d min budget (%d workers, exit %d)\n' "$tier" $((secs / 60)) $((secs % 60)) \
+    "$verdict" "$minutes" "$workers" "$rc"
 exit $rc

@@ -30,7 +30,9 @@ def pytest_configure(config):
     (with pytest-xdist its workers inherit PREFECT_API_URL), so that every `rlmill train` a test
     starts, and every flow a test runs in-process without a harness of its own, talks to it
     instead of starting an ephemeral server of its own (10-20 s each on 2 cores). A run that
-    sets PREFECT_API_URL itself keeps it; RLMILL_TEST_EPHEMERAL_PREFECT=1 keeps ephemeral mode."""
+    sets PREFECT_API_URL itself keeps it; RLMILL_TEST_EPHEMERAL_PREFECT=1 keeps ephemeral mode.
+    The server starts while the tests are collected: each process that runs tests waits for it
+    once collection is done (pytest_collection_finish), not before."""
     if (hasattr(config, "workerinput") or config.option.collectonly or os.environ.get("PREFECT_API_URL")
             or os.environ.get("RLMILL_TEST_EPHEMERAL_PREFECT")):
         return
@@ -38,9 +40,29 @@ def pytest_configure(config):
 
     from tests.servers import PrefectServer
 
-    server = PrefectServer(tempfile.mkdtemp(prefix="rlmill-test-prefect-")).start()
+    server = PrefectServer(tempfile.mkdtemp(prefix="rlmill-test-prefect-")).start(wait=False)
     os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ[_STARTING] = str(server.home / "server.log")  # xdist workers inherit it
     config._rlmill_prefect_server = server
+
+
+_STARTING = "RLMILL_TEST_PREFECT_STARTING"  # the session server's log while it may still be starting
+
+
+def pytest_collection_finish(session):
+    """Wait for the session's Prefect server before the first test of this process."""
+    log = os.environ.pop(_STARTING, None)
+    if log is None or session.config.option.collectonly:
+        return
+    from pathlib import Path
+
+    from tests.servers import wait_for_api
+
+    server = getattr(session.config, "_rlmill_prefect_server", None)
+    if server is not None:  # this process started it (no xdist)
+        server.wait_healthy()
+    else:
+        wait_for_api(os.environ["PREFECT_API_URL"], Path(log), timeout=180.0)
 
 
 def pytest_unconfigure(config):

@@ -174,6 +174,23 @@ class MotoServer:
         return f"s3://{name}"
 
 
+def wait_for_api(api_url: str, log: Path, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Block until a Prefect API answers /health (~11 s after its start on idle cores, ~30 s on
+    busy ones); raises with the end of its log when it does not within `timeout` s, or when
+    `proc`, its process, ended. The caller stops the process."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{api_url}/health", timeout=5).read()
+            return
+        except OSError:
+            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                tail = log.read_text()[-3000:] if log.exists() else "(no log)"
+                raise RuntimeError(f"prefect server {api_url} did not answer /health within {timeout:.0f} s "
+                                   f"(log {log}):\n{tail}") from None
+            time.sleep(0.3)
+
+
 class PrefectServer:
     """`prefect server start` on a free loopback port, with its database in `home` (PREFECT_HOME),
     for the life of a `with` block (or start()/stop()). The UI is off: the tests that look at the
@@ -189,7 +206,8 @@ class PrefectServer:
         self.proc: subprocess.Popen | None = None
         self.api_url = ""
 
-    def start(self) -> "PrefectServer":
+    def start(self, wait: bool = True) -> "PrefectServer":
+        """Start it; with wait=False return at once and call wait_healthy() before first use."""
         self.home.mkdir(parents=True, exist_ok=True)
         port, log = free_port(), self.home / "server.log"
         env = {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -200,17 +218,16 @@ class PrefectServer:
                 [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
                  "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.api_url = f"http://127.0.0.1:{port}/api"
-        deadline = time.monotonic() + self.timeout  # ~11 s on idle cores, ~30 s on busy ones
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.api_url}/health", timeout=5).read()
-                return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"prefect server did not answer /health within {self.timeout:.0f} s:\n"
-                                       f"{log.read_text()[-3000:]}") from None
-                time.sleep(0.3)
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self) -> None:
+        try:
+            wait_for_api(self.api_url, self.home / "server.log", self.timeout, self.proc)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         """SIGTERM the server and its uvicorn child (in a session of its own), SIGKILL after 5 s."""

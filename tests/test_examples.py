@@ -29,17 +29,16 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port, start_moto_server, stop_process
+from tests.servers import PrefectServer, start_moto_server, stop_process
 from tests.tiny import REPO, TINY
 
-pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.s3]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.prefect, pytest.mark.s3]
 
 README = (REPO / "README.md").read_text()
 EXAMPLES = sorted(p.name for p in (REPO / "examples").iterdir() if p.is_file())
@@ -113,35 +112,12 @@ class Ran:
 @contextlib.contextmanager
 def _prefect_api(home: Path):
     """The API URL every run uses: the test session's server when PREFECT_API_URL names one,
-    else a `prefect server start` of this module's own, stopped by PID at the end."""
+    else a server of this module's own (tests.servers.PrefectServer)."""
     if os.environ.get("PREFECT_API_URL"):
         yield os.environ["PREFECT_API_URL"]
         return
-    server, url = _prefect_server(home)
-    try:
-        yield url
-    finally:
-        stop_process(server)
-
-
-def _prefect_server(home: Path):
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": "false"}
-    with open(home / "server.log", "wb") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
-                                 "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=5).read()
-            return proc, url
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                stop_process(proc)
-                raise RuntimeError(f"prefect server did not answer:\n{(home / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+    with PrefectServer(home) as server:
+        yield server.api_url
 
 
 class Runner:

@@ -39,7 +39,7 @@ import pytest
 from tests.servers import free_port, nightly_timezone, start_moto_server, stop_process
 from tests.tiny import REPO, TINY
 
-pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.deepspeed, pytest.mark.s3]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.prefect, pytest.mark.deepspeed, pytest.mark.s3]
 
 README = (REPO / "README.md").read_text()
 SECTION = README.split("\n## Running it for real\n", 1)[1].split("\n## Reference\n", 1)[0]

@@ -49,6 +49,7 @@ def fetched(tmp_path_factory):
     return python, out
 
 
+@pytest.mark.e2e
 def test_fetch_installs_the_weights_and_gguf_reader_only(fetched):
     python, out = fetched
     assert re.search(r"SmolLM2-135M-Instruct weights: \S+\.gguf", out), out
@@ -74,6 +75,7 @@ def test_training_with_smollm2_before_fetching_names_the_command(monkeypatch):
         check_startable(load_run_config(REPO / "examples" / "grpo_gsm_smollm2.yaml", ["root=/nonexistent-root"]))
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_fetch_converts_it_once_to_a_plain_hf_folder(fetched, tmp_path):
     python, _ = fetched

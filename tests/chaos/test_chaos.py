@@ -131,6 +131,7 @@ def _survives(names: tuple[str, ...]) -> None:
         assert cells[2] in ("yes", "-") and cells[3] == "0" and cells[4] == "0" and cells[5] in ("= reference", "-"), row
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.prefect
 @pytest.mark.deepspeed
@@ -139,6 +140,7 @@ class TestKillsAndCorruption:
         _survives(HALVES[0])
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.prefect
 @pytest.mark.deepspeed

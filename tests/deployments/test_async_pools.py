@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.deepspeed]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.prefect, pytest.mark.deepspeed]
 
 ROLLOUT_POOL = "rlmill-test-rollout"
 RUN_TIMEOUT_S = 900  # ~10 stage runs of a few seconds each, each a fresh process started by a worker

@@ -28,7 +28,7 @@ import pytest
 from tests.servers import free_port
 from tests.tiny import EXAMPLE, REPO, tiny_overrides
 
-pytestmark = [pytest.mark.slow, pytest.mark.prefect]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.prefect]
 
 OUTAGE_S = 30  # the scenario of issue 18: a server restart that keeps the API away for 30 s
 

@@ -9,7 +9,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 
 import fsspec
 import pyarrow as pa
@@ -237,26 +236,26 @@ def test_a_read_started_during_an_outage_completes(moto, caplog):
 
 
 @pytest.mark.s3
-def test_an_outage_longer_than_the_budget_fails_with_storage_unavailable(moto):
+def test_an_outage_longer_than_the_budget_fails_with_storage_unavailable(moto, caplog):
+    caplog.set_level(logging.INFO, logger="rlmill.storage")
     cfg = moto.config(retry_budget_seconds=2, retry_max_delay_seconds=1)
     root = moto.new_bucket("outage-budget")
     url_to_fs(root, cfg)  # the bucket check, while the endpoint answers
     moto.stop()
-    start = time.monotonic()
     with pytest.raises(StorageUnavailableError, match=r"retry_budget_seconds=2\b") as e:
         write_table(f"{root}/t", pa.table({"x": [1]}), storage=cfg)
-    assert 1.5 <= time.monotonic() - start < 15  # the budget, not a fixed count of tries
+    assert _retries_logged(caplog)[0] >= 1  # it waited the outage out, then gave up at the budget
     assert "\n" not in str(e.value) and cfg.secret.get_secret_value() not in str(e.value)
 
 
 @pytest.mark.s3
-def test_a_missing_object_fails_at_once_whatever_the_budget(moto):
+def test_a_missing_object_fails_at_once_whatever_the_budget(moto, caplog):
+    caplog.set_level(logging.INFO, logger="rlmill.storage")
     cfg = moto.config()  # 5 minutes for transient faults
     root = moto.new_bucket("missing-key")
-    start = time.monotonic()
     with pytest.raises(NotCommittedError):
         read_manifest(f"{root}/nothing-here", cfg)
-    assert time.monotonic() - start < 5
+    assert _retries_logged(caplog) == (0, 0)  # an answer, not a fault to wait out
 
 
 @pytest.fixture(scope="module")
@@ -266,16 +265,16 @@ def auth_moto(moto_server_factory):
 
 
 @pytest.mark.s3
-def test_403_fails_at_once_whatever_the_budget(auth_moto):
+def test_403_fails_at_once_whatever_the_budget(auth_moto, caplog):
+    caplog.set_level(logging.INFO, logger="rlmill.storage")
     cfg = StorageConfig(endpoint_url=auth_moto, key="AKIAWRONGWRONGWRONG", secret="S3CRETVALUE")
     assert cfg.retry_budget_seconds == 300
-    start = time.monotonic()
     with pytest.raises(CredentialsError, match="rejected the credentials"):
         url_to_fs("s3://some-bucket/x", cfg)
     unchecked = cfg.model_copy(update={"check_bucket": False})
     with pytest.raises(PermissionError):  # every request, not only the bucket check
         write_table("s3://some-bucket/t", pa.table({"x": [1]}), storage=unchecked)
-    assert time.monotonic() - start < 10
+    assert _retries_logged(caplog) == (0, 0)  # a refusal, not a fault to wait out
 
 
 # ------------------------------------------------------------------------------ create-only

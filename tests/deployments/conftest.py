@@ -160,6 +160,33 @@ def wait_final(api, flow_run_id: str, timeout: float, worker_log: Path | None = 
         time.sleep(2)
 
 
+def logs_after_exit(api, flow_run_id: str, worker_log: Path, timeout: float) -> list[str]:
+    """Every log message the API stored for a final flow run, once the worker saw its process
+    exit (a process sends the rest of its logs before it exits): what the UI's log tab and
+    `prefect flow-run logs` show, and what `--watch` streamed while it listened."""
+    from uuid import UUID
+
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    name = api(lambda c: c.read_flow_run(UUID(flow_run_id))).name
+    exited = f"Process for flow run {name!r} exited"
+    deadline = time.monotonic() + timeout
+    while exited not in worker_log.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the worker did not report {exited!r} within {timeout:.0f} s:\n"
+                                 f"{worker_log.read_text()[-4000:]}")
+        time.sleep(1)
+    only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(flow_run_id)]))
+    messages: list[str] = []
+    while True:  # the API answers at most 200 per request
+        page = api(lambda c: c.read_logs(log_filter=only, sort=LogSort.TIMESTAMP_ASC, limit=200,
+                                         offset=len(messages)))
+        messages += [log.message for log in page]
+        if len(page) < 200:
+            return messages
+
+
 # ---------------------------------------------------------------------------------------------- UI
 class Chromium:
     """Headless Debian chromium driven over the DevTools protocol (websockets is a Prefect
@@ -253,4 +280,5 @@ def tools(prefect_env):
     from types import SimpleNamespace
 
     return SimpleNamespace(repo=REPO, script=SCRIPT, venv_bin=VENV_BIN, pool=POOL, tiny=list(TINY),
-                           env=prefect_env, run_cli=run_cli, trigger=trigger, wait_final=wait_final)
+                           env=prefect_env, run_cli=run_cli, trigger=trigger, wait_final=wait_final,
+                           logs_after_exit=logs_after_exit)

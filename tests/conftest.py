@@ -92,6 +92,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable
 
 
+# Folders whose modules share one worker (one xdist scope): their session fixtures are costly, so
+# a second worker running some of their modules would build them all again. tests/deployments:
+# a Prefect server with the UI, `make deploy` and a process worker (35-110 s on 2 busy cores).
+ONE_WORKER_FOLDERS = ("tests/deployments/",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadscope, with each ONE_WORKER_FOLDERS folder one scope (xdist's own scope is a
+    module, or a class where a module has them)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FolderScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            folder = next((f for f in ONE_WORKER_FOLDERS if nodeid.startswith(f)), None)
+            return folder or super()._split_scope(nodeid)
+
+    return FolderScopes(config, log)
+
+
 def _start_moto(extra_env=None):
     from tests.servers import moto_server_exe, start_moto_server
 

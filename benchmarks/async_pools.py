@@ -14,11 +14,10 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 from gpu_jobs.train.dist import free_port
+from tests.servers import wait_for_api
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "prefect_local.sh"
@@ -84,7 +83,7 @@ class TwoPools:
             with open(self.work / "server.log", "wb") as out:
                 self.procs.append(subprocess.Popen(["bash", str(SCRIPT), "server"], cwd=REPO, env=self.env,
                                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-            self._wait_healthy(180)
+            wait_for_api(self.api, self.work / "server.log", timeout=180, proc=self.procs[0])
             _cli(["bash", str(SCRIPT), "deploy"], self.env)
             move_rollout_to_pool(self.env, self.pools[1])
             for pool in self.pools:
@@ -97,17 +96,6 @@ class TwoPools:
     def __exit__(self, *exc) -> None:
         for proc in reversed(self.procs):
             stop(proc)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.api}/health", timeout=5).read()
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.procs[0].poll() is not None:
-                    raise RuntimeError(f"prefect server not healthy (log: {self.work / 'server.log'})") from None
-                time.sleep(1)
 
 
 async def stage_flow_runs(client, run_id: str) -> list:

@@ -19,10 +19,9 @@ import re
 import signal
 import subprocess
 import time
-import urllib.request
 
 from gpu_jobs.train.dist import free_port
-from tests.servers import nightly_timezone
+from tests.servers import nightly_timezone, wait_for_api
 
 from .audit import audit, snapshot
 from .harness import ITERATIONS, REPO, Chaos, Outcome, layout, overrides, session_processes
@@ -60,11 +59,19 @@ class LocalPrefect:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, what: str) -> subprocess.Popen:
-        log = open(self.dir / f"{what}-{len(self.procs)}.log", "wb")
-        proc = subprocess.Popen(["bash", str(SCRIPT), what], cwd=REPO, env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        path = self.dir / f"{what}-{len(self.procs)}.log"
+        with open(path, "wb") as log:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(["bash", str(SCRIPT), what], cwd=REPO, env=self.env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
+        if what == "server":
+            self.server = (proc, path)
         return proc
+
+    def wait_healthy(self) -> None:
+        """Until the server last started answers (tests.servers.wait_for_api)."""
+        proc, log = self.server
+        wait_for_api(self.api, log, timeout=180, proc=proc)
 
     def up(self) -> None:
         self.start("server")
@@ -73,17 +80,6 @@ class LocalPrefect:
                               text=True, timeout=400)
         if done.returncode:
             raise RuntimeError(f"deploy failed: {done.stdout[-1500:]} {done.stderr[-1500:]}")
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.api}/health", timeout=5).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"prefect server not healthy after 180 s (logs in {self.dir})") from None
-                time.sleep(1)
 
     def trigger(self, name: str, params: dict) -> str:
         args = [str(REPO / ".venv" / "bin" / "prefect"), "deployment", "run", name]

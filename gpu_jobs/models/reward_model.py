@@ -29,7 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpu_jobs.models.tiny import build_once, default_cache_dir, ensure_builtin_model, probe_problems, training_stream
+from gpu_jobs.models.tiny import (build_once, default_cache_dir, ensure_builtin_model, probe_problems, recipe_digest,
+                                  training_stream)
 from gpu_jobs.models.tokenizer import build_tokenizer
 
 __all__ = ["RewardModelRecipe", "ensure_arith_reward_model", "resolve_reward_model_path", "labelled_answers",
@@ -68,7 +69,7 @@ class RewardModelRecipe:
     version: int = RM_RECIPE_VERSION
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return recipe_digest(self)
 
 
 def resolve_reward_model_path(path: str, storage=None) -> str:

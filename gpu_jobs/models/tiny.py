@@ -92,8 +92,13 @@ class WarmupRecipe:
     version: int = RECIPE_VERSION
 
     def digest(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
+        return recipe_digest(self)
+
+
+def recipe_digest(recipe) -> str:
+    """12 hex digits naming a built model's recipe (a dataclass): the cache folder's suffix, so a
+    changed field builds anew. The three built-in models' recipes all name themselves this way."""
+    return hashlib.sha256(json.dumps(asdict(recipe), sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpu_jobs.models.tiny import build_once, default_cache_dir, ensure_builtin_model
+from gpu_jobs.models.tiny import build_once, default_cache_dir, ensure_builtin_model, recipe_digest
 from gpu_jobs.data.tool_calls import calculator, get_tool_format
 
 __all__ = ["ToolRecipe", "ensure_tool_model", "tool_exact_match", "tool_problems", "ToolWarmupNotReachedError"]
@@ -56,9 +56,7 @@ class ToolRecipe:
     version: int = RECIPE_VERSION
 
     def digest(self) -> str:
-        import hashlib
-
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return recipe_digest(self)
 
 
 def tool_problems(n: int, seed: int, exclude: frozenset = frozenset()) -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port, nightly_timezone, stop_group
+from tests.servers import free_port, nightly_timezone, stop_group, wait_for_api
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "prefect_local.sh"
@@ -33,19 +33,6 @@ CHROMIUM = "/usr/bin/chromium"
 # The tiny run every end-to-end test trains: 8 prompts x 4 samples, 50 held-out rows, 1 iteration.
 TINY = ["data.train_batch_size=8", "rollout.n=4", "data.val_size=50", "actor.ppo_mini_batch_size=8",
         "trainer.total_iterations=1"]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=5).read()
-            return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"prefect server not healthy after {timeout:.0f}s:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +68,7 @@ def prefect_server(prefect_env, tmp_path_factory):
         proc = subprocess.Popen(["bash", str(SCRIPT), "server"], cwd=REPO, env=prefect_env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_healthy(prefect_env["PREFECT_API_URL"], proc, log, timeout=180)
+        wait_for_api(prefect_env["PREFECT_API_URL"], log, timeout=180, proc=proc)
         yield prefect_env["PREFECT_API_URL"]
     finally:
         stop_group(proc)

@@ -213,13 +213,13 @@ def test_gates_write_reports_to_object_storage(s3_bucket_url, storage_config_s3,
     assert json.loads(fs.cat_file(path))["validation"]["success"] is True
 
 
-def test_validating_4096_rows_is_fast():
+def test_validating_4096_rows_passes():
+    """A clean rollout batch of 4096 rows passes the gate. How long the gate takes is measured by
+    `make bench-overhead` (its storage+gate column), not asserted here: a bound in seconds holds
+    on one CPU only (~0.45-0.65 s of CPU time on this box's 2 cores)."""
     df = rollout_df(4096, max_len=64, seed=1)
     cfg = GateConfig(max_response_length=64, score_range=(0.0, 1.0))
     validate_rollout(df.head(8), cfg)  # import + context, paid once per process
-    # CPU time, not wall time: other processes on a shared 2-core box must not fail this test.
-    # ~0.45-0.65 s measured; the budget is ~1 s.
     t0 = time.process_time()
     assert validate_rollout(df, cfg).passed
-    elapsed = time.process_time() - t0
-    assert elapsed < 1.5, elapsed
+    print(f"\nvalidate_rollout, 4096 rows: {time.process_time() - t0:.2f} s of CPU")

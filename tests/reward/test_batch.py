@@ -78,7 +78,9 @@ def test_bad_samples_score_on_error_and_the_batch_completes(reward_file):
     t0 = time.monotonic()
     scores, extra, metrics = score_batch(rows, cfg)
     elapsed = time.monotonic() - t0
-    assert elapsed < 20, elapsed  # two hangs of 120 s each cost ~timeout_s + a pool restart each
+    # Bounded by the work, not by this machine's speed: a pool that waited for either hang (each
+    # sleeps 120 s) would take at least 120 s; timing them out costs ~timeout_s + a pool restart each.
+    assert elapsed < 120, elapsed
     assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     kinds = [e.get("error_kind") for e in extra]
     assert kinds == [None, "exception", "timeout", "invalid", "invalid", None, None, None, "timeout"]

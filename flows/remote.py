@@ -1,9 +1,10 @@
 """Disaggregated placement: GPU stages as runs of their own deployments.
 
 With `trainer.placement: remote`, the rl-iteration flow does not load any model. The trainer's
-stages (the update, and the old-log-prob pass when actor.recompute_old_logprobs asks for it) start
-runs of `trainer.stage_deployment` (`rl-stage/gpu`); rollout and validation, which only generate,
-start runs of `trainer.rollout_deployment` (e.g. `rl-stage/rollout` on a pool of its own; empty =
+stages (declared `where="trainer"`: the update, and the old-log-prob pass when
+actor.recompute_old_logprobs asks for it) start runs of `trainer.stage_deployment`
+(`rl-stage/gpu`); rollout and validation (`where="rollout"`), which only generate, start runs of
+`trainer.rollout_deployment` (e.g. `rl-stage/rollout` on a pool of its own; empty =
 the stage deployment). Each runs on its work pool — Kubernetes jobs with GPU requests on a
 cluster, a local `process` pool in tests — and everything crosses through storage: the stage reads
 committed inputs and the weights checkpointed after the update it needs, and commits its manifest
@@ -17,58 +18,66 @@ rollout pool while update k runs on the other: the overlap that makes async pay.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from prefect import flow
 from prefect.deployments import run_deployment
 
 from gpu_jobs import stages
-from gpu_jobs.stages import Engines, Run
+from gpu_jobs.stages import STAGES, Engines, Run, StageSpec
 from storage import committed
 
-RemoteStage = Literal["rollout", "logprobs", "update", "validate"]
+REMOTE_POOLS = ("trainer", "rollout")  # the `where` of the stages placement=remote runs on a pool
+
+
+def remote_stage(name: str) -> StageSpec:
+    """The declared stage `name`, which must be one that runs on a pool."""
+    spec = STAGES.get(name)
+    if spec is None or spec.where not in REMOTE_POOLS:
+        pooled = sorted(n for n, s in STAGES.items() if s.where in REMOTE_POOLS)
+        raise ValueError(f"stage {name!r} does not run on a work pool; the stages that do: {', '.join(pooled)}")
+    return spec
 
 
 @flow(name="rl-stage", log_prints=True)
-def rl_stage(root: str, run_id: str, k: int, stage: RemoteStage, inputs: list[str] | None = None) -> str:
-    """Run one GPU stage of iteration k in this process, from storage only; returns its manifest URI."""
+def rl_stage(root: str, run_id: str, k: int, stage: str, inputs: list[str] | None = None) -> str:
+    """Run one pool stage of iteration k in this process, from storage only; returns its manifest URI."""
+    spec = remote_stage(stage)
     run = Run.from_storage(root, run_id)
-    if uri := committed(run.layout.stage(k, stage), run.storage):  # a retried run: nothing to load
+    if uri := committed(run.layout.stage(k, spec.name), run.storage):  # a retried run: nothing to load
         return uri
-    if stage in ("update", "logprobs"):
+    if spec.where == "trainer":
         engines = Engines.load(run, rollout=False)
         stages.restore(run, engines)  # trainer state of checkpoint k-1 (checkpoint_every is 1 in remote placement)
-        if stage == "update":
-            return stages.update(run, engines, k, *(inputs or []))
-        if engines.version != k - 1:  # the batch's old log-probs are those of the weights update k starts from
+        if spec is stages.logprobs and engines.version != k - 1:
+            # the batch's old log-probs are those of the weights update k starts from
             raise RuntimeError(f"log-probs of iteration {k} need the trainer after update {k - 1}, but storage "
                                f"holds committed updates up to {engines.version}")
-        return stages.logprobs(run, engines, k, *(inputs or []))
-    engines = Engines.load(run, trainer=False)
-    version = run.cfg.async_training.weights_version(k) if stage == "rollout" else k
-    stages.load_policy_into_rollout(run, engines, version)
-    return stages.rollout(run, engines, k) if stage == "rollout" else stages.validate(run, engines, k)
+    else:
+        engines = Engines.load(run, trainer=False)
+        version = run.cfg.async_training.weights_version(k) if spec is stages.rollout else k
+        stages.load_policy_into_rollout(run, engines, version)
+    return spec(run, engines, k, *(inputs or []))
 
 
-def run_remote(run: Run, k: int, stage: RemoteStage, inputs: list[str] = ()) -> str:
-    """Start the deployment for (k, stage) (trainer.deployment_for) and wait; returns the manifest
-    it committed.
+def run_remote(run: Run, k: int, stage: StageSpec, inputs: list[str] = ()) -> str:
+    """Start the deployment of (k, stage)'s pool (trainer.deployment_for) and wait; returns the
+    manifest it committed.
 
     Idempotent like every stage: an already committed stage is returned without a remote run.
     """
-    dest = run.layout.stage(k, stage)
+    dest = run.layout.stage(k, stage.name)
     if uri := committed(dest, run.storage):
         return uri
     flow_run = run_deployment(
-        name=run.cfg.trainer.deployment_for(stage),
-        parameters={"root": run.cfg.root, "run_id": run.cfg.run_id, "k": k, "stage": stage, "inputs": list(inputs)},
-        flow_run_name=f"{stage}-{k:04d}",
+        name=run.cfg.trainer.deployment_for(stage.where),
+        parameters={"root": run.cfg.root, "run_id": run.cfg.run_id, "k": k, "stage": stage.name,
+                    "inputs": list(inputs)},
+        flow_run_name=f"{stage.name}-{k:04d}",
         tags=["rlmill", f"run:{run.cfg.run_id}"],  # explicit: the iteration's tasks run untagged
         timeout=None,
     )
     uri = committed(dest, run.storage)
     if uri is None:
         state = flow_run.state.name if flow_run.state else "unknown"
-        raise RuntimeError(f"remote {stage} of iteration {k} ended {state} without committing {dest}; "
+        raise RuntimeError(f"remote {stage.name} of iteration {k} ended {state} without committing {dest}; "
                            f"see flow run {flow_run.id} in the Prefect UI")
     return uri

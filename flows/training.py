@@ -28,12 +28,13 @@ from flows.config import RunConfig, frozen_config, load_run_config
 from flows.failpoints import reach
 from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact, iteration_artifacts,
                              local_tb_dir, validation_artifact)
-from flows.remote import run_remote
+from flows.remote import REMOTE_POOLS, run_remote
 from flows.run_lock import RunLock
 from gpu_jobs.reward import decode_ground_truth
-from gpu_jobs.stages import Engines, Run, last_committed, open_warm, run_iteration
+from gpu_jobs import stages
+from gpu_jobs.stages import Engines, Run, StageSpec, last_committed, open_warm, run_iteration
 from storage import committed, join, read_manifest, read_table
-from tasks.stages import STAGE_TASKS
+from tasks.stages import stage_task
 
 log = logging.getLogger("rlmill")
 INPUT_ERROR_TAG = "input-error"  # the run failed because of its input: deployments/resume.py leaves it
@@ -42,41 +43,42 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distri
 
 
 class PrefectCalls:
-    """How the flow runs a stage (see gpu_jobs.stages.graph): a Prefect task in this process with
-    the run's warm engines, or with placement=remote a deployment run for the GPU stages (rollout
-    and validate on trainer.rollout_deployment, update and the trainer's log-probs on
-    trainer.stage_deployment; flows/remote.py), whose weights travel through checkpoints."""
-
-    REMOTE = ("rollout", "logprobs", "update", "validate")
+    """How the flow runs a stage (see gpu_jobs.stages.graph): its Prefect task in this process with
+    the run's warm engines, or with placement=remote a deployment run for the stages whose
+    declaration says they run on a pool (`where="trainer"` on trainer.stage_deployment,
+    `where="rollout"` on trainer.rollout_deployment; flows/remote.py), whose weights travel through
+    checkpoints."""
 
     def __init__(self, run: Run, engines: Engines | None):
         cfg = run.cfg
         self.run, self.engines = run, engines
         self.remote = cfg.trainer.placement == "remote"
-        opts = {"retries": cfg.tasks.retries, "retry_delay_seconds": cfg.tasks.retry_delay_seconds,
-                "timeout_seconds": cfg.tasks.timeout_seconds}
-        self.tasks = {name: t.with_options(**opts) for name, t in STAGE_TASKS.items()}
+        self.task_options = {"retries": cfg.tasks.retries, "retry_delay_seconds": cfg.tasks.retry_delay_seconds,
+                             "timeout_seconds": cfg.tasks.timeout_seconds}
+        self.tasks: dict[StageSpec, Any] = {}
         self.iteration_flow = rl_iteration(self)
         self.subflow_settings = SubflowSettings()
 
-    def __call__(self, stage: str, k: int, *inputs: Any) -> Any:
-        if self.remote and stage in self.REMOTE:
+    def __call__(self, stage: StageSpec, k: int, *inputs: Any) -> Any:
+        if self.remote and stage.where in REMOTE_POOLS:
             return run_remote(self.run, k, stage, list(inputs))
-        if self.remote and stage == "weight-sync":
-            return 0.0  # the next remote rollout loads the weights the remote update published
+        if self.remote and stage.where == "colocated":
+            return 0.0  # seconds of hand-off: the next remote stage loads the weights the remote update published
         with _untagged_tasks():
             return self._task(stage, k)(self.run, self.engines, k, *inputs)
 
-    def start(self, stage: str, k: int, *inputs: Any):
+    def start(self, stage: StageSpec, k: int, *inputs: Any):
         """Start a stage on Prefect's task runner (a thread here) and return its `.result`."""
         with _untagged_tasks():
-            if self.remote and stage in self.REMOTE:
+            if self.remote and stage.where in REMOTE_POOLS:
                 return _remote_stage.submit(self.run, k, stage, list(inputs)).result
             return self._task(stage, k).submit(self.run, self.engines, k, *inputs).result
 
-    def _task(self, stage: str, k: int):
+    def _task(self, stage: StageSpec, k: int):
+        if stage not in self.tasks:
+            self.tasks[stage] = stage_task(stage).with_options(**self.task_options)
         task = self.tasks[stage]
-        if stage == "rollout":  # async: the UI says which weights sampled it (maybe another iteration's run)
+        if stage is stages.rollout:  # async: the UI says which weights sampled it (maybe another iteration's run)
             version = self.run.cfg.async_training.weights_version(k)
             task = task.with_options(task_run_name=f"rollout-{k} (weights of update {version})")
         return task
@@ -109,7 +111,7 @@ class SubflowSettings:
 
 
 @task(name="remote-stage", cache_policy=NO_CACHE)  # the stage itself is idempotent; a Run cannot be hashed
-def _remote_stage(run: Run, k: int, stage: str, inputs: list[str]) -> str:
+def _remote_stage(run: Run, k: int, stage: StageSpec, inputs: list[str]) -> str:
     """A deployment run of a remote stage, started from a task so Prefect's task runner can
     overlap it with another (async: a rollout on the rollout pool while the update runs on the
     stage pool)."""
@@ -169,7 +171,7 @@ def _untagged_tasks():
 def _validation(calls: PrefectCalls, k: int) -> dict[str, Any]:
     """The validation after update k (its stage's metrics: val/acc and verl's val-core/val-aux),
     also shown as a markdown artifact."""
-    metrics = read_manifest(calls("validate", k), calls.run.storage).metrics
+    metrics = read_manifest(calls(stages.validate, k), calls.run.storage).metrics
     validation_artifact(calls.run.cfg.run_id, k, metrics)
     return metrics
 

@@ -1,4 +1,5 @@
-"""Prefect tasks, one per stage: thin wrappers over gpu_jobs.stages.
+"""Prefect tasks, one per stage: thin wrappers over gpu_jobs.stages, made from each stage's
+declaration (`stage_task(spec)`), so a new `@stage` has its task with no edit here.
 
 Each task takes the run, its warm engines and the iteration (plus the URIs of its committed
 inputs) and returns the URI of the manifest it committed. The run and engines are passed as
@@ -7,6 +8,7 @@ key is (run uid, iteration, stage, input URIs, whether the stage is committed no
 flow run id, so a resumed flow run reuses what committed, and a stage `rlmill verify --repair`
 uncommitted runs again instead of returning its old URI from Prefect's cache. Stages are
 idempotent on their own (they return an existing manifest), so a retry is always harmless.
+A stage that commits nothing (the weight hand-off) is never cached: its inputs cannot be hashed.
 
 A failed task is retried after a wait (tasks.retry_delay_seconds, by default 10 s, then 40 s),
 never at once: a retry sent straight back into the fault that failed it (an object-store outage
@@ -15,14 +17,16 @@ longer than storage's own retry budget, a restarting service) fails the same way
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 from typing import Any
 
-from prefect import task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from gpu_jobs.stages import STAGE_FUNCTIONS
+from gpu_jobs.stages import StageSpec
 from gpu_jobs.stages.config import TaskConfig
 from storage import committed
 
@@ -41,72 +45,22 @@ def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
 # settings with `with_options`; a task used bare retries the same way, with backoff, never at once.
 _TASKS = TaskConfig()
 _RETRY = dict(retries=_TASKS.retries, retry_delay_seconds=_TASKS.retry_delay_seconds)
-_STAGE = dict(cache_key_fn=stage_cache_key, persist_result=True, **_RETRY)
-_fn = STAGE_FUNCTIONS
 
 
-@task(name="rollout", **_STAGE)
-def rollout(run, engines, k: int) -> str:
-    return _fn["rollout"](run, engines, k)
+@functools.cache
+def stage_task(spec: StageSpec) -> Task:
+    """The Prefect task of a stage: named after it, with the compute's parameters (the cache key
+    and the UI read them), calling the spec at run time (a wrapped `spec.compute` is honoured)."""
+    signature = inspect.signature(spec.compute)
 
+    def run_stage(*args: Any, **kwargs: Any) -> Any:
+        # Prefect passes parameters with defaults by keyword: the stage gets them in order, as
+        # the graph and DirectCalls pass them.
+        bound = signature.bind(*args, **kwargs)
+        return spec(*bound.args, **bound.kwargs)
 
-@task(name="baseline", **_STAGE)
-def baseline(run, engines, k: int, rollout_uri: str) -> str | None:
-    return _fn["baseline"](run, engines, k, rollout_uri)
-
-
-@task(name="gate", **_STAGE)
-def gate(run, engines, k: int, rollout_uri: str) -> str:
-    return _fn["gate"](run, engines, k, rollout_uri)
-
-
-@task(name="reward_model", **_STAGE)
-def reward_model(run, engines, k: int, batch_uri: str) -> str | None:
-    return _fn["reward_model"](run, engines, k, batch_uri)
-
-
-@task(name="reward", **_STAGE)
-def reward(run, engines, k: int, batch_uri: str, rm_uri: str | None = None) -> str:
-    return _fn["reward"](run, engines, k, batch_uri, rm_uri)
-
-
-@task(name="logprobs", **_STAGE)
-def logprobs(run, engines, k: int, batch_uri: str) -> str | None:
-    return _fn["logprobs"](run, engines, k, batch_uri)
-
-
-@task(name="values", **_STAGE)
-def values(run, engines, k: int, batch_uri: str) -> str | None:
-    return _fn["values"](run, engines, k, batch_uri)
-
-
-@task(name="advantages", **_STAGE)
-def advantages(run, engines, k: int, batch_uri: str, reward_uri: str, logprobs_uri: str | None,
-               values_uri: str | None, baseline_uri: str | None = None) -> str:
-    return _fn["advantages"](run, engines, k, batch_uri, reward_uri, logprobs_uri, values_uri, baseline_uri)
-
-
-@task(name="update", **_STAGE)
-def update(run, engines, k: int, adv_uri: str) -> str:
-    return _fn["update"](run, engines, k, adv_uri)
-
-
-@task(name="weight-sync", cache_policy=NO_CACHE, **_RETRY)  # nothing to cache; its inputs cannot be hashed
-def sync_weights(run, engines, k: int) -> float:
-    """In-memory hand-off of the new weights to the rollout engine (nothing to commit)."""
-    return _fn["weight-sync"](run, engines, k)
-
-
-@task(name="commit", **_STAGE)
-def commit(run, engines, k: int, stage_uris: dict[str, str | None], extra_metrics: dict) -> str:
-    return _fn["commit"](run, engines, k, stage_uris, extra_metrics)
-
-
-@task(name="validate", **_STAGE)
-def validate(run, engines, k: int) -> str:
-    return _fn["validate"](run, engines, k)
-
-
-STAGE_TASKS = {t.name: t for t in (rollout, baseline, gate, reward_model, reward, logprobs, values, advantages, update,
-                                   sync_weights, commit, validate)}
-assert set(STAGE_TASKS) == set(STAGE_FUNCTIONS), "every stage function has its task"
+    run_stage.__signature__ = signature  # type: ignore[attr-defined]
+    run_stage.__name__ = run_stage.__qualname__ = spec.compute.__name__
+    run_stage.__doc__ = spec.compute.__doc__
+    caching = dict(cache_key_fn=stage_cache_key, persist_result=True) if spec.commits else dict(cache_policy=NO_CACHE)
+    return task(run_stage, name=spec.name, **caching, **_RETRY)

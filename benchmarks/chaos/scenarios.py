@@ -229,10 +229,11 @@ def _moto():
 @contextlib.contextmanager
 def _attempts_of(stage: str, k: int):
     """Record each attempt of `stage` at iteration k (Prefect retries included): the exception
-    type it ended with, or None. Wraps the stage function the task calls."""
-    from gpu_jobs.stages import STAGE_FUNCTIONS
+    type it ended with, or None. Wraps the stage's commit shell, which its task calls."""
+    from gpu_jobs.stages import STAGES
 
-    real, attempts = STAGE_FUNCTIONS[stage], []
+    spec = STAGES[stage]
+    real, attempts = spec.shell, []
 
     def wrapped(run, engines, kk, *a, **kw):
         if kk != k:
@@ -245,11 +246,11 @@ def _attempts_of(stage: str, k: int):
         attempts.append(None)
         return out
 
-    STAGE_FUNCTIONS[stage] = wrapped
+    spec.shell = wrapped
     try:
         yield attempts
     finally:
-        STAGE_FUNCTIONS[stage] = real
+        del spec.shell  # the class's shell again
 
 
 def _s3_outage(chaos: Chaos, name: str, seconds: float, *extra: str) -> Outcome:

@@ -184,11 +184,10 @@ class LoopConfig(_Section):
     loggers: list[Literal["wandb", "mlflow"]] = Field(
         default_factory=list, description="Extra metric loggers: 'wandb' and/or 'mlflow' (their packages must be installed).")
 
-    def deployment_for(self, stage: str) -> str:
-        """The deployment a remote stage runs on: generation on rollout_deployment (if set), the
-        trainer's stages (update, log-probs) on stage_deployment."""
-        return (self.rollout_deployment or self.stage_deployment) if stage in ("rollout", "validate") \
-            else self.stage_deployment
+    def deployment_for(self, pool: Literal["trainer", "rollout"]) -> str:
+        """The deployment of a pool (a stage's declared `where`): generation on rollout_deployment
+        (if set), the trainer's stages (update, log-probs) on stage_deployment."""
+        return (self.rollout_deployment or self.stage_deployment) if pool == "rollout" else self.stage_deployment
 
     @model_validator(mode="after")
     def _loggers_installed(self) -> "LoopConfig":

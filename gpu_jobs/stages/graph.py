@@ -4,27 +4,31 @@
     uris = run_iteration(PrefectCalls(...), run.cfg, k)             # the flow: Prefect tasks / remote runs
 
 `run_iteration` says which stage runs after which and what each one reads; the `calls` argument
-says how a stage is run. Adding a stage is one edit here and one entry in STAGE_FUNCTIONS.
+says how a stage is run. It passes the stage objects themselves (`StageSpec`, declared with
+`@stage` in iteration.py), so everything about a stage — its compute, whether the run needs it,
+where it runs — is read from its one declaration. Adding a stage is one decorated function and
+one line here.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
+from gpu_jobs.stages import iteration as st
 from gpu_jobs.stages.engines import Engines
-from gpu_jobs.stages.iteration import STAGE_FUNCTIONS, needs_logprobs, needs_reward_model
 from gpu_jobs.stages.run import Run
+from gpu_jobs.stages.shell import StageSpec
 
-__all__ = ["StageCalls", "DirectCalls", "run_iteration", "optional_stages"]
+__all__ = ["StageCalls", "DirectCalls", "run_iteration"]
 
 
 class StageCalls(Protocol):
-    """How the graph runs a stage: `calls(name, k, *inputs)` returns what the stage returns (a
+    """How the graph runs a stage: `calls(stage, k, *inputs)` returns what the stage returns (a
     manifest URI); `calls.start(...)` starts it and returns a function that waits for it."""
 
-    def __call__(self, stage: str, k: int, *inputs: Any) -> Any: ...
+    def __call__(self, stage: StageSpec, k: int, *inputs: Any) -> Any: ...
 
-    def start(self, stage: str, k: int, *inputs: Any) -> Callable[[], Any]: ...
+    def start(self, stage: StageSpec, k: int, *inputs: Any) -> Callable[[], Any]: ...
 
 
 class DirectCalls:
@@ -33,48 +37,42 @@ class DirectCalls:
     def __init__(self, run: Run, engines: Engines):
         self.run, self.engines = run, engines
 
-    def __call__(self, stage: str, k: int, *inputs: Any) -> Any:
-        return STAGE_FUNCTIONS[stage](self.run, self.engines, k, *inputs)
+    def __call__(self, stage: StageSpec, k: int, *inputs: Any) -> Any:
+        return stage(self.run, self.engines, k, *inputs)
 
-    def start(self, stage: str, k: int, *inputs: Any) -> Callable[[], Any]:
+    def start(self, stage: StageSpec, k: int, *inputs: Any) -> Callable[[], Any]:
         result = self(stage, k, *inputs)
         return lambda: result
 
 
-def optional_stages(cfg: Any) -> dict[str, bool]:
-    """Whether the run's algorithm needs each optional stage (the flow does not even start a task
-    for the others: a task run costs ~25 ms of API calls when it does nothing)."""
-    return {"baseline": cfg.algorithm.needs_reward_baselines, "logprobs": needs_logprobs(cfg),
-            "values": cfg.critic is not None, "reward_model": needs_reward_model(cfg)}
-
-
 def run_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
     """rollout -> gate -> {reward model -> reward, log-probs, values} -> advantages -> update ->
-    weight sync -> commit. Returns every stage's manifest URI (None for stages the algorithm does not need).
+    weight sync -> commit. Returns every stage's manifest URI (None for stages the algorithm does
+    not need: the flow does not even start a task for those, ~25 ms of API calls each).
 
     With async_training.staleness_threshold = s > 0 the rollout runs ahead: iteration k's own
     rollout was made during iteration k-s (with the weights after update k-1-s), and iteration k
     starts the rollout of k+s with the weights after update k-1, concurrently with update k.
     """
-    need = optional_stages(cfg)
-    rollout = calls("rollout", k)
-    baseline = calls("baseline", k, rollout) if need["baseline"] else None  # ReMax only
-    batch = calls("gate", k, rollout)
+    rollout = calls(st.rollout, k)
+    baseline = calls(st.baseline, k, rollout) if st.baseline.is_needed(cfg) else None  # ReMax only
+    batch = calls(st.gate, k, rollout)
     # Scoring and the log-prob/value passes are independent: they may run concurrently. The
     # reward model is its own stage (own engine, own commit); the reward stage combines its scores.
-    pending = {name: calls.start(name, k, batch) for name in ("reward_model", "logprobs", "values") if need[name]}
+    pending = {spec.name: calls.start(spec, k, batch) for spec in (st.reward_model, st.logprobs, st.values)
+               if spec.is_needed(cfg)}
     rm = pending["reward_model"]() if "reward_model" in pending else None
-    reward = calls("reward", k, batch, rm)
+    reward = calls(st.reward, k, batch, rm)
     logprobs, values = (pending[n]() if n in pending else None for n in ("logprobs", "values"))
-    advantages = calls("advantages", k, batch, reward, logprobs, values, baseline)
+    advantages = calls(st.advantages, k, batch, reward, logprobs, values, baseline)
     if cfg.async_training.staleness_threshold == 0:
-        update = calls("update", k, advantages)
-        sync_s = calls("weight-sync", k)
+        update = calls(st.update, k, advantages)
+        sync_s = calls(st.sync_weights, k)
     else:
         update, sync_s = _update_with_rollout_ahead(calls, cfg, k, advantages)
     uris = {"rollout": rollout, "baseline": baseline, "gate": batch, "reward_model": rm, "reward": reward,
             "logprobs": logprobs, "values": values, "advantages": advantages, "update": update}
-    uris["commit"] = calls("commit", k, uris, {"timing_s/weight_sync": sync_s})
+    uris["commit"] = calls(st.commit, k, uris, {"timing_s/weight_sync": sync_s})
     return uris
 
 
@@ -88,10 +86,10 @@ def _update_with_rollout_ahead(calls: StageCalls, cfg: Any, k: int, advantages: 
     """
     s, last = cfg.async_training.staleness_threshold, cfg.trainer.total_iterations
     for j in range(k + 1, min(k + s, last + 1)):
-        calls("rollout", j)
-    sync_s = calls("weight-sync", k)
-    ahead = calls.start("rollout", k + s) if k + s <= last else None
-    update = calls("update", k, advantages)
+        calls(st.rollout, j)
+    sync_s = calls(st.sync_weights, k)
+    ahead = calls.start(st.rollout, k + s) if k + s <= last else None
+    update = calls(st.update, k, advantages)
     if ahead is not None:
         ahead()
     return update, sync_s

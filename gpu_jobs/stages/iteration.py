@@ -1,4 +1,5 @@
-"""The stages of one RL iteration, each a compute inside the commit shell (`shell.stage`):
+"""The stages of one RL iteration, each declared once with `@stage` (shell.py: its compute
+inside the commit shell, where it runs, when it is needed):
 `stage(run, engines, k, *input_uris) -> manifest URI`.
 
 A stage reads only committed inputs, computes, and returns its table and metrics; the shell
@@ -24,11 +25,8 @@ from gpu_jobs.stages.run import Run, exists, sampling_seed
 from gpu_jobs.stages.updates import train_on
 from gpu_jobs.stages.samples import FLOAT_LIST, join_by_uid, response_masks, sample_table
 from gpu_jobs.stages.scoring import evaluate, greedy_evaluate, reward_rows
-from gpu_jobs.stages.shell import Output, read, stage
+from gpu_jobs.stages.shell import STAGES, Output, read, stage
 from storage import committed, join, read_manifest
-
-STAGES = ("rollout", "baseline", "gate", "reward_model", "reward", "logprobs", "values", "advantages", "update",
-          "commit")
 
 
 def _policy_ref(run: Run, version: int) -> str:
@@ -38,7 +36,7 @@ def _policy_ref(run: Run, version: int) -> str:
 
 
 # -------------------------------------------------------------------------------- rollout
-@stage("rollout")
+@stage("rollout", where="rollout")
 def rollout(run: Run, engines: Engines, k: int) -> Output:
     """Iteration k's samples, drawn with the weights the async schedule names for k (the
     previous update's in the synchronous loop); the manifest records that version."""
@@ -173,7 +171,7 @@ def needs_logprobs(cfg: Any) -> bool:
     return cfg.actor.recompute_old_logprobs or cfg.needs_ref
 
 
-@stage("logprobs", needed=needs_logprobs)
+@stage("logprobs", needed=needs_logprobs, where="trainer")
 def logprobs(run: Run, engines: Engines, k: int, batch_uri: str) -> Output:
     """Old-policy (when recomputed) and reference log-probs."""
     table = read(run, batch_uri, ["uid", "prompt_ids", "response_ids"])
@@ -319,7 +317,7 @@ def _metrics_of_applied_update(run: Run, engines: Engines, k: int) -> dict:
     return metrics
 
 
-@stage("update")
+@stage("update", where="trainer")
 def update(run: Run, engines: Engines, k: int, adv_uri: str) -> Output:
     recover_lost_trainer(run, engines)  # a rank group that died with updates in it: restore first
     if engines.version >= k:
@@ -360,6 +358,7 @@ def _publish_policy(run: Run, engines: Engines, k: int) -> None:
         engines.trainer.save_hf(run.layout.policy(k))
 
 
+@stage("weight-sync", where="colocated", commits=False)
 def sync_weights(run: Run, engines: Engines, k: int) -> float:
     """Hand the trainer's full weights to the rollout engine in memory (nothing to commit: a
     retried or resumed run derives them from storage); returns seconds."""
@@ -385,7 +384,7 @@ def commit(run: Run, engines: Engines, k: int, stage_uris: dict[str, str | None]
 
 
 # -------------------------------------------------------------------------------- validation
-@stage("validate", timer="timing_s/validate")
+@stage("validate", timer="timing_s/validate", where="rollout")
 def validate(run: Run, engines: Engines, k: int) -> Output:
     """rollout.val_kwargs.n responses (greedy by default) to each held-out prompt with the weights
     after update k, scored by the rule reward: val/acc = mean score, and verl's val-core/val-aux
@@ -401,12 +400,6 @@ def validate(run: Run, engines: Engines, k: int) -> Output:
     return Output(table, metrics, [committed(run.layout.stage(k, "update"), run.storage) or run.model_path])
 
 
-STAGE_FUNCTIONS = {"rollout": rollout, "baseline": baseline, "gate": gate, "reward_model": reward_model,
-                   "reward": reward, "logprobs": logprobs,
-                   "values": values, "advantages": advantages, "update": update, "weight-sync": sync_weights,
-                   "commit": commit, "validate": validate}
-
-__all__ = ["STAGES", "STAGE_FUNCTIONS", "rollout", "baseline", "gate", "reward_model", "reward", "logprobs", "values",
-           "advantages",
+__all__ = ["STAGES", "rollout", "baseline", "gate", "reward_model", "reward", "logprobs", "values", "advantages",
            "update", "train_on", "sync_weights", "commit", "validate", "save_checkpoint", "sampling_seed",
            "kl_controller_for", "needs_logprobs", "needs_reward_model"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_jobs import stages
 from gpu_jobs.stages import DirectCalls, open_warm, run_iteration
 from storage import committed, read_manifest, read_table
 
@@ -76,9 +77,9 @@ def test_resume_reproduces_a_stale_rollout_bitwise(tiny_config, tmp_path):
     for k in (1, 2):
         run_iteration(DirectCalls(run, eng), crashed, k)
     calls = DirectCalls(run, eng)
-    batch = calls("gate", 3, calls("rollout", 3))
-    adv = calls("advantages", 3, batch, calls("reward", 3, batch), calls("logprobs", 3, batch))
-    calls("update", 3, adv)  # ...and the process dies before rollout 4
+    batch = calls(stages.gate, 3, calls(stages.rollout, 3))
+    adv = calls(stages.advantages, 3, batch, calls(stages.reward, 3, batch), calls(stages.logprobs, 3, batch))
+    calls(stages.update, 3, adv)  # ...and the process dies before rollout 4
     assert committed(run.layout.stage(4, "rollout"), run.storage) is None
     del run, eng
 

@@ -93,9 +93,9 @@ def test_one_iteration_on_s3(prefect_api, s3_bucket_url, s3_endpoint, example_pa
 def test_a_stage_that_fails_once_is_retried_and_the_run_completes(prefect_api, tmp_path, example_path, tiny,
                                                                  monkeypatch):
     from flows.training import rl_training
-    from gpu_jobs.stages import STAGE_FUNCTIONS
+    from gpu_jobs import stages
 
-    real, calls = STAGE_FUNCTIONS["reward"], []
+    real, calls = stages.reward.compute, []
 
     def flaky(run, engines, k, *inputs):
         calls.append(k)
@@ -103,9 +103,66 @@ def test_a_stage_that_fails_once_is_retried_and_the_run_completes(prefect_api, t
             raise ConnectionError("injected: reward service unavailable")
         return real(run, engines, k, *inputs)
 
-    monkeypatch.setitem(STAGE_FUNCTIONS, "reward", flaky)
+    monkeypatch.setattr(stages.reward, "compute", flaky)
     summary = rl_training(config=str(example_path), overrides=tiny(str(tmp_path / "r"), "run_id=flaky"), iterations=1)
     assert calls == [1, 1] and summary["iterations"] == 1
+
+
+def _declare_toy_stage():
+    """A stage as a user adds one: one decorated function (README, "The stage contract")."""
+    import numpy as np
+    import pyarrow as pa
+
+    from gpu_jobs.stages import STAGES, Output, read, stage
+
+    if "response_lengths" in STAGES:  # this module imported twice in one process
+        return STAGES["response_lengths"]
+
+    @stage("response_lengths", timer="timing_s/response_lengths")
+    def response_lengths(run, engines, k: int, batch_uri: str) -> Output:
+        table = read(run, batch_uri, ["uid", "response_len"])
+        lens = np.asarray(table.column("response_len").to_pylist(), np.float64)
+        return Output(table, {"toy/response_len/mean": float(lens.mean())}, [batch_uri])
+
+    return response_lengths
+
+
+def test_a_stage_added_in_one_declaration_runs_as_a_task_of_the_flow(prefect_api, tmp_path, example_path, tiny,
+                                                                     monkeypatch):
+    """One decorated function plus one line in the graph: the flow runs it as a Prefect task of
+    its own, and it commits like every stage (a second call returns the same manifest)."""
+    import flows.training
+    from gpu_jobs.stages import DirectCalls, Engines, Run, run_iteration
+    from storage import RunLayout, committed, read_manifest, read_table
+
+    toy = _declare_toy_stage()
+
+    def graph(calls, cfg, k):
+        uris = run_iteration(calls, cfg, k)
+        uris["response_lengths"] = calls(toy, k, uris["gate"])  # the one line
+        return uris
+
+    monkeypatch.setattr(flows.training, "run_iteration", graph)
+    root = str(tmp_path / "root")
+    flows.training.rl_training(config=str(example_path), overrides=tiny(root, "run_id=toy-stage"), iterations=1)
+    layout = RunLayout(root, "toy-stage")
+    uri = committed(layout.stage(1, "response_lengths"))
+    assert uri, "the toy stage did not commit"
+    batch = read_table(committed(layout.stage(1, "gate")), columns=["response_len"])
+    metrics = read_manifest(uri).metrics
+    assert metrics["toy/response_len/mean"] == pytest.approx(sum(batch.column("response_len").to_pylist()) / len(batch))
+    assert "timing_s/response_lengths" in metrics
+    names = _read(_task_runs_of("iter-0001"))
+    assert any(n.startswith("response_lengths-") for n in names), names
+    run = Run.from_storage(root, "toy-stage")
+    assert DirectCalls(run, Engines(run.model_path))(toy, 1, committed(layout.stage(1, "gate"))) == uri
+
+
+def test_a_stage_name_is_declared_once():
+    from gpu_jobs.stages import Output, stage
+
+    with pytest.raises(ValueError, match="stage 'reward' is declared twice"):
+        stage("reward")(lambda run, engines, k: Output(None))
 
 
 # Crash-resume (SIGKILL at exact points, then bitwise-equal weights) lives in tests/chaos.

@@ -68,20 +68,18 @@ class _InProcessRemote:
     Records which deployment each GPU stage would have gone to."""
 
     def __init__(self, cfg):
-        from flows.training import PrefectCalls
+        from flows.remote import REMOTE_POOLS
 
-        self.cfg, self.run, self.remote, self.sent = cfg, Run.open(cfg), PrefectCalls.REMOTE, []
+        self.cfg, self.run, self.remote, self.sent = cfg, Run.open(cfg), REMOTE_POOLS, []
 
     def __call__(self, stage, k, *inputs):
-        from gpu_jobs.stages import STAGE_FUNCTIONS
-
-        if stage in self.remote:
-            if not committed(self.run.layout.stage(k, stage), self.run.storage):  # run_remote starts none then
-                self.sent.append((self.cfg.trainer.deployment_for(stage), stage, k))
-            return rl_stage.fn(self.cfg.root, self.cfg.run_id, k, stage, list(inputs))
-        if stage == "weight-sync":
+        if stage.where in self.remote:
+            if not committed(self.run.layout.stage(k, stage.name), self.run.storage):  # run_remote starts none then
+                self.sent.append((self.cfg.trainer.deployment_for(stage.where), stage.name, k))
+            return rl_stage.fn(self.cfg.root, self.cfg.run_id, k, stage.name, list(inputs))
+        if stage.where == "colocated":
             return 0.0
-        return STAGE_FUNCTIONS[stage](self.run, None, k, *inputs)
+        return stage(self.run, None, k, *inputs)
 
     def start(self, stage, k, *inputs):
         result = self(stage, k, *inputs)
@@ -121,12 +119,22 @@ def test_async_remote_stages_on_two_deployments_match_the_colocated_async_run_bi
 
 
 def test_rollout_deployment_defaults_to_the_stage_deployment(tiny_config):
+    from gpu_jobs.stages import STAGES
+
+    pools = [STAGES[s].where for s in ("rollout", "validate", "logprobs", "update")]
+    assert pools == ["rollout", "rollout", "trainer", "trainer"]
     cfg = tiny_config("trainer.placement=remote", "trainer.checkpoint_every=1").trainer
-    assert {cfg.deployment_for(s) for s in ("rollout", "logprobs", "update", "validate")} == {"rl-stage/gpu"}
+    assert {cfg.deployment_for(p) for p in pools} == {"rl-stage/gpu"}
     cfg = tiny_config("trainer.placement=remote", "trainer.checkpoint_every=1",
                       "trainer.rollout_deployment=rl-stage/rollout").trainer
-    assert [cfg.deployment_for(s) for s in ("rollout", "validate", "logprobs", "update")] == \
+    assert [cfg.deployment_for(p) for p in pools] == \
         ["rl-stage/rollout", "rl-stage/rollout", "rl-stage/gpu", "rl-stage/gpu"]
+
+
+def test_a_stage_that_runs_in_the_flow_is_refused_by_the_stage_deployment(tiny_config):
+    with pytest.raises(ValueError, match=r"stage 'gate' does not run on a work pool; the stages that do: "
+                                         r"logprobs, rollout, update, validate"):
+        rl_stage.fn("/nowhere", "r", 1, "gate")
 
 
 @pytest.mark.slow

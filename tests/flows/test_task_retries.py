@@ -31,13 +31,15 @@ def test_bad_delays_are_refused_naming_the_key(value, needle):
 
 
 def test_stage_tasks_carry_the_schedule_and_prefect_accepts_the_runs_own():
-    from tasks.stages import STAGE_TASKS
+    from gpu_jobs.stages import STAGES
+    from tasks.stages import stage_task
 
-    for t in STAGE_TASKS.values():
-        assert t.retries == 2 and t.retry_delay_seconds == [10.0, 40.0, 160.0], t.name
+    for spec in STAGES.values():
+        t = stage_task(spec)
+        assert t.name == spec.name and t.retries == 2 and t.retry_delay_seconds == [10.0, 40.0, 160.0], t.name
     cfg = load_run_config(None, ["tasks.retries=3", "tasks.retry_delay_seconds=[1, 2]"])
     # What flows/training.py's PrefectCalls does with the run's settings.
-    t = STAGE_TASKS["reward"].with_options(retries=cfg.tasks.retries,
+    t = stage_task(STAGES["reward"]).with_options(retries=cfg.tasks.retries,
                                            retry_delay_seconds=cfg.tasks.retry_delay_seconds,
                                            timeout_seconds=cfg.tasks.timeout_seconds)
     assert t.retries == 3 and t.retry_delay_seconds == [1.0, 2.0]

@@ -123,7 +123,7 @@ def prefect_api():
 @pytest.mark.prefect
 @pytest.mark.deepspeed
 def test_reward_model_and_val_at_n_through_the_prefect_flow(prefect_api, tmp_path):
-    """The flow picks the reward_model task like any stage (PrefectCalls over STAGE_TASKS), and
+    """The flow picks the reward_model task like any stage (PrefectCalls over each stage's task), and
     validation with val_kwargs reports val-core metrics in its committed manifest."""
     import asyncio
 

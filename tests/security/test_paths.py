@@ -174,17 +174,16 @@ def test_cli_process_exits_1_and_writes_nothing(tmp_path, example_path):
 @pytest.mark.parametrize("stage", ["../update", "a/b", "", "..", "commit/../../x"])
 def test_stage_commit_helpers_refuse_escaping_stage_names(stage, tmp_path):
     from gpu_jobs.stages import last_committed
-    from gpu_jobs.stages.shell import Output
-    from gpu_jobs.stages.shell import stage as commit_shell
+    from gpu_jobs.stages import Output, StageSpec
 
     layout = RunLayout(str(tmp_path / "root"), "r")
     # The commit shell reads only run.layout, run.storage and run.cfg.
     run = SimpleNamespace(layout=layout, storage=None, cfg=None)
-    compute = commit_shell(stage)(lambda run, engines, k: Output(pa.table({"x": [1]})))
+    compute = StageSpec(stage, lambda run, engines, k: Output(pa.table({"x": [1]})))
     with pytest.raises(InvalidNameError):
         compute(run, None, 1)
     with pytest.raises(InvalidNameError):
         last_committed(layout, stage)
     with pytest.raises(InvalidNameError):
-        commit_shell("rollout")(lambda run, engines, k: Output(pa.table({"x": [1]})))(run, None, -1)
+        StageSpec("rollout", lambda run, engines, k: Output(pa.table({"x": [1]})))(run, None, -1)
     assert not (tmp_path / "root").exists()

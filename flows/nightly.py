@@ -56,7 +56,7 @@ def gate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: str) 
     from gpu_jobs.data import render_many
     from gpu_jobs.models import load_tokenizer, resolve_model_path
     from storage.datasets import read_prompts, write_prompts
-    from storage.quality import validate_prompts
+    from gpu_jobs.data.gates import validate_prompts
 
     df = read_prompts(files, storage=cfg.storage)
     gate = cfg.gate.model_copy(update={"max_prompt_length": cfg.gate.max_prompt_length or cfg.data.max_prompt_length})
@@ -102,40 +102,6 @@ def train_night(config: str | None, overrides: list[str], *, base: str, train_fi
     return rl_training(config=config, overrides=[
         *overrides, f"model.path={json.dumps(base)}", f"data.train_files={json.dumps(train_files)}",
         f"data.val_files={json.dumps(heldout)}", f"run_id={run_id}", f"trainer.total_iterations={iterations}"])
-
-
-# ------------------------------------------------------------------------------------ evaluation
-def evaluate_model(model: str, heldout_files: list[str], eval_size: int, cfg: "RunConfig") -> dict[str, float]:
-    """Greedy decoding of `model` (alias, folder or storage URL) on the first `eval_size`
-    held-out rows, scored by the run's reward exactly as the run's validation scores
-    (gpu_jobs.stages.scoring.greedy_evaluate). Returns mean reward, exact match and n."""
-    import gc
-
-    from gpu_jobs.data import render_many
-    from gpu_jobs.models import load_tokenizer, resolve_model_path
-    from gpu_jobs.reward import decode_ground_truth
-    from gpu_jobs.rollout.data_parallel import build_rollout_engine
-    from gpu_jobs.stages.scoring import greedy_evaluate
-    from storage.datasets import read_prompts
-
-    rows = read_prompts(heldout_files, storage=cfg.storage).iloc[:eval_size]
-    path = resolve_model_path(model, cfg.storage, cfg.model.seed)
-    tok = load_tokenizer(path)
-    prompts = [dict(r, row=i) for i, r in enumerate(rows.to_dict("records"))]
-    engine = build_rollout_engine(cfg.rollout.engine, path, cfg.rollout.engine_options)
-    try:
-        table, metrics = greedy_evaluate(engine, tok, prompts, render_many(rows[cfg.data.prompt_key], tok),
-                                         cfg.reward, cfg.rollout.max_response_length)
-    finally:
-        getattr(engine, "close", lambda: None)()  # data-parallel replicas are processes
-        del engine
-        gc.collect()
-    texts = table.column("response_text").to_pylist()
-    truths = [str(decode_ground_truth(g)) for g in table.column("ground_truth").to_pylist()]
-    n = int(metrics["val/n"])
-    return {"mean_reward": metrics["val/acc"] if n else float("nan"),
-            "exact_match": sum(t.strip() == g for t, g in zip(texts, truths)) / n if n else float("nan"),
-            "n": n}
 
 
 # ------------------------------------------------------------------------------------ decision
@@ -255,7 +221,9 @@ def validate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: s
 
 @task(name="evaluate", retries=1, cache_policy=NO_CACHE)
 def evaluate(model: str, heldout_files: list[str], eval_size: int, cfg: "RunConfig") -> dict[str, float]:
-    return evaluate_model(model, heldout_files, eval_size, cfg)
+    from gpu_jobs.stages import held_out_scores
+
+    return held_out_scores(model, heldout_files, eval_size, cfg)
 
 
 @task(name="promote", retries=2, cache_policy=NO_CACHE)
@@ -271,6 +239,16 @@ def export(src_url: str, dest_url: str, storage: Any) -> str:
 # ------------------------------------------------------------------------------------ the flow
 def _today() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
+
+
+def _publish(decision: Decision, new_url: str, models: ModelLayout, version: str, export_merged_hf: bool,
+             storage: Any) -> tuple[str | None, str | None]:
+    """Step 6: when the decision promotes, the new checkpoint becomes `version` (and, asked for,
+    its merged HF export); returns (promoted version, export URL), None for what did not happen."""
+    if not decision.promote:
+        return None, None
+    version_url = promote(new_url, models, version)
+    return version, export(version_url, export_url(models, version), storage) if export_merged_hf else None
 
 
 @flow(name="rl-nightly", log_prints=True)
@@ -317,13 +295,7 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
         new_eval = evaluate.with_options(task_run_name="evaluate-new")(new_url, heldout, eval_size, cfg)
         cur_eval = evaluate.with_options(task_run_name="evaluate-promoted")(base, heldout, eval_size, cfg)
         decision = decide(new_eval["mean_reward"], cur_eval["mean_reward"], min_gain)
-        promoted_to = None
-        merged_to = None
-        if decision.promote:
-            version_url = promote(new_url, models, run_id)
-            promoted_to = run_id
-            if export_merged_hf:
-                merged_to = export(version_url, export_url(models, run_id), cfg.storage)
+        promoted_to, merged_to = _publish(decision, new_url, models, run_id, export_merged_hf, cfg.storage)
         logger.info("decision: %s (%s)", "promote" if decision.promote else "refuse", decision.reason)
         _markdown_artifact(model_name, decision_markdown(model_name, night, run_id, decision, new_eval, cur_eval,
                                                          new_url, base, base_version, new, promoted_to),

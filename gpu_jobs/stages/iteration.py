@@ -359,7 +359,7 @@ def _publish_policy(run: Run, engines: Engines, k: int) -> None:
 
 
 @stage("weight-sync", where="colocated", commits=False)
-def sync_weights(run: Run, engines: Engines, k: int) -> float:
+def weights_to_rollout(run: Run, engines: Engines, k: int) -> float:
     """Hand the trainer's full weights to the rollout engine in memory (nothing to commit: a
     retried or resumed run derives them from storage); returns seconds."""
     t0 = time.perf_counter()
@@ -401,5 +401,5 @@ def validate(run: Run, engines: Engines, k: int) -> Output:
 
 
 __all__ = ["STAGES", "rollout", "baseline", "gate", "reward_model", "reward", "logprobs", "values", "advantages",
-           "update", "train_on", "sync_weights", "commit", "validate", "save_checkpoint", "sampling_seed",
+           "update", "train_on", "weights_to_rollout", "commit", "validate", "save_checkpoint", "sampling_seed",
            "kl_controller_for", "needs_logprobs", "needs_reward_model"]

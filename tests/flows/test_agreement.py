@@ -107,7 +107,7 @@ def test_probe_metrics_are_in_every_update_and_tiny_when_in_sync(tiny_config):
     assert start["training/rollout_logprobs_diff_max"] < 1e-3
     for k in (1, 2):
         uri = _iterate(run, eng, k)
-        stages.sync_weights(run, eng, k)
+        stages.weights_to_rollout(run, eng, k)
         m = read_manifest(uri, run.storage).metrics
         assert m["training/agreement_tokens"] > 0
         assert m["training/rollout_probs_diff_mean"] < 1e-4, m  # fp32, same weights, same temperature
@@ -182,7 +182,7 @@ def test_data_parallel_rollout_replicas_agree_with_the_trainer_after_every_sync(
         assert isinstance(eng.rollout, DataParallelRollout)
         for k in (1, 2):
             m = read_manifest(_iterate(run, eng, k), run.storage).metrics
-            stages.sync_weights(run, eng, k)
+            stages.weights_to_rollout(run, eng, k)
             assert m["training/rollout_probs_diff_mean"] < 1e-4, m
             assert m["training/rollout_logprobs_diff_max"] < 1e-3, m
         after = stages.probe_agreement(run, eng, "after update 2")  # the synced weights of update 2

@@ -45,7 +45,7 @@ def test_critic_warmup_updates_only_the_critic_first(example_path, tiny, tmp_pat
     m1 = read_manifest(stages.update(run, eng, 1, adv), run.storage).metrics
     assert m1["critic/warmup"] == 1.0 and "actor/pg_loss" not in m1 and "critic/vf_loss" in m1
     assert all(torch.equal(actor0[k], v) for k, v in eng.trainer.gathered_state_dict().items())  # actor still
-    stages.sync_weights(run, eng, 1)
+    stages.weights_to_rollout(run, eng, 1)
     batch, reward, lp, vals = _batch(run, eng, 2)
     adv = stages.advantages(run, eng, 2, batch, reward, lp, vals)
     m2 = read_manifest(stages.update(run, eng, 2, adv), run.storage).metrics

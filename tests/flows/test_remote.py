@@ -33,7 +33,7 @@ def _iteration_colocated(run, engines, k: int) -> None:
     reward = stages.reward(run, engines, k, batch)
     adv = stages.advantages(run, engines, k, batch, reward)
     stages.update(run, engines, k, adv)
-    stages.sync_weights(run, engines, k)
+    stages.weights_to_rollout(run, engines, k)
 
 
 def test_remote_stages_match_the_colocated_run_bitwise(tiny_config, tmp_path):

@@ -75,6 +75,44 @@ def _rollout_correction(table: pa.Table, rc: Any, adv: torch.Tensor, mask: torch
     return adv * factor, {m: float(v) for m, v in metrics.items()}, factor
 
 
+def _kept_groups(table: pa.Table, metric: str, raw_scores: np.ndarray, penalty: torch.Tensor | None,
+                 index: list, metrics: dict[str, Any]) -> np.ndarray:
+    """DAPO's group filter: which rows [B] (bool) belong to a group whose `metric` varies; adds
+    the filter_groups/* metrics."""
+    from gpu_jobs.algos import filter_groups, filter_metric
+
+    keep, fmetrics = filter_groups(index, filter_metric(metric, raw_scores, reward_extras(table), penalty))
+    metrics.update({m: float(v) for m, v in fmetrics.items()})
+    return keep.numpy()
+
+
+def _kl_in_reward(table: pa.Table, rewards: torch.Tensor, mask: torch.Tensor, width: int, algo: Any, kl_ctrl: Any,
+                  metrics: dict[str, Any]) -> torch.Tensor:
+    """verl's KL in reward: each token's reward minus kl_coef * KL(old policy || reference)
+    (`algorithm.kl_penalty`); steps the KL controller once and adds its metrics. [B, T] -> [B, T]."""
+    from gpu_jobs.algos import apply_kl_penalty
+
+    old, _ = padded(table.column("old_logprobs" if "old_logprobs" in table.column_names
+                                 else "rollout_logprobs").to_pylist(), width)
+    ref, _ = padded(table.column("ref_logprobs").to_pylist(), width)
+    rewards, kl_metrics = apply_kl_penalty(rewards, torch.as_tensor(old), torch.as_tensor(ref), mask,
+                                           kl_coef=kl_ctrl.value, kl_penalty=algo.kl_penalty)
+    metrics.update({m: float(v) for m, v in kl_metrics.items()})
+    kl_ctrl.update(float(kl_metrics["actor/reward_kl_penalty"]), len(table))
+    return rewards
+
+
+def _value_baselines(table: pa.Table, width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The critic's values [B, T] (GAE) and ReMax's reward baselines [B] (the greedy response's
+    score per prompt), each None when the batch has no such column."""
+    vals = baselines = None
+    if "values" in table.column_names:
+        vals = torch.as_tensor(padded(table.column("values").to_pylist(), width)[0])
+    if "reward_baseline" in table.column_names:
+        baselines = torch.as_tensor(np.asarray(table.column("reward_baseline").to_pylist(), dtype=np.float32))
+    return vals, baselines
+
+
 def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table, dict[str, Any]]:
     """Returns the table with `advantages`, `returns` (list<float32> per response token) and the
     metrics (critic/score/*, critic/rewards/*, critic/advantages/*, filter_groups/*, ...).
@@ -85,7 +123,7 @@ def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table,
     already refilled the batch (`gpu_jobs.stages.dynamic_sampling`) on the same metric, this drops
     only groups that the gate changed.
     """
-    from gpu_jobs.algos import apply_kl_penalty, compute_advantage, filter_groups, filter_metric, overlong_penalty
+    from gpu_jobs.algos import compute_advantage, overlong_penalty
 
     algo = cfg.algorithm
     metrics: dict[str, Any] = {}
@@ -111,10 +149,7 @@ def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table,
             metrics.update(overlong_metrics)
 
     if algo.filter_groups.enable:
-        values = filter_metric(algo.filter_groups.metric, raw_scores, reward_extras(table), pen)
-        keep, fmetrics = filter_groups(index, values)
-        metrics.update({m: float(v) for m, v in fmetrics.items()})
-        keep_np = keep.numpy()
+        keep_np = _kept_groups(table, algo.filter_groups.metric, raw_scores, pen, index, metrics)
         if not keep_np.all():
             table = table.filter(pa.array(keep_np))
             lengths, scores, mask = lengths[keep_np], scores[keep_np], mask[torch.as_tensor(keep_np)]
@@ -122,19 +157,8 @@ def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table,
 
     rewards = token_level_scores(scores, lengths, width)
     if algo.use_kl_in_reward:
-        old, _ = padded(table.column("old_logprobs" if "old_logprobs" in table.column_names
-                                     else "rollout_logprobs").to_pylist(), width)
-        ref, _ = padded(table.column("ref_logprobs").to_pylist(), width)
-        rewards, kl_metrics = apply_kl_penalty(rewards, torch.as_tensor(old), torch.as_tensor(ref), mask,
-                                               kl_coef=kl_ctrl.value, kl_penalty=algo.kl_penalty)
-        metrics.update({m: float(v) for m, v in kl_metrics.items()})
-        kl_ctrl.update(float(kl_metrics["actor/reward_kl_penalty"]), len(lengths))
-
-    vals = baselines = None
-    if "values" in table.column_names:
-        vals = torch.as_tensor(padded(table.column("values").to_pylist(), width)[0])
-    if "reward_baseline" in table.column_names:  # ReMax: the greedy response's score per prompt
-        baselines = torch.as_tensor(np.asarray(table.column("reward_baseline").to_pylist(), dtype=np.float32))
+        rewards = _kl_in_reward(table, rewards, mask, width, algo, kl_ctrl, metrics)
+    vals, baselines = _value_baselines(table, width)
     adv, ret = compute_advantage(algo.adv_estimator, token_level_rewards=rewards, response_mask=mask,
                                  index=index, values=vals, reward_baselines=baselines, **algo.advantage_kwargs())
     metrics.update(_metric_stats("critic/rewards", rewards.sum(-1)))

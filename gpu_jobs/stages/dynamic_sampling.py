@@ -164,6 +164,25 @@ def _first_groups(table: pa.Table, n: int) -> pa.Table:
     return table.filter(pa.array([g in keep for g in table.column("group_id").to_pylist()]))
 
 
+def _new_round(generate_round: GenerateRound, r: int, seen: set[str], short: str) -> pa.Table:
+    """Round r's table, checked (SAMPLE_SCHEMA, group ids new); its group ids join `seen`.
+    `short`: what the rounds so far left short, for the error when the dataset runs out."""
+    try:
+        table = generate_round(r)
+    except PromptsExhaustedError as e:
+        raise DynamicSamplingError(
+            f"dynamic sampling: {short}, and every prompt of the dataset has been generated in this iteration "
+            f"({e}). Check the data and the reward, use a larger dataset or lower data.train_batch_size") from e
+    if not table.schema.equals(SAMPLE_SCHEMA, check_metadata=False):
+        raise TypeError(f"generate_round({r}) must return a SAMPLE_SCHEMA table (sample_table), got {table.schema}")
+    groups = set(table.column("group_id").to_pylist())
+    if groups & seen:
+        raise ValueError(f"round {r} repeats group ids of an earlier round, e.g. {sorted(groups & seen)[:3]}: "
+                         "build its table with sample_table(..., tag=round_tag(r))")
+    seen |= groups
+    return table
+
+
 def refill_rounds(generate_round: GenerateRound, score_round: ScoreRound, *, metric: str, want_groups: int,
                   max_rounds: int = 0, overlong: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   ) -> tuple[pa.Table, dict[str, float]]:
@@ -197,20 +216,8 @@ def refill_rounds(generate_round: GenerateRound, score_round: ScoreRound, *, met
                 "prompts may be too easy or too hard for the policy, or the metric never varies: check the data and "
                 "the reward, raise max_num_gen_batches (0 = no cap) or lower data.train_batch_size")
         t0 = time.perf_counter()
-        try:
-            table = generate_round(r)
-        except PromptsExhaustedError as e:
-            raise DynamicSamplingError(
-                f"dynamic sampling: {short}, and every prompt of the dataset has been generated in this iteration "
-                f"({e}). Check the data and the reward, use a larger dataset or lower data.train_batch_size") from e
+        table = _new_round(generate_round, r, seen, short)
         t1 = time.perf_counter()
-        if not table.schema.equals(SAMPLE_SCHEMA, check_metadata=False):
-            raise TypeError(f"generate_round({r}) must return a SAMPLE_SCHEMA table (sample_table), got {table.schema}")
-        groups = set(table.column("group_id").to_pylist())
-        if groups & seen:
-            raise ValueError(f"round {r} repeats group ids of an earlier round, e.g. {sorted(groups & seen)[:3]}: "
-                             "build its table with sample_table(..., tag=round_tag(r))")
-        seen |= groups
         scores, extras = score_round(table)
         survivors, groups_r, flat_r = _survivors(table, scores, extras, metric, overlong)
         score_s += time.perf_counter() - t1

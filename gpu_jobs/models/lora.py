@@ -29,7 +29,7 @@ from storage.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_POINTER  #
 
 __all__ = ["LoraSpec", "lora_spec_of", "apply_lora", "merged_state_dict", "adapter_tensors", "adapter_scaling",
            "merge_adapter_tensors", "adapter_config_dict", "BASE_POINTER", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS",
-           "is_adapter_folder", "read_base_pointer", "merge_adapter_folder"]
+           "is_adapter_folder", "read_base_pointer", "merge_adapter_folder", "prune_merged"]
 
 ADAPTER_NAME = "default"  # peft's name of the one adapter a policy carries
 
@@ -195,14 +195,43 @@ def _folder_key(folder: str, base: str) -> str:
     return h.hexdigest()[:20]
 
 
+# Merged folders are a cache: each adapter a run publishes (every checkpoint, every promoted
+# version) gets one, and nothing else would ever delete them. The newest MERGED_KEEP stay, and
+# none used (built or returned) in the last MERGED_IDLE_S: a process between resolving a folder
+# and loading it never finds it gone.
+MERGED_KEEP = 8
+MERGED_IDLE_S = 3600.0
+
+
 def merge_adapter_folder(folder: str, base: str) -> str:
     """A plain HF folder holding the local HF folder `base` + the adapter at `folder` merged, for
-    from_pretrained / vLLM; built once per adapter content under <cache>/merged-<hash>.
+    from_pretrained / vLLM; built once per adapter content under <cache>/merged-<hash>, the
+    cache pruned to the MERGED_KEEP most recently used.
     (gpu_jobs.models.loading resolves `base` from the folder's pointer first.)"""
     from gpu_jobs.models.tiny import build_once, default_cache_dir
 
     final = Path(default_cache_dir()) / f"merged-{_folder_key(folder, base)}"
-    return build_once(final, lambda tmp: _merge_into(base, folder, tmp))
+    path = build_once(final, lambda tmp: _merge_into(base, folder, tmp))
+    os.utime(final)  # used now: the pruning below goes by last use
+    prune_merged(final.parent)
+    return path
+
+
+def prune_merged(cache: Path, keep: int = MERGED_KEEP, idle_s: float = MERGED_IDLE_S) -> list[Path]:
+    """Delete the merged-* folders of `cache` beyond the `keep` most recently used, sparing any
+    used in the last `idle_s` seconds; returns what was deleted."""
+    import time
+
+    folders = sorted((p for p in cache.glob("merged-*") if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    now, gone = time.time(), []
+    for old in folders[keep:]:
+        try:
+            if now - old.stat().st_mtime > idle_s:
+                shutil.rmtree(old)
+                gone.append(old)
+        except FileNotFoundError:  # another process pruned it first
+            pass
+    return gone
 
 
 def _merge_into(base: str, adapter: str, out: Path) -> None:

@@ -253,3 +253,26 @@ def test_concurrent_builders_take_turns_and_the_second_builds_nothing(tmp_path):
     assert sum("rlmill: building m into" in err for _, err in outs) == 1, outs
     assert all(out.strip().endswith(str(tmp_path / "m")) for out, _ in outs)
     assert sorted(os.listdir(tmp_path)) == ["asking-a", "asking-b", "m"]  # no lock or temp folder left
+
+
+def test_merged_adapter_cache_keeps_the_most_recently_used_and_any_in_use(tmp_path):
+    """Every published adapter gets a merged folder: beyond the newest `keep`, those not used for
+    `idle_s` are deleted; a folder used recently (a process may be about to load it) stays."""
+    import os
+    import time
+
+    from gpu_jobs.models.lora import prune_merged
+
+    now = time.time()
+    ages = {f"merged-{i:02d}": age for i, age in enumerate([10, 20, 30, 7200, 9000, 10, 8000, 99999])}
+    for name, age in ages.items():
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (now - age, now - age))
+    (tmp_path / "builtin-abc").mkdir()  # other cached models are not merged folders
+    os.utime(tmp_path / "builtin-abc", (now - 99999, now - 99999))
+
+    gone = prune_merged(tmp_path, keep=2, idle_s=3600)
+    # Newest two: merged-00 (10 s), merged-05 (10 s); the other recent ones (20 s, 30 s) stay too.
+    assert sorted(p.name for p in gone) == ["merged-03", "merged-04", "merged-06", "merged-07"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["builtin-abc", "merged-00", "merged-01", "merged-02",
+                                                          "merged-05"]

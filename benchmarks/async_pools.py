@@ -16,7 +16,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from gpu_jobs.train.dist import free_port
+from gpu_jobs.train.ranks.dist import free_port
 from tests.servers import wait_for_api
 
 REPO = Path(__file__).resolve().parent.parent

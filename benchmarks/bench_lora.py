@@ -58,11 +58,11 @@ def _cell(mode: str, model: str, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     from gpu_jobs.models.lora import LoraSpec
-    from gpu_jobs.train import PolicyTrainer, TrainerConfig
+    from gpu_jobs.train import PolicyTrainer, ActorConfig
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     lora = LoraSpec(rank=args.rank, alpha=2 * args.rank, target_modules="all-linear", base=model) if mode == "lora" else None
-    cfg = TrainerConfig(ppo_mini_batch_size=args.rows, ppo_micro_batch_size_per_gpu=args.rows, lr=1e-4,
+    cfg = ActorConfig(ppo_mini_batch_size=args.rows, ppo_micro_batch_size_per_gpu=args.rows, lr=1e-4,
                         recompute_old_logprobs=False, use_remove_padding=False)
     trainer = PolicyTrainer(model, cfg, lora=lora)
     rss_built = _rss_mb()

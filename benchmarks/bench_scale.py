@@ -32,7 +32,7 @@ within one run.
 
 The ranks axis (sweep "ranks", `--ranks 1,2`; trainer.n_gpus_per_node on CPU counts processes):
   update alone  the 16M model (benchmarks.bench_rollout.make_16m_model) in a warm rank group
-                (gpu_jobs.train.group.GroupTrainer) on bench_update's batch (8 prompts x 4
+                (gpu_jobs.train.ranks.trainer.GroupTrainer) on bench_update's batch (8 prompts x 4
                 samples, one optimizer step): 1 rank, then 2 ranks at ZeRO-0 and at ZeRO-3;
                 seconds per update, tokens/s, and the update's wall time split, from the kernel's
                 scheduler statistics of each rank's main thread (/proc/<pid>/task/<pid>/schedstat),
@@ -246,10 +246,10 @@ def measure_update(model_dir: str, ranks: int, zero_stage: int, updates: int, th
     wall seconds, tokens, each rank's main-thread (on-CPU, run-queue) seconds over the timed
     updates, its threads, the group's rank_info, each rank's peak and current resident KiB."""
     from benchmarks.bench_update import _batch
-    from gpu_jobs.train import TrainerConfig
-    from gpu_jobs.train.group import GroupTrainer
+    from gpu_jobs.train import ActorConfig
+    from gpu_jobs.train.ranks.trainer import GroupTrainer
 
-    cfg = TrainerConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8, lr=1e-5, zero_stage=zero_stage)
+    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8, lr=1e-5, zero_stage=zero_stage)
     trainer = GroupTrainer(model_dir, cfg, n_ranks=ranks, env={"OMP_NUM_THREADS": str(threads)})
     try:
         trainer.start()

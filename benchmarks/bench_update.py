@@ -6,10 +6,10 @@
 
 Models: the built-in size (Qwen2, hidden 128, 2 layers, char vocabulary, ~0.5M params) and a
 ~16M one (hidden 384, 8 layers). Batch: 8 prompts x 4 samples, prompts 16 tokens, responses
-24-40 tokens; TrainerConfig defaults (fp32, zero_stage auto: 0 on 1 rank, 3 on 2; packed rows;
+24-40 tokens; ActorConfig defaults (fp32, zero_stage auto: 0 on 1 rank, 3 on 2; packed rows;
 old log-probs from the update's own forward, as there is one optimizer step), micro-batch 8, one
 mini-batch (one optimizer step) per update; ``--set KEY=VALUE`` (YAML value) overrides a
-TrainerConfig field. Each configuration runs in a fresh process (torchrun for 2 ranks): one
+ActorConfig field. Each configuration runs in a fresh process (torchrun for 2 ranks): one
 warm-up update, then ``--updates`` timed ones. Columns: the resolved ZeRO stage, tokens/s per
 rank and for the job, seconds per update split into old-log-prob forward / forward / backward /
 optimizer, and the gather of full weights. On a shared 2-core machine the 2-rank numbers measure
@@ -63,10 +63,10 @@ def worker(model_dir: str, updates: int, out: str, overrides: dict) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from gpu_jobs.train import PolicyTrainer, TrainerConfig
-    from gpu_jobs.train import dist
+    from gpu_jobs.train import PolicyTrainer, ActorConfig
+    from gpu_jobs.train.ranks import dist
 
-    cfg = TrainerConfig(**{"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8, "lr": 1e-5,
+    cfg = ActorConfig(**{"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8, "lr": 1e-5,
                            **overrides})
     trainer = PolicyTrainer(model_dir, cfg)
     batch = _batch(trainer.model_config.vocab_size)
@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a TrainerConfig field (value parsed as YAML); repeatable")
+                   help="override an ActorConfig field (value parsed as YAML); repeatable")
     p.add_argument("--updates", type=int, default=2, help="timed updates per configuration")
     p.add_argument("--ranks", default="1,2", help="comma-separated rank counts")
     p.add_argument("--quick", action="store_true", help="only the built-in-size model")
@@ -128,7 +128,7 @@ def main() -> None:
 
     overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     if overrides:
-        print("TrainerConfig overrides:", overrides, file=sys.stderr)
+        print("ActorConfig overrides:", overrides, file=sys.stderr)
     header = ("| model | params | ranks | zero | tokens/s per rank | tokens/s job | s/update (all) "
               "| old-logprob s | forward s | backward s | optimizer s | gather ms |\n" + "|---" * 12 + "|")
     lines, results = [header], []

@@ -6,7 +6,7 @@
 It drives the real product: `rlmill train --config examples/grpo_gsm_smollm2.yaml` (GRPO on
 gsm_symbolic word problems with the real SmolLM2-135M-Instruct) with the GPU overrides of
 `gpu_overrides`: rollout.engine=vllm in bfloat16 (plain vLLM), actor.dtype=bf16 with
-actor.zero_stage=3 (DeepSpeed over NCCL: gpu_jobs.train.dist picks nccl when CUDA is there),
+actor.zero_stage=3 (DeepSpeed over NCCL: gpu_jobs.train.ranks.dist picks nccl when CUDA is there),
 10 iterations, a checkpoint at the end. In that run:
   - the agreement probe (gpu_jobs/stages/agreement.py) compares vLLM's log-probs with the
     trainer's at run start and in every iteration, before its update commits, and fails the run

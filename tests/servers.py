@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-from gpu_jobs.train.dist import free_port
+from gpu_jobs.train.ranks.dist import free_port
 from storage import StorageConfig
 
 __all__ = ["MotoServer", "PrefectServer", "free_port", "nightly_timezone", "start_moto_server", "stop_group",

@@ -124,7 +124,7 @@ class Runner:
     """Runs README commands in a scratch folder against the module's Prefect server."""
 
     def __init__(self, folder: Path, api_url: str, prefect_home: Path):
-        from gpu_jobs.train.dist import child_env
+        from gpu_jobs.train.ranks.dist import child_env
 
         self.folder = folder
         (folder / "examples").symlink_to(REPO / "examples")

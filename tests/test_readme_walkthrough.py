@@ -322,7 +322,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_a_newcomer_walks_the_readme_top_to_bottom(tmp_path):
-    from gpu_jobs.train.dist import child_env
+    from gpu_jobs.train.ranks.dist import child_env
 
     clone = _copy_of_this_checkout(tmp_path / "rlmill")
     port = free_port()

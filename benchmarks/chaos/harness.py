@@ -66,7 +66,7 @@ class Chaos:
 
     # ------------------------------------------------------------------ child processes
     def env(self, failpoint: str | None = None, marker: Path | None = None) -> dict[str, str]:
-        from gpu_jobs.train.dist import child_env
+        from gpu_jobs.train.ranks.dist import child_env
 
         # One thread: killed-and-resumed and uninterrupted runs must do the same float arithmetic.
         env = {**child_env(), "PREFECT_API_URL": self.api_url, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import time
 
-from gpu_jobs.train.dist import free_port
+from gpu_jobs.train.ranks.dist import free_port
 from tests.servers import nightly_timezone, wait_for_api
 
 from .audit import audit, snapshot

@@ -354,12 +354,12 @@ REWARD_THAT_WAITS = '''
 import os, time
 
 def _rank_group_running():
-    """Whether this run's torchrun rank group (gpu_jobs.train.group_worker) has started."""
+    """Whether this run's torchrun rank group (gpu_jobs.train.ranks.worker) has started."""
     tag = ("RLMILL_CHAOS_TAG=" + os.environ.get("RLMILL_CHAOS_TAG", "")).encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"group_worker" not in f.read():
+                if b"gpu_jobs.train.ranks.worker" not in f.read():
                     continue
             with open(f"/proc/{pid}/environ", "rb") as f:
                 if tag in f.read().split(b"\\0"):

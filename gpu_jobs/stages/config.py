@@ -18,7 +18,7 @@ from gpu_jobs.reward.config import RewardConfig
 from gpu_jobs.reward.config import RewardModelConfig
 from gpu_jobs.rollout.agent_loop import MultiTurnConfig
 from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig
-from gpu_jobs.train.config import CriticConfig, TrainerConfig
+from gpu_jobs.train.config import CriticConfig, ActorConfig
 from storage.config import StorageConfig
 from gpu_jobs.data import DatasetConfig
 from gpu_jobs.data.generators import dataset_names
@@ -164,7 +164,7 @@ class LoopConfig(_Section):
     nnodes: int = Field(
         1, ge=1, description="Nodes of the trainer group, n_gpus_per_node ranks each (verl's name). The process "
         "running the update (the flow's, or the remote update's with placement=remote) is node 0; every other "
-        "node joins with `python -m gpu_jobs.train.launch --nnodes M --node-rank i ...` (README 'Several nodes').")
+        "node joins with `python -m gpu_jobs.train.ranks.launch --nnodes M --node-rank i ...` (README 'Several nodes').")
     master_addr: str = Field(
         "", description="With nnodes > 1: the address of node 0 that the other nodes' launchers reach. "
         "Empty = $MASTER_ADDR of the process that runs the update (e.g. a work pool's job variable).")
@@ -219,7 +219,7 @@ class AgreementConfig(_Section):
                       "logprobs stage did not already re-score them (0 = all). Also the probe at run start and "
                       "after a resume.")
 
-    def threshold(self, rollout: "RolloutStageConfig", actor: TrainerConfig) -> float | None:
+    def threshold(self, rollout: "RolloutStageConfig", actor: ActorConfig) -> float | None:
         if self.max_probs_diff_mean is not None:
             return self.max_probs_diff_mean
         if rollout.top_k > 0 or rollout.top_p < 1.0:
@@ -298,7 +298,7 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantage estimation and KL in reward.")
     overlong_buffer: OverlongBufferConfig = Field(
         default_factory=OverlongBufferConfig, description="DAPO soft overlong penalty (verl reward_model.overlong_buffer).")
-    actor: TrainerConfig = Field(default_factory=TrainerConfig, description="Policy update (DeepSpeed).")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="Policy update (DeepSpeed).")
     critic: CriticConfig | None = Field(None, description="Value model for PPO/GAE; None = no critic.")
     trainer: LoopConfig = Field(default_factory=LoopConfig, description="The iteration loop.")
     async_training: AsyncConfig = Field(default_factory=AsyncConfig, description="Rollout ahead of the update.")

@@ -12,9 +12,13 @@ state after the last committed update.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_jobs.stages.run import Run
+
+if TYPE_CHECKING:
+    from gpu_jobs.rollout.base import RolloutEngine
+    from gpu_jobs.train.protocol import ActorTrainer, CriticTrainer, LogProbModel
 
 
 class Engines:
@@ -23,10 +27,10 @@ class Engines:
 
     def __init__(self, model_path: str):
         self.model_path = model_path
-        self.trainer: Any = None
-        self.ref: Any = None
-        self.critic: Any = None
-        self.rollout: Any = None
+        self.trainer: ActorTrainer | None = None
+        self.ref: LogProbModel | None = None
+        self.critic: CriticTrainer | None = None
+        self.rollout: RolloutEngine | None = None
         self.reward_model: Any = None  # the reward-model stage's scorer, loaded on first use (load_reward_model)
         self.version = 0
         self.rollout_version = 0  # the update whose weights the rollout engine holds
@@ -68,12 +72,13 @@ class Engines:
         # The logprobs stage commits old_logprobs when asked to; the trainer must not redo it.
         actor = cfg.actor.model_copy(update={"recompute_old_logprobs": False})
         ranks = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-        if self.trainer is not None and hasattr(self.trainer, "close"):
+        if self.trainer is not None:
             self.trainer.close()
+        lora_policy = None  # a LoRA PolicyTrainer: its reference is itself with the adapter off
         if ranks > 1:
             # A warm group of DeepSpeed ranks (torchrun), started on first use and kept for the
             # run: every update/log-prob pass is a command to it, not a new launch.
-            from gpu_jobs.train.group import GroupTrainer
+            from gpu_jobs.train.ranks.trainer import GroupTrainer
 
             self.trainer = GroupTrainer(self.model_path, actor, n_ranks=ranks, tokenizer=tok, storage=cfg.storage,
                                         **self._rendezvous(cfg.trainer))
@@ -82,10 +87,11 @@ class Engines:
 
             lora = lora_spec_of(cfg.model)  # None: full fine-tuning (one rank only with LoRA: config checks)
             self.trainer = PolicyTrainer(self.model_path, actor, tokenizer=tok, storage=cfg.storage, lora=lora)
+            lora_policy = self.trainer if lora is not None else None
         if not cfg.needs_ref:
             self.ref = None
-        elif getattr(self.trainer, "lora", None) is not None:
-            self.ref = self.trainer.reference()  # the actor with its adapter off: the base, no copy
+        elif lora_policy is not None:
+            self.ref = lora_policy.reference()  # the actor with its adapter off: the base, no copy
         else:
             self.ref = RefModel(self.model_path, cfg.actor, tokenizer=tok, storage=cfg.storage)
         self.critic = (Critic(self.model_path, cfg.critic, tokenizer=tok, storage=cfg.storage)
@@ -100,9 +106,9 @@ class Engines:
     def sync_rollout(self) -> None:
         """Hand the trainer's full weights to the rollout engine, in memory (from a rank group:
         gathered on the ranks one tensor at a time and shipped in buckets)."""
-        from gpu_jobs.train.group import sync_weights
+        from gpu_jobs.train.weights import stream_weights_into_rollout
 
-        sync_weights(self.rollout, self.trainer)
+        stream_weights_into_rollout(self.rollout, self.trainer)
         self.rollout_version = self.version
 
     def put_rollout_at(self, run: Run, version: int) -> None:
@@ -130,7 +136,7 @@ class Engines:
         return self.reward_model
 
     def close(self) -> None:
-        if self.trainer is not None and hasattr(self.trainer, "close"):
+        if self.trainer is not None:
             self.trainer.close()  # a rank group's processes go with it
         if self.rollout is not None and hasattr(self.rollout, "close"):
             self.rollout.close()  # data-parallel replicas' processes, a vLLM engine's KV cache

@@ -267,7 +267,7 @@ def _probed_by_the_update(run: Run, engines: Engines, k: int, table: pa.Table) -
     recomputed = "old_logprobs" in table.column_names and cfg.actor.recompute_old_logprobs
     warming_critic = engines.critic is not None and k <= cfg.critic.critic_warmup
     return (cfg.agreement.in_update and len(table) > 0 and not recomputed and not warming_critic
-            and getattr(engines.trainer, "probes_in_update", False))
+            and engines.trainer.probes_in_update)
 
 
 def _update_probe(run: Run, k: int, found: dict[str, float]):
@@ -335,7 +335,7 @@ def update(run: Run, engines: Engines, k: int, adv_uri: str) -> Output:
         staleness = float(k - 1 - run.cfg.async_training.weights_version(k))
         metrics = {**trained, **probe,
                    "async/staleness_mean": staleness, "async/staleness_max": staleness}
-        if hasattr(engines.trainer, "groups_started"):  # a warm rank group: started once per process, or a restart
+        if engines.trainer.groups_started is not None:  # a warm rank group: started once per process, or a restart
             metrics["perf/rank_group_starts"] = float(engines.trainer.groups_started)
         engines.update_metrics[k] = metrics
     if _checkpoint_due(run, k) and (run.layout.latest_checkpoint() or 0) < k:

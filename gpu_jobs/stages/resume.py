@@ -59,8 +59,8 @@ def recover_lost_trainer(run: Run, engines: Engines) -> None:
     the start model and restore it from storage (checkpoint + replay), as a fresh process would.
     A no-op for an in-process trainer and for a group that lost nothing."""
     trainer = engines.trainer
-    if trainer is None or not getattr(trainer, "state_lost", False):
-        return
+    if trainer is None or not trainer.state_lost:
+        return  # only a rank group (GroupTrainer, which has reset()) ever loses its state
     log.warning("the trainer's rank group died holding updates 1..%d: restoring from storage", engines.version)
     trainer.reset()
     engines.version = 0

@@ -21,7 +21,7 @@ def train_on(run: Run, engines: Engines, k: int, table: pa.Table, probe=None) ->
     metrics: dict[str, float] = {}
     warming_critic = engines.critic is not None and k <= run.cfg.critic.critic_warmup
     if len(table) and not warming_critic:
-        metrics.update(engines.trainer.update(table) if probe is None else engines.trainer.update(table, probe=probe))
+        metrics.update(engines.trainer.update(table, probe=probe))
     t1 = time.perf_counter()
     if engines.critic is not None and len(table):
         metrics.update(engines.critic.update(table))

@@ -1,7 +1,7 @@
 """Policy, reference and value models on DeepSpeed (ZeRO-3 over ranks), and the update job.
 
-    from gpu_jobs.train import PolicyTrainer, TrainerConfig
-    trainer = PolicyTrainer(model_dir, TrainerConfig(lr=1e-5))
+    from gpu_jobs.train import PolicyTrainer, ActorConfig
+    trainer = PolicyTrainer(model_dir, ActorConfig(lr=1e-5))
     metrics = trainer.update(batch_table)
 
 Job: ``python -m gpu_jobs.train --batch URL --checkpoint URL --out URL --config FILE.yaml``
@@ -16,7 +16,7 @@ from typing import Any
 from .errors import TrainInputError
 
 __all__ = [
-    "TrainerConfig",
+    "ActorConfig",
     "CriticConfig",
     "PolicyTrainer",
     "RefModel",
@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "TrainerConfig": "config",
+    "ActorConfig": "config",
     "CriticConfig": "config",
     "PIPELINE_ZERO_ERROR": "config",
     "PolicyTrainer": "policy",

@@ -28,23 +28,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", help="committed sample table: manifest URI or folder")
     p.add_argument("--checkpoint", help="policy to start from: HF folder or storage URL")
     p.add_argument("--out", help="where to write <out>/policy and <out>/trainer")
-    p.add_argument("--config", help="TrainerConfig as YAML (missing fields take their defaults)")
+    p.add_argument("--config", help="ActorConfig as YAML (missing fields take their defaults)")
     p.add_argument("--resume", help="an earlier --out whose trainer state to restore first")
     p.add_argument("--print-config", action="store_true", help="print the default config as YAML")
     return p
 
 
 def load_config(path: str | None) -> Any:
-    """TrainerConfig from a YAML file (None: defaults)."""
+    """ActorConfig from a YAML file (None: defaults)."""
     import yaml
 
-    from .config import TrainerConfig
+    from .config import ActorConfig
 
     if path is None:
-        return TrainerConfig()
+        return ActorConfig()
     with open(path) as f:
         data = yaml.safe_load(f) or {}
-    return TrainerConfig(**data)
+    return ActorConfig(**data)
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         import yaml
 
-        from .config import TrainerConfig
+        from .config import ActorConfig
 
-        print(yaml.safe_dump(TrainerConfig().model_dump(mode="json"), sort_keys=False), end="")
+        print(yaml.safe_dump(ActorConfig().model_dump(mode="json"), sort_keys=False), end="")
         return 0
     missing = [f"--{k}" for k in ("batch", "checkpoint", "out") if getattr(args, k) is None]
     if missing:

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from . import dist
+from .ranks import dist
 from .errors import TrainInputError
 
 log = logging.getLogger("gpu_jobs.train")
@@ -244,6 +244,8 @@ class Resumable:
     """save()/load() for a trainer holding ``engine`` (DeepSpeed), ``config``, ``rank``,
     ``world_size``, ``step``, ``samples_seen``, ``_shuffle`` (torch.Generator), ``_param_shapes``
     and ``load_weights(state_dict)``."""
+
+    step: int  # update() calls so far
 
     def save(self, url: str) -> str:
         """Commit everything exact resume needs at ``url`` (all ranks call it): DeepSpeed

@@ -1,7 +1,7 @@
 """Typed configs for the policy trainer and the critic (verl field names), and their DeepSpeed view.
 
-    from gpu_jobs.train import TrainerConfig
-    cfg = TrainerConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=8, lr=1e-5)
+    from gpu_jobs.train import ActorConfig
+    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=8, lr=1e-5)
     cfg.deepspeed_config(world_size=2)   # the dict handed to deepspeed.initialize
     cfg.resolved_zero_stage(world_size=1)  # 0: zero_stage "auto" on one rank
 """
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpu_jobs.algos import KLConfig, PolicyLossConfig
 
-__all__ = ["TrainerConfig", "CriticConfig", "PIPELINE_ZERO_ERROR"]
+__all__ = ["ActorConfig", "CriticConfig", "PIPELINE_ZERO_ERROR"]
 
 PIPELINE_ZERO_ERROR = (
     "zero_stage={stage} with pipeline_parallel_size={pp}: DeepSpeed cannot combine pipeline "
@@ -172,7 +172,7 @@ class _UpdateConfig(BaseModel):
         return cfg
 
 
-class TrainerConfig(_UpdateConfig):
+class ActorConfig(_UpdateConfig):
     """Policy (actor) update: PPO-family losses from gpu_jobs.algos on a DeepSpeed engine."""
 
     entropy_coeff: float = Field(

@@ -9,60 +9,21 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from . import dist
-from .batch import Rows, collate, plan_microbatches, plan_minibatches
+from .attention import attention_for_packing
+from .batch import Rows, collate, plan_microbatches
 from .checkpoint import Resumable
 from .config import _UpdateConfig
+from .loop import MetricSums, PhaseTimer, adamw, optimizer_steps
+from .ranks import dist
 
-
-__all__ = ["ZeroModule", "PhaseTimer", "PACKED_ATTENTION"]
-
-# The attention implementation packed micro-batches run with (registered with transformers on
-# first use): causal SDPA over each packed row separately, so no (T, T) mask is built and no
-# score is computed between two rows. transformers builds no mask at all for an implementation
-# it has no mask function for, which is what this one wants.
-PACKED_ATTENTION = "rlmill_packed_sdpa"
-
+__all__ = ["ZeroModule"]
 
 LossOf = Callable[[dict[str, Any]], tuple[Any, dict[str, Any]]]
-
-
-class _MetricSums:
-    """Share-weighted metric sums; ``mean()`` sums them over ranks and divides by the steps."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.steps = 0
-
-    def add(self, metrics: dict[str, Any], share: float) -> None:
-        for k, v in metrics.items():
-            self.sums[k] += float(v) * share
-
-    def mean(self) -> dict[str, float]:
-        keys = sorted(self.sums)
-        totals = dist.all_reduce_sum([self.sums[k] for k in keys]) if keys else []
-        return {k: t / max(1, self.steps) for k, t in zip(keys, totals)}
-
-
-class PhaseTimer:
-    """Wall time per named phase: ``with timer("forward"): ...``; ``timer.seconds`` sums them."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - t0
 
 
 def load_tokenizer_if_any(model_path: str) -> Any:
@@ -80,67 +41,6 @@ def _torch_dtype(name: str):
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
-def _packed_sdpa_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
-                           dropout: float = 0.0, scaling: float | None = None,
-                           cu_seq_lens_q: Any = None, **kwargs: Any) -> tuple[Any, None]:
-    """Causal SDPA within each packed row. ``query`` ``(1, heads, T, d)``, ``key``/``value``
-    ``(1, kv_heads, T, d)``, rows bounded by ``cu_seq_lens_q`` ``(b+1,)``; returns
-    ``(1, T, heads, d)`` as transformers' attention functions do. Rows of one length share one
-    batched SDPA call, so the Python loop runs over distinct lengths, not rows."""
-    import torch
-    import torch.nn.functional as F
-
-    unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
-    if cu_seq_lens_q is None or query.shape[0] != 1 or unsupported:
-        raise RuntimeError(
-            f"{PACKED_ATTENTION} runs packed micro-batches only (one row, cu_seq_lens_q) of models "
-            f"without {unsupported or 'sliding windows, soft-capping or sinks'}; set "
-            "use_remove_padding=false for this model."
-        )
-    bounds = cu_seq_lens_q.tolist()  # kept on the host by _collate: no device sync
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)  # rows by length, stable
-    groups: list[list[int]] = []  # [length, rows] runs of equal length in that order
-    for j in order:
-        if groups and groups[-1][0] == lengths[j]:
-            groups[-1][1] += 1
-        else:
-            groups.append([lengths[j], 1])
-    # One gather puts the rows in length order (its backward is one scatter); split() then hands
-    # each group a view, and its backward is one concatenation. Slicing row by row instead
-    # would cost a full-size zero gradient per row.
-    sorted_already = order == list(range(len(order)))
-    perm = None if sorted_already else torch.cat(
-        [torch.arange(bounds[j], bounds[j + 1], device=query.device) for j in order])
-    q, k, v = (x[0] if perm is None else x[0].index_select(1, perm) for x in (query, key, value))
-    sizes = [length * rows for length, rows in groups]
-    outputs = []
-    for (length, rows), qg, kg, vg in zip(groups, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1)):
-        qg, kg, vg = (x.unflatten(1, (rows, length)).transpose(0, 1) for x in (qg, kg, vg))
-        o = F.scaled_dot_product_attention(qg, kg, vg, dropout_p=dropout, scale=scaling, is_causal=True,
-                                           enable_gqa=qg.shape[1] != kg.shape[1])  # (rows, h, L, d)
-        outputs.append(o.transpose(0, 1).flatten(1, 2))  # (heads, rows * length, d)
-    out = torch.cat(outputs, dim=1)
-    if perm is not None:  # back to packed order
-        out = out.new_empty(out.shape).index_copy(1, perm, out)
-    return out.transpose(0, 1).unsqueeze(0), None
-
-
-def _attention_for_packing(hf_config: Any) -> str:
-    """The attention implementation for packed rows: PACKED_ATTENTION, registered with
-    transformers once per process; plain "sdpa" for a model with sliding-window layers (there
-    transformers builds the block-diagonal mask itself from the restarting position_ids: right,
-    but it computes the masked scores)."""
-    from transformers import AttentionInterface
-
-    layer_types = getattr(hf_config, "layer_types", None) or ["full_attention"]
-    if set(layer_types) != {"full_attention"} or getattr(hf_config, "use_sliding_window", False):
-        return "sdpa"
-    if PACKED_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa_attention)
-    return PACKED_ATTENTION
 
 
 class ZeroModule(Resumable):
@@ -208,7 +108,7 @@ class ZeroModule(Resumable):
             setattr(hf_config, key, value)
         kwargs = {"config": hf_config, "dtype": _torch_dtype(self.config.dtype)}
         if self.config.use_remove_padding:
-            kwargs["attn_implementation"] = _attention_for_packing(hf_config)
+            kwargs["attn_implementation"] = attention_for_packing(hf_config)
         if self.zero_stage != 3:
             model = auto_class.from_pretrained(self.model_path, **kwargs)
             if self.lora is None:
@@ -233,20 +133,14 @@ class ZeroModule(Resumable):
 
     def _build_engine(self, model: Any, train: bool) -> tuple[Any, Any]:
         import deepspeed
-        import torch
 
         ds_config = self.config.deepspeed_config(self.world_size, train=train)
         if not train:
             model.requires_grad_(False)
             engine, *_ = deepspeed.initialize(model=model, config=ds_config)
             return engine, None
-        c = self.config
-        # torch AdamW, not DeepSpeed's FusedAdam/CPUAdam: those JIT-compile C++ for minutes.
         # Frozen weights (a LoRA base) stay out of the optimizer: no moments, no decay for them.
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=c.lr_at(0), betas=c.betas, eps=c.eps,
-            weight_decay=c.weight_decay,
-        )
+        optimizer = adamw(self.config, [p for p in model.parameters() if p.requires_grad])
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config
         )
@@ -262,15 +156,14 @@ class ZeroModule(Resumable):
         ``before_first_step`` runs once, before the first optimizer step; if it raises, the first
         mini-batch's gradients are dropped and nothing trains."""
         timer, t0 = PhaseTimer(), time.perf_counter()
-        lr = self._apply_lr()
-        sums = _MetricSums()
+        sums = MetricSums()
         self.engine.train()
-        rows_per_mini = self.config.ppo_mini_batch_size * rows.samples_per_prompt
-        for _ in range(self.config.ppo_epochs):
-            gen = self._shuffle if self.config.shuffle else None
-            for mini in plan_minibatches(len(rows), rows_per_mini, gen):
-                self._train_minibatch(rows, mini, loss_of, agg_mode, timer, sums, before_first_step)
-                before_first_step = None
+
+        def train_minibatch(mini: np.ndarray, first: bool) -> None:
+            before_step = before_first_step if first else None
+            self._train_minibatch(rows, mini, loss_of, agg_mode, timer, sums, before_step)
+
+        lr = optimizer_steps(self.config, self.optimizer, self.step, rows, self._shuffle, train_minibatch)
         self.step += 1
         self.samples_seen += len(rows)
         seconds = time.perf_counter() - t0
@@ -289,7 +182,7 @@ class ZeroModule(Resumable):
         return out
 
     def _train_minibatch(self, rows: Rows, mini: np.ndarray, loss_of: LossOf, agg_mode: str,
-                         timer: PhaseTimer, sums: "_MetricSums",
+                         timer: PhaseTimer, sums: MetricSums,
                          before_step: Callable[[], None] | None = None) -> None:
         """Accumulate gradients over this rank's micro-batches, then one optimizer step.
 
@@ -336,13 +229,6 @@ class ZeroModule(Resumable):
         norms = [p.grad.detach().float().norm() for p in self.engine.module.parameters()
                  if p.grad is not None]
         return float(torch.stack(norms).norm()) if norms else 0.0
-
-    # ---- learning rate -------------------------------------------------------------------
-    def _apply_lr(self) -> float:
-        lr = self.config.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
 
     # ---- sharded iteration ---------------------------------------------------------------
     def _local_microbatches(

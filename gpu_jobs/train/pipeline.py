@@ -1,11 +1,11 @@
 """Pipeline-parallel policy updates: DeepSpeed PipelineModule with ZeRO stage 0 or 1.
 
-DeepSpeed cannot combine pipeline parallelism with ZeRO-2/3 (TrainerConfig rejects that), so
+DeepSpeed cannot combine pipeline parallelism with ZeRO-2/3 (ActorConfig rejects that), so
 this is the second trainer config next to ZeRO-3 data parallelism. Run it on
 ``pipeline_parallel_size x data_parallel`` ranks:
 
     torchrun --nproc_per_node 2 my_script.py   # with
-    trainer = PipelinePolicyTrainer(model_dir, TrainerConfig(pipeline_parallel_size=2, zero_stage=1))
+    trainer = PipelinePolicyTrainer(model_dir, ActorConfig(pipeline_parallel_size=2, zero_stage=1))
     metrics = trainer.update(batch)             # same batch on every rank, same metrics back
 
 The HF decoder is cut into layers [embed, decoder x L, norm, lm_head] (the lm_head tied to the
@@ -28,15 +28,17 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from . import dist
-from .batch import Rows, collate, plan_microbatches, plan_minibatches, read_rows
+from .ranks import dist
+from .batch import Rows, collate, plan_microbatches, read_rows
 from .checkpoint import Resumable
-from .config import TrainerConfig
+from .config import ActorConfig
 from gpu_jobs.models import resolve_model_path
 
-from .engine import PhaseTimer, _MetricSums, _torch_dtype, load_tokenizer_if_any
+from .engine import _torch_dtype, load_tokenizer_if_any
 from .errors import TrainInputError
+from .loop import MetricSums, PhaseTimer, adamw, optimizer_steps
 from .policy import policy_objective, required_columns
+from .protocol import InProcessTrainer, Probe
 
 __all__ = ["PipelinePolicyTrainer"]
 
@@ -121,7 +123,7 @@ def _layers(hf: Any) -> list[Any]:
             TiedLayerSpec("embed", _Embed, model.embed_tokens, forward_fn=_tied_head, **tied)]
 
 
-def _sum_over_ranks(sums: _MetricSums) -> dict[str, float]:
+def _sum_over_ranks(sums: MetricSums) -> dict[str, float]:
     """Metric sums exist only on last-stage ranks, so merge dicts rather than all-reduce lists."""
     merged: dict[str, float] = {}
     for part in dist.all_gather_object(dict(sums.sums)):
@@ -130,12 +132,12 @@ def _sum_over_ranks(sums: _MetricSums) -> dict[str, float]:
     return {k: v / max(1, sums.steps) for k, v in merged.items()}
 
 
-class PipelinePolicyTrainer(Resumable):
+class PipelinePolicyTrainer(Resumable, InProcessTrainer):
     """PolicyTrainer's ``update``, ``compute_log_probs``, ``gathered_state_dict``, ``save_hf``,
     ``save`` and ``load`` on a DeepSpeed pipeline (``config.pipeline_parallel_size`` stages,
     ZeRO stage 0 or 1; data parallel over the remaining ranks). Tested in fp32."""
 
-    def __init__(self, model_path: str, config: TrainerConfig, *, tokenizer: Any = None) -> None:
+    def __init__(self, model_path: str, config: ActorConfig, *, tokenizer: Any = None) -> None:
         import deepspeed
         import torch
         from deepspeed.pipe import PipelineModule
@@ -158,9 +160,7 @@ class PipelinePolicyTrainer(Resumable):
         self.pipe = PipelineModule(layers=_layers(hf), num_stages=pp, loss_fn=self._loss_fn,
                                    partition_method="uniform", dynamic_shape=True)
         ds = config.deepspeed_config(dist.world_size() // pp)
-        optimizer = torch.optim.AdamW([p for p in self.pipe.parameters() if p.requires_grad],
-                                      lr=config.lr_at(0), betas=config.betas, eps=config.eps,
-                                      weight_decay=config.weight_decay)
+        optimizer = adamw(config, [p for p in self.pipe.parameters() if p.requires_grad])
         self.engine, *_ = deepspeed.initialize(model=self.pipe, optimizer=optimizer, config=ds)
         self.optimizer = optimizer
         self.dp_rank, self.dp_size = self.engine.grid.data_parallel_id, self.engine.grid.data_parallel_size
@@ -230,10 +230,13 @@ class PipelinePolicyTrainer(Resumable):
         return [merged[i] for i in range(len(rows))]
 
     # ---- the update ----------------------------------------------------------------------
-    def update(self, batch: Any) -> dict[str, float]:
-        """Same contract and metric names as PolicyTrainer.update."""
+    def update(self, batch: Any, probe: Probe | None = None) -> dict[str, float]:
+        """Same contract and metric names as PolicyTrainer.update; no ``probe`` (several ranks)."""
         from gpu_jobs.algos import get_policy_loss_fn
 
+        if probe is not None:
+            raise ValueError("a pipeline cannot score the agreement probe in its update: check agreement with "
+                             "compute_log_probs before update()")
         c, timer, t0 = self.config, PhaseTimer(), time.perf_counter()
         self._loss_impl = get_policy_loss_fn(c.policy_loss.loss_mode)
         rows = read_rows(batch, require=required_columns(c, batch), vocab_size=self.model_config.vocab_size)
@@ -242,19 +245,14 @@ class PipelinePolicyTrainer(Resumable):
                 rows.columns["old_logprobs"] = self._old_logprobs(rows)
             elif "old_logprobs" not in rows.columns:
                 rows.columns["old_logprobs"] = rows.columns["rollout_logprobs"]
-        lr = c.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        sums = _MetricSums()
-        for _ in range(c.ppo_epochs):
-            for mini in plan_minibatches(len(rows), c.ppo_mini_batch_size * rows.samples_per_prompt,
-                                         self._shuffle if c.shuffle else None):
-                self._train_minibatch(rows, mini, timer, sums)
+        sums = MetricSums()
+        lr = optimizer_steps(c, self.optimizer, self.step, rows, self._shuffle,
+                             lambda mini, first: self._train_minibatch(rows, mini, timer, sums))
         self.step += 1
         self.samples_seen += len(rows)
         return self._metrics(rows, sums, timer, lr, time.perf_counter() - t0)
 
-    def _train_minibatch(self, rows: Rows, mini: np.ndarray, timer: PhaseTimer, sums: _MetricSums) -> None:
+    def _train_minibatch(self, rows: Rows, mini: np.ndarray, timer: PhaseTimer, sums: MetricSums) -> None:
         """One optimizer step: DeepSpeed's train_batch runs the micro-batches through the stages."""
         self._outputs = []
         with timer("train_batch"):
@@ -266,7 +264,7 @@ class PipelinePolicyTrainer(Resumable):
             sums.add({"grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}, 1.0 / self.dp_size)
         sums.steps += 1
 
-    def _metrics(self, rows: Rows, sums: _MetricSums, timer: PhaseTimer, lr: float,
+    def _metrics(self, rows: Rows, sums: MetricSums, timer: PhaseTimer, lr: float,
                  seconds: float) -> dict[str, float]:
         out = _sum_over_ranks(sums)
         out["actor/grad_norm"] = out.pop("grad_norm")

@@ -1,7 +1,7 @@
 """Policy update on a DeepSpeed engine (ZeRO-3 over ranks) and the frozen reference model.
 
-    from gpu_jobs.train import PolicyTrainer, TrainerConfig
-    trainer = PolicyTrainer("/path/to/hf_model", TrainerConfig(ppo_mini_batch_size=4, lr=1e-5))
+    from gpu_jobs.train import PolicyTrainer, ActorConfig
+    trainer = PolicyTrainer("/path/to/hf_model", ActorConfig(ppo_mini_batch_size=4, lr=1e-5))
     metrics = trainer.update(batch)          # pyarrow.Table: prompt_ids, response_ids, advantages
     weights = trainer.gathered_state_dict()  # full fp32 weights for the rollout engine (rank 0)
     trainer.save_hf(url + "/policy"); trainer.save(url)  # HF checkpoint; exact-resume state
@@ -18,14 +18,15 @@ from typing import Any, Callable
 import numpy as np
 
 from .batch import Rows, read_rows
-from .config import TrainerConfig
+from .config import ActorConfig
 from .engine import ZeroModule
+from .protocol import InProcessTrainer
 
 __all__ = ["PolicyTrainer", "RefModel", "AdapterOffRef", "policy_objective", "policy_loss", "token_terms",
            "required_columns"]
 
 
-def policy_objective(logits: Any, mb: dict[str, Any], loss_fn: Any, config: TrainerConfig):
+def policy_objective(logits: Any, mb: dict[str, Any], loss_fn: Any, config: ActorConfig):
     """Policy loss - entropy_coeff * entropy + kl_loss_coef * KL(ref) on one micro-batch.
 
     ``logits`` ``(b, R, V)`` fp32 predict ``mb["responses"]`` ``(b, R)``; ``mb`` also holds
@@ -35,7 +36,7 @@ def policy_objective(logits: Any, mb: dict[str, Any], loss_fn: Any, config: Trai
     return policy_loss(log_prob, entropy, mb, loss_fn, config)
 
 
-def token_terms(logits: Any, labels: Any, config: TrainerConfig, with_entropy: bool = True):
+def token_terms(logits: Any, labels: Any, config: ActorConfig, with_entropy: bool = True):
     """(log-prob of each label, entropy) from ``logits`` ``(..., V)`` and ``labels`` ``(...)``.
     Entropy is always reported but joins the graph only when it is part of the loss; None
     without ``with_entropy``."""
@@ -49,7 +50,7 @@ def token_terms(logits: Any, labels: Any, config: TrainerConfig, with_entropy: b
         return log_prob, entropy_from_logits(logits)
 
 
-def policy_loss(log_prob: Any, entropy: Any, mb: dict[str, Any], loss_fn: Any, config: TrainerConfig):
+def policy_loss(log_prob: Any, entropy: Any, mb: dict[str, Any], loss_fn: Any, config: ActorConfig):
     """policy_objective from per-token ``log_prob`` and ``entropy`` ``(b, R)``."""
     from gpu_jobs.algos import agg_loss, kl_penalty
 
@@ -71,7 +72,7 @@ def policy_loss(log_prob: Any, entropy: Any, mb: dict[str, Any], loss_fn: Any, c
     return loss, metrics
 
 
-def required_columns(config: TrainerConfig, batch: Any) -> tuple[str, ...]:
+def required_columns(config: ActorConfig, batch: Any) -> tuple[str, ...]:
     """Columns an update with ``config`` needs beyond prompt_ids/response_ids."""
     have = set(getattr(batch, "column_names", ()))
     need = ["advantages"]
@@ -85,9 +86,9 @@ def required_columns(config: TrainerConfig, batch: Any) -> tuple[str, ...]:
 class _CausalLM(ZeroModule):
     """Log-probs of response tokens under an AutoModelForCausalLM in a DeepSpeed engine."""
 
-    config: TrainerConfig
+    config: ActorConfig
 
-    def __init__(self, model_path: str, config: TrainerConfig, *, train: bool, tokenizer: Any = None,
+    def __init__(self, model_path: str, config: ActorConfig, *, train: bool, tokenizer: Any = None,
                  storage: Any = None, lora: Any = None):
         from transformers import AutoModelForCausalLM
 
@@ -164,24 +165,24 @@ class _CausalLM(ZeroModule):
 
 
 class RefModel(_CausalLM):
-    """Frozen reference policy: ``RefModel(path, TrainerConfig()).compute_log_probs(batch)``."""
+    """Frozen reference policy: ``RefModel(path, ActorConfig()).compute_log_probs(batch)``."""
 
-    def __init__(self, model_path: str, config: TrainerConfig | None = None, *, tokenizer: Any = None,
+    def __init__(self, model_path: str, config: ActorConfig | None = None, *, tokenizer: Any = None,
                  storage: Any = None):
-        super().__init__(model_path, config or TrainerConfig(), train=False, tokenizer=tokenizer, storage=storage)
+        super().__init__(model_path, config or ActorConfig(), train=False, tokenizer=tokenizer, storage=storage)
 
 
-class PolicyTrainer(_CausalLM):
+class PolicyTrainer(_CausalLM, InProcessTrainer):
     """PPO-family policy updates with gpu_jobs.algos losses on a DeepSpeed engine.
 
-        trainer = PolicyTrainer(model_dir, TrainerConfig(ppo_mini_batch_size=2))
+        trainer = PolicyTrainer(model_dir, ActorConfig(ppo_mini_batch_size=2))
         metrics = trainer.update(table)   # {"actor/pg_loss": ..., "actor/grad_norm": ...}
     """
 
     def __init__(
         self,
         model_path: str,
-        config: TrainerConfig | None = None,
+        config: ActorConfig | None = None,
         *,
         tokenizer: Any = None,
         kl_controller: Any = None,
@@ -189,7 +190,7 @@ class PolicyTrainer(_CausalLM):
         lora: Any = None,
     ) -> None:
         """``lora``: a gpu_jobs.models.lora.LoraSpec to train adapters on a frozen base."""
-        super().__init__(model_path, config or TrainerConfig(), train=True, tokenizer=tokenizer, storage=storage,
+        super().__init__(model_path, config or ActorConfig(), train=True, tokenizer=tokenizer, storage=storage,
                          lora=lora)
         self.kl_controller = kl_controller  # its state travels with save()/load()
         # A training-mode forward equals the eval-mode one only without active dropout.

@@ -119,7 +119,7 @@ def _survives(names: tuple[str, ...]) -> None:
     # Its own process: the in-process S3 endpoint imports Flask, whose context proxies break
     # vLLM's kernel registration in any later test of the same process; the harness also pins
     # torch to one thread for the bitwise comparisons.
-    from gpu_jobs.train.dist import child_env
+    from gpu_jobs.train.ranks.dist import child_env
 
     done = subprocess.run([sys.executable, "-m", "benchmarks.chaos", "--only", ",".join(names)], cwd=REPO,
                           env={**child_env(), "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,

@@ -40,7 +40,7 @@ def prefect_env(tmp_path_factory) -> dict[str, str]:
     """Environment for every child: the session's server, pool and time zone, quiet, 1 thread."""
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
-    from gpu_jobs.train.dist import child_env
+    from gpu_jobs.train.ranks.dist import child_env
 
     env = child_env()  # not this process's MASTER_PORT etc. if an earlier test started DeepSpeed
     env.update({

@@ -112,7 +112,7 @@ def test_only_the_main_thread_asks_for_the_death_signal():
 @pytest.mark.slow
 @pytest.mark.prefect
 def test_sigkilled_rlmill_train_leaves_no_prefect_server(example_path, tiny, tmp_path):
-    from gpu_jobs.train.dist import child_env
+    from gpu_jobs.train.ranks.dist import child_env
 
     env = {k: v for k, v in child_env().items() if k != "PREFECT_API_URL"}  # the ephemeral API
     env.update(PYTHONPATH=str(REPO), PREFECT_HOME=str(tmp_path / "prefect"), OMP_NUM_THREADS="1",

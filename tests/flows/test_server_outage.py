@@ -97,7 +97,7 @@ class Server:
     def __init__(self, home: Path, logs: Path):
         self.port, self.home, self.logs, self.proc, self.starts = free_port(), home, logs, None, 0
         self.api = f"http://127.0.0.1:{self.port}/api"
-        from gpu_jobs.train.dist import child_env
+        from gpu_jobs.train.ranks.dist import child_env
 
         # child_env: not this process's MASTER_PORT, which its own process group (an earlier test's
         # DeepSpeed) still listens on.

@@ -275,7 +275,7 @@ def _formatted(records) -> str:
 @pytest.mark.s3
 def test_a_real_run_on_s3_leaks_no_credentials(prefect_api, secrets, s3_endpoint, s3_bucket_url, tmp_path,
                                                example_path, tiny):
-    from gpu_jobs.train.dist import child_env
+    from gpu_jobs.train.ranks.dist import child_env
 
     # `rlmill train` as a user runs it: key and secret in the config file, the session token
     # from the environment. Extra loggers at INFO put boto/s3fs/DeepSpeed logs on the console

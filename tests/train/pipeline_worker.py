@@ -10,12 +10,12 @@ import torch
 
 torch.set_num_threads(1)
 
-from gpu_jobs.train import TrainerConfig  # noqa: E402
+from gpu_jobs.train import ActorConfig  # noqa: E402
 from gpu_jobs.train.pipeline import PipelinePolicyTrainer  # noqa: E402
 from storage import read_table  # noqa: E402
 
 model, batch, config, out = sys.argv[1:5]
-config = TrainerConfig(**json.loads(config))
+config = ActorConfig(**json.loads(config))
 table = read_table(batch)
 trainer = PipelinePolicyTrainer(model, config)
 metrics = trainer.update(table)

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from gpu_jobs.train import CriticConfig, TrainerConfig, TrainInputError
+from gpu_jobs.train import CriticConfig, ActorConfig, TrainInputError
 from gpu_jobs.train.batch import collate, plan_microbatches, plan_minibatches, read_rows
 
 
@@ -17,7 +17,7 @@ from gpu_jobs.train.batch import collate, plan_microbatches, plan_minibatches, r
 @pytest.mark.parametrize("stage", [2, 3])
 def test_pipeline_with_zero2_or_3_is_rejected_with_the_fix(stage):
     with pytest.raises(ValidationError) as e:
-        TrainerConfig(zero_stage=stage, pipeline_parallel_size=2)
+        ActorConfig(zero_stage=stage, pipeline_parallel_size=2)
     msg = str(e.value)
     assert "DeepSpeed cannot combine pipeline parallelism with ZeRO-2/3" in msg
     assert "set zero_stage to 0 or 1" in msg and "pipeline_parallel_size=1" in msg
@@ -25,44 +25,44 @@ def test_pipeline_with_zero2_or_3_is_rejected_with_the_fix(stage):
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_pipeline_with_zero0_or_1_is_accepted(stage):
-    cfg = TrainerConfig(zero_stage=stage, pipeline_parallel_size=2)
+    cfg = ActorConfig(zero_stage=stage, pipeline_parallel_size=2)
     assert cfg.deepspeed_config(world_size=2)["zero_optimization"]["stage"] == stage
 
 
 def test_zero_stage_auto_resolves_per_data_parallel_size():
-    auto = TrainerConfig()
+    auto = ActorConfig()
     assert auto.zero_stage == "auto" and CriticConfig().zero_stage == "auto"
     assert [auto.resolved_zero_stage(n) for n in (1, 2, 8)] == [0, 3, 3]
-    assert TrainerConfig(dtype="bf16").resolved_zero_stage(1) == 1  # DeepSpeed's bf16 stage 0 is not ours
-    assert TrainerConfig(pipeline_parallel_size=2).resolved_zero_stage(2) == 1  # no ZeRO-2/3 with pipes
-    assert TrainerConfig(zero_stage=3).resolved_zero_stage(1) == 3
+    assert ActorConfig(dtype="bf16").resolved_zero_stage(1) == 1  # DeepSpeed's bf16 stage 0 is not ours
+    assert ActorConfig(pipeline_parallel_size=2).resolved_zero_stage(2) == 1  # no ZeRO-2/3 with pipes
+    assert ActorConfig(zero_stage=3).resolved_zero_stage(1) == 3
     assert auto.deepspeed_config(world_size=1)["zero_optimization"]["stage"] == 0
     assert auto.deepspeed_config(world_size=2)["zero_optimization"]["stage"] == 3
 
 
 def test_configs_forbid_unknown_fields_and_document_every_field():
     with pytest.raises(ValidationError):
-        TrainerConfig(learning_rate=1e-5)  # verl calls it lr
-    for cls in (TrainerConfig, CriticConfig):
+        ActorConfig(learning_rate=1e-5)  # verl calls it lr
+    for cls in (ActorConfig, CriticConfig):
         undocumented = [n for n, f in cls.model_fields.items() if not f.description]
         assert undocumented == []
 
 
 def test_deepspeed_config_sets_clipping_explicitly_and_owns_accumulation():
-    ds = TrainerConfig(grad_clip=0.5, dtype="bf16").deepspeed_config(world_size=2)  # auto: 3
+    ds = ActorConfig(grad_clip=0.5, dtype="bf16").deepspeed_config(world_size=2)  # auto: 3
     assert ds["gradient_clipping"] == 0.5  # DeepSpeed's own default would be 1.0
     assert ds["gradient_accumulation_steps"] == 1 and ds["train_batch_size"] == 2
     assert ds["bf16"]["enabled"] and ds["zero_optimization"]["stage"] == 3
 
 
 def test_lr_schedules():
-    cfg = TrainerConfig(lr=1.0, lr_warmup_steps=4)
+    cfg = ActorConfig(lr=1.0, lr_warmup_steps=4)
     assert [cfg.lr_at(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    cos = TrainerConfig(lr=1.0, lr_scheduler="cosine", total_training_steps=10, min_lr_ratio=0.1)
+    cos = ActorConfig(lr=1.0, lr_scheduler="cosine", total_training_steps=10, min_lr_ratio=0.1)
     assert cos.lr_at(0) == 1.0 and math.isclose(cos.lr_at(10), 0.1)
     assert math.isclose(cos.lr_at(5), 0.1 + 0.9 * 0.5)  # half way down the cosine
     with pytest.raises(ValidationError, match="total_training_steps"):
-        TrainerConfig(lr_scheduler="cosine")
+        ActorConfig(lr_scheduler="cosine")
 
 
 # ---- batch validation ------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from gpu_jobs.train import Critic, CriticConfig, RefModel, TrainerConfig, TrainInputError
+from gpu_jobs.train import Critic, CriticConfig, RefModel, ActorConfig, TrainInputError
 
 pytestmark = pytest.mark.deepspeed
 
@@ -44,9 +44,9 @@ def test_ref_model_log_probs_equal_the_policy_before_training(tiny_model, helper
     from gpu_jobs.train import PolicyTrainer
 
     batch = helpers.make_batch(seed=22, prompts=2, n=2)
-    ref = RefModel(tiny_model, TrainerConfig())
+    ref = RefModel(tiny_model, ActorConfig())
     assert ref.optimizer is None
-    policy = PolicyTrainer(tiny_model, TrainerConfig())
+    policy = PolicyTrainer(tiny_model, ActorConfig())
     for a, b in zip(ref.compute_log_probs(batch), policy.compute_log_probs(batch)):
         np.testing.assert_array_equal(a, b)
 

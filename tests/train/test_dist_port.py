@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     busy = taken.getsockname()[1]
-    import gpu_jobs.train.dist as dist
+    import gpu_jobs.train.ranks.dist as dist
     real, ports = dist.free_port, []
     def free_port():  # the first pick is a port someone took meanwhile
         ports.append(busy if not ports else real())

@@ -1,4 +1,4 @@
-"""The warm rank group (gpu_jobs.train.group): 2 gloo ranks under torchrun, started once, serving
+"""The warm rank group (gpu_jobs.train.ranks): 2 gloo ranks under torchrun, started once, serving
 several commands; equal to 1 rank in-process; exact save/load across groups; ZeRO-3 really
 partitions; a rank that raises or is killed fails the call with that rank's error, and a new
 group works after. Built-in tiny model, 2 CPU ranks, ~2-3 min on 2 cores (4 group starts)."""
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from gpu_jobs.train import TrainerConfig, TrainInputError
+from gpu_jobs.train import ActorConfig, TrainInputError
 from tests.train.update_gap import REORDER_REL, initial_weights, metric_approx, update_gap
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -25,8 +25,8 @@ CFG = dict(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1, lr=1e-4, eps=1
 # norm) and metrics by metric_approx, both bounded by REORDER_REL: tests/train/update_gap.py says why.
 
 
-def _cfg(**kw) -> TrainerConfig:
-    return TrainerConfig(**{**CFG, **kw})
+def _cfg(**kw) -> ActorConfig:
+    return ActorConfig(**{**CFG, **kw})
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -47,7 +47,7 @@ def batches(helpers):
 
 @pytest.fixture(scope="module")
 def group(model):
-    from gpu_jobs.train.group import GroupTrainer
+    from gpu_jobs.train.ranks.trainer import GroupTrainer
 
     g = GroupTrainer(model, _cfg(zero_stage=3), n_ranks=2)
     t0 = time.perf_counter()
@@ -120,8 +120,7 @@ def test_bad_batch_fails_in_parent_and_group_stays_up(group, trained, batches):
 
 
 def test_weight_buckets_stream_whole_layers_stop_early_and_load_weights(group, trained, batches):
-    from gpu_jobs.train.group import sync_weights
-    from gpu_jobs.train.group_worker import layer_key
+    from gpu_jobs.train.weights import layer_key, stream_weights_into_rollout
 
     half = list(group.iter_weight_buckets(100_000, torch.bfloat16))
     merged = {k: v for b in half for k, v in b}
@@ -150,9 +149,9 @@ def test_weight_buckets_stream_whole_layers_stop_early_and_load_weights(group, t
             self.d = d
 
     p, w = Partial(), Whole()
-    assert sync_weights(p, group, bucket_bytes=100_000) == len(buckets)
+    assert stream_weights_into_rollout(p, group, bucket_bytes=100_000) == len(buckets)
     assert _equal({k: v for d in p.parts for k, v in d.items()}, trained["final"])
-    assert sync_weights(w, group) == 1 and _equal(w.d, trained["final"])
+    assert stream_weights_into_rollout(w, group) == 1 and _equal(w.d, trained["final"])
 
     # load_weights: a full state dict, with the tied head under its second name (same storage).
     state = dict(trained["saved"])
@@ -162,7 +161,7 @@ def test_weight_buckets_stream_whole_layers_stop_early_and_load_weights(group, t
 
 
 def test_save_then_load_in_fresh_group_is_bitwise_and_resumes_exactly(trained, model, batches):
-    from gpu_jobs.train.group import GroupTrainer
+    from gpu_jobs.train.ranks.trainer import GroupTrainer
 
     fresh = GroupTrainer(model, _cfg(zero_stage=3), n_ranks=2)
     try:
@@ -183,7 +182,7 @@ def test_save_then_load_in_fresh_group_is_bitwise_and_resumes_exactly(trained, m
 def _killed_rank_then_recover(g, trained, batches):
     """SIGKILL rank 1 between calls: the next call names it; the old processes are all gone; the
     trainer state (updated since its load) is reported lost, and load() starts a new group."""
-    from gpu_jobs.train.group import RankGroupError, TrainerStateLostError
+    from gpu_jobs.train.ranks.errors import RankGroupError, TrainerStateLostError
 
     old, pids = g.group, list(g.pids)
     os.kill(pids[1], signal.SIGKILL)
@@ -204,7 +203,7 @@ def _killed_rank_then_recover(g, trained, batches):
 def _raising_rank_then_recover(g, trained):
     """A Python error on rank 1 reaches the caller with rank 1's traceback; the state was at a
     save point (just loaded), so the next call restores it in a fresh group by itself."""
-    from gpu_jobs.train.group import RankGroupError
+    from gpu_jobs.train.ranks.errors import RankGroupError
 
     g.load(trained["url"])  # clean: at the checkpoint
     pids = list(g.pids)
@@ -225,8 +224,8 @@ def test_two_nodes_on_one_machine_train_like_one_node_of_two_ranks(trained, mode
     import subprocess
     import sys
 
-    from gpu_jobs.train.dist import child_env
-    from gpu_jobs.train.group import GroupTrainer
+    from gpu_jobs.train.ranks.dist import child_env
+    from gpu_jobs.train.ranks.trainer import GroupTrainer
     from tests.servers import free_port
 
     port = free_port()
@@ -262,7 +261,8 @@ def test_two_nodes_on_one_machine_train_like_one_node_of_two_ranks(trained, mode
 
 
 def test_a_node_that_never_joins_fails_the_start_naming_the_join_command(model):
-    from gpu_jobs.train.group import GroupTrainer, RankGroupError
+    from gpu_jobs.train.ranks.errors import RankGroupError
+    from gpu_jobs.train.ranks.trainer import GroupTrainer
     from tests.servers import free_port
 
     port = free_port()
@@ -272,13 +272,13 @@ def test_a_node_that_never_joins_fails_the_start_naming_the_join_command(model):
         g.start()
     head = str(err.value).splitlines()[0]
     assert "2-node group did not form within 15 s" in head, head
-    assert f"python -m gpu_jobs.train.launch --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 " \
+    assert f"python -m gpu_jobs.train.ranks.launch --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 " \
            f"--master-port {port}" in head
     assert g.group is not None and g.group.alive_pids() == []
 
 
 def test_node_layouts_and_the_join_command_refuse_what_cannot_form():
-    from gpu_jobs.train.launch import NodeLayout, main
+    from gpu_jobs.train.ranks.launch import NodeLayout, main
 
     assert NodeLayout(4, 2, "10.0.0.5", 29400).torchrun_args(1) == [
         "--nnodes=2", "--node_rank=1", "--nproc_per_node=2", "--master_addr=10.0.0.5", "--master_port=29400"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from gpu_jobs.train import PolicyTrainer, TrainerConfig
+from gpu_jobs.train import PolicyTrainer, ActorConfig
 from tests.train.update_gap import REORDER_REL, initial_weights, metric_approx, update_gap
 
 pytestmark = pytest.mark.deepspeed
@@ -61,7 +61,7 @@ def test_two_rank_torchrun_job_equals_one_rank(job_inputs, caplog):
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
     two_rank = load_state_dict(out + "/policy")
 
-    one = PolicyTrainer(job_inputs["model"], TrainerConfig(**CFG))
+    one = PolicyTrainer(job_inputs["model"], ActorConfig(**CFG))
     one_metrics = one.update(job_inputs["batch"])
     one_rank = one.gathered_state_dict()
     # Float32 sums in another order (2 ranks' micro-batches): bounded as tests/train/update_gap.py says.
@@ -72,7 +72,7 @@ def test_two_rank_torchrun_job_equals_one_rank(job_inputs, caplog):
         assert metrics[key] == metric_approx(key, one_metrics[key], job_inputs["batch"]), key
 
     # The 2-rank ZeRO-3 state on 1 rank: exact weights and Adam state, resharded.
-    resumed = PolicyTrainer(job_inputs["model"], TrainerConfig(**CFG))
+    resumed = PolicyTrainer(job_inputs["model"], ActorConfig(**CFG))
     with caplog.at_level(logging.INFO, logger="gpu_jobs.train"):
         resumed.load(out)
     assert "Adam state (exp_avg, exp_avg_sq, step) resharded" in caplog.text

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from gpu_jobs.train import Critic, CriticConfig, PolicyTrainer, TrainerConfig
+from gpu_jobs.train import Critic, CriticConfig, PolicyTrainer, ActorConfig
 from tests.train.update_gap import REORDER_REL, initial_weights, metric_approx, update_gap
 
 pytestmark = pytest.mark.deepspeed
@@ -45,13 +45,13 @@ def plain(tiny_model, batch):
     """Per ZeRO stage: (metrics, weights) of the update with the options under test off."""
     out = {}
     for stage in (0, 3):
-        trainer = PolicyTrainer(tiny_model, TrainerConfig(**CFG, zero_stage=stage))
+        trainer = PolicyTrainer(tiny_model, ActorConfig(**CFG, zero_stage=stage))
         out[stage] = (trainer.update(batch), trainer.gathered_state_dict())
     return out
 
 
 def test_auto_zero_stage_runs_stage_0_on_one_rank(tiny_model, batch, plain):
-    trainer = PolicyTrainer(tiny_model, TrainerConfig(**CFG))
+    trainer = PolicyTrainer(tiny_model, ActorConfig(**CFG))
     assert trainer.config.zero_stage == "auto" and trainer.zero_stage == 0
     assert trainer.engine.zero_optimization_stage() == 0
     m = trainer.update(batch)
@@ -66,11 +66,11 @@ def test_old_logprobs_from_the_update_forward_equal_a_separate_pass(tiny_model, 
     # moved when a micro-batch is scored, so its forward's log-probs are the old ones.
     table = helpers.make_batch(seed=4, prompts=4, n=2, ref=True)
     cfg = {**CFG, "ppo_epochs": 1, "ppo_mini_batch_size": 4, "zero_stage": stage}
-    fused = PolicyTrainer(tiny_model, TrainerConfig(**cfg))
+    fused = PolicyTrainer(tiny_model, ActorConfig(**cfg))
     m_fused = fused.update(table)
     assert m_fused["timing_s/old_log_prob"] == 0.0  # no separate pass ran
 
-    two_pass = PolicyTrainer(tiny_model, TrainerConfig(**cfg, recompute_old_logprobs=False))
+    two_pass = PolicyTrainer(tiny_model, ActorConfig(**cfg, recompute_old_logprobs=False))
     old = two_pass.compute_log_probs(table)  # the separate no-grad pass, as recompute does it
     with_old = table.append_column("old_logprobs", pa.array([o.tolist() for o in old], pa.list_(pa.float32())))
     m_two = two_pass.update(with_old)
@@ -79,13 +79,13 @@ def test_old_logprobs_from_the_update_forward_equal_a_separate_pass(tiny_model, 
     _assert_same_weights(fused.gathered_state_dict(), two_pass.gathered_state_dict(), tiny_model)
 
     # Two mini-batches: the second is scored after a step, so the separate pass must run.
-    several = PolicyTrainer(tiny_model, TrainerConfig(**{**cfg, "ppo_mini_batch_size": 2}))
+    several = PolicyTrainer(tiny_model, ActorConfig(**{**cfg, "ppo_mini_batch_size": 2}))
     assert several.update(table)["timing_s/old_log_prob"] > 0
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_gradient_checkpointing_gives_the_same_update(tiny_model, batch, plain, stage):
-    trainer = PolicyTrainer(tiny_model, TrainerConfig(**CFG, zero_stage=stage, gradient_checkpointing=True))
+    trainer = PolicyTrainer(tiny_model, ActorConfig(**CFG, zero_stage=stage, gradient_checkpointing=True))
     assert trainer.engine.module.is_gradient_checkpointing
     _assert_same(trainer.update(batch), plain[stage][0], batch)
     _assert_same_weights(trainer.gathered_state_dict(), plain[stage][1], tiny_model)
@@ -108,10 +108,10 @@ def test_critic_gradient_checkpointing_gives_the_same_update(tiny_model, helpers
 @pytest.mark.parametrize("stage, packed", [(0, True), (0, False), (3, True)])
 def test_entropy_chunking_gives_the_same_update(tiny_model, batch, plain, stage, packed):
     # Chunks of 5 tokens: every micro-batch spans several, and a chunk crosses rows.
-    cfg = TrainerConfig(**CFG, zero_stage=stage, use_remove_padding=packed,
+    cfg = ActorConfig(**CFG, zero_stage=stage, use_remove_padding=packed,
                         entropy_from_logits_with_chunking=True, entropy_chunk_size=5)
     trainer = PolicyTrainer(tiny_model, cfg)
-    before = PolicyTrainer(tiny_model, TrainerConfig(**CFG, zero_stage=stage)).compute_log_probs(batch)
+    before = PolicyTrainer(tiny_model, ActorConfig(**CFG, zero_stage=stage)).compute_log_probs(batch)
     for a, b in zip(trainer.compute_log_probs(batch), before):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
     _assert_same(trainer.update(batch), plain[stage][0], batch)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpu_jobs.models.lora import LoraSpec, merged_state_dict
-from gpu_jobs.train import PolicyTrainer, TrainerConfig
+from gpu_jobs.train import PolicyTrainer, ActorConfig
 
 pytestmark = pytest.mark.deepspeed
 
@@ -39,7 +39,7 @@ def _adapters(trainer) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def trained(tiny_model, helpers):
     """A LoRA trainer after two updates, with its weights before them."""
-    trainer = PolicyTrainer(tiny_model, TrainerConfig(**CFG), lora=_spec(tiny_model))
+    trainer = PolicyTrainer(tiny_model, ActorConfig(**CFG), lora=_spec(tiny_model))
     before = {"frozen": _frozen(trainer), "adapters": _adapters(trainer), "merged": trainer.gathered_state_dict()}
     for seed in (0, 1):
         trainer.update(helpers.make_batch(seed, old=True))
@@ -121,7 +121,7 @@ def test_trainer_state_resumes_bitwise_and_holds_no_base_weights(trained, tiny_m
     stored = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(url) for f in fs)
     base_bytes = sum(p.numel() * 4 for p in _frozen(trainer).values())
     assert stored < base_bytes  # adapters + their Adam moments only
-    fresh = PolicyTrainer(tiny_model, TrainerConfig(**CFG), lora=_spec(tiny_model))
+    fresh = PolicyTrainer(tiny_model, ActorConfig(**CFG), lora=_spec(tiny_model))
     fresh.load(url)
     assert _bitwise(_adapters(fresh), _adapters(trainer)) and _bitwise(_frozen(fresh), _frozen(trainer))
     batch = helpers.make_batch(5, old=True)
@@ -135,7 +135,7 @@ def test_reference_is_the_base_model(trained, tiny_model, helpers):
 
     trainer, _ = trained
     batch = helpers.make_batch(7)
-    ref = RefModel(tiny_model, TrainerConfig(**CFG)).compute_log_probs(batch)
+    ref = RefModel(tiny_model, ActorConfig(**CFG)).compute_log_probs(batch)
     off = trainer.reference().compute_log_probs(batch)
     on = trainer.compute_log_probs(batch)
     for a, b in zip(off, ref):

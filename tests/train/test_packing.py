@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_jobs.train import Critic, CriticConfig, PolicyTrainer, TrainerConfig
+from gpu_jobs.train import Critic, CriticConfig, PolicyTrainer, ActorConfig
 from tests.train.update_gap import REORDER_REL, initial_weights, metric_approx, update_gap
 
 pytestmark = pytest.mark.deepspeed
@@ -100,10 +100,10 @@ def test_transformers_keeps_packed_rows_apart(builtin, batch, attn):
     # "packed": our per-row SDPA, which builds no mask at all.
     from transformers import AutoModelForCausalLM
 
-    from gpu_jobs.train.engine import _attention_for_packing
+    from gpu_jobs.train.attention import attention_for_packing
 
     model = AutoModelForCausalLM.from_pretrained(builtin, dtype=torch.float32)
-    impl = _attention_for_packing(model.config) if attn == "packed" else attn
+    impl = attention_for_packing(model.config) if attn == "packed" else attn
     d = batch.to_pydict()
     with torch.no_grad():
         padded, packed = _padded_and_packed_logits(model, list(zip(d["prompt_ids"], d["response_ids"])), impl)
@@ -112,8 +112,8 @@ def test_transformers_keeps_packed_rows_apart(builtin, batch, attn):
 
 
 def test_packed_log_probs_and_gradients_equal_padded(builtin, batch):
-    padded = PolicyTrainer(builtin, TrainerConfig(**CFG, use_remove_padding=False))
-    packed = PolicyTrainer(builtin, TrainerConfig(**CFG, use_remove_padding=True))
+    padded = PolicyTrainer(builtin, ActorConfig(**CFG, use_remove_padding=False))
+    packed = PolicyTrainer(builtin, ActorConfig(**CFG, use_remove_padding=True))
     assert packed.engine.module.config._attn_implementation == "rlmill_packed_sdpa"
     for a, b in zip(packed.compute_log_probs(batch), padded.compute_log_probs(batch)):
         assert a.shape == b.shape
@@ -135,8 +135,8 @@ def test_packed_update_equals_padded_under_zero3(tiny_model, batch, dynamic):
     # is amplified into the weights; the gradients themselves are compared above. The weights are
     # bounded by update_gap, as a fraction of the update's norm (tests/train/update_gap.py says why).
     extra = {"zero_stage": 3, "use_dynamic_bsz": dynamic, "ppo_max_token_len_per_gpu": 60}
-    padded = PolicyTrainer(tiny_model, TrainerConfig(**CFG, **extra, use_remove_padding=False))
-    packed = PolicyTrainer(tiny_model, TrainerConfig(**CFG, **extra, use_remove_padding=True))
+    padded = PolicyTrainer(tiny_model, ActorConfig(**CFG, **extra, use_remove_padding=False))
+    packed = PolicyTrainer(tiny_model, ActorConfig(**CFG, **extra, use_remove_padding=True))
     m_padded, m_packed = padded.update(batch), packed.update(batch)
     gap = update_gap(packed.gathered_state_dict(), padded.gathered_state_dict(), initial_weights(tiny_model))
     print(f"\npacked vs padded: ||dw|| {gap:.2e} of the update")

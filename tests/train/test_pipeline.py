@@ -12,7 +12,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from gpu_jobs.train import PolicyTrainer, TrainerConfig
+from gpu_jobs.train import PolicyTrainer, ActorConfig
 from tests.train.update_gap import REORDER_REL, initial_weights, metric_approx, update_gap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,7 +22,7 @@ CFG = dict(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3, ppo_epochs=2, 
 
 def test_pipeline_with_zero3_is_rejected():
     with pytest.raises(ValidationError, match="DeepSpeed cannot combine pipeline parallelism"):
-        TrainerConfig(**CFG, pipeline_parallel_size=2, zero_stage=3)
+        ActorConfig(**CFG, pipeline_parallel_size=2, zero_stage=3)
 
 
 @pytest.mark.slow
@@ -47,7 +47,7 @@ def test_two_stage_pipeline_equals_one_rank_zero3(tied_model, helpers, tmp_path)
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
     piped = load_state_dict(str(tmp_path / "out"))
 
-    one = PolicyTrainer(tiny_model, TrainerConfig(**CFG))
+    one = PolicyTrainer(tiny_model, ActorConfig(**CFG))
     one_metrics = one.update(batch)
     ref = one.gathered_state_dict()
     assert set(piped) == set(ref)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_jobs.train import PolicyTrainer, TrainerConfig, TrainInputError
+from gpu_jobs.train import PolicyTrainer, ActorConfig, TrainInputError
 from tests.train.update_gap import REORDER_REL, initial_weights, metric_approx, update_gap
 
 pytestmark = pytest.mark.deepspeed
@@ -44,7 +44,7 @@ def _row_terms(model, prompt, response, old, adv, ref):
     return pg, entropy, kl
 
 
-def reference_update(model_dir, table, cfg: TrainerConfig):
+def reference_update(model_dir, table, cfg: ActorConfig):
     """Plain torch: returns (state_dict, pre-clip grad norms)."""
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +80,7 @@ def _max_diff(a, b):
 
 @pytest.fixture(scope="module")
 def trained(tiny_model, helpers):
-    cfg = TrainerConfig(**CFG)
+    cfg = ActorConfig(**CFG)
     batch = helpers.make_batch(seed=1, prompts=4, n=2, ref=True)
     trainer = PolicyTrainer(tiny_model, cfg)
     metrics = trainer.update(batch)
@@ -143,7 +143,7 @@ def test_save_hf_writes_a_checkpoint_that_from_pretrained_loads(trained, tmp_pat
 
 
 def test_token_budget_microbatches_give_the_same_step(tiny_model, helpers, trained):
-    cfg = TrainerConfig(**{**CFG, "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24})
+    cfg = ActorConfig(**{**CFG, "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24})
     trainer = PolicyTrainer(tiny_model, cfg)
     metrics = trainer.update(trained["batch"])
     init = initial_weights(trainer.model_path)
@@ -157,10 +157,10 @@ def test_rollout_logprobs_stand_in_when_not_recomputing(tiny_model, helpers):
 
     batch = helpers.make_batch(seed=2, prompts=2, n=2)
     with pytest.raises(TrainInputError, match="old_logprobs"):
-        PolicyTrainer(tiny_model, TrainerConfig(recompute_old_logprobs=False)).update(batch)
+        PolicyTrainer(tiny_model, ActorConfig(recompute_old_logprobs=False)).update(batch)
     lp = [(-4.0 * np.ones(len(r))).tolist() for r in batch.column("response_ids").to_pylist()]
     batch = batch.append_column("rollout_logprobs", pa.array(lp, pa.list_(pa.float32())))
-    trainer = PolicyTrainer(tiny_model, TrainerConfig(recompute_old_logprobs=False, ppo_mini_batch_size=2))
+    trainer = PolicyTrainer(tiny_model, ActorConfig(recompute_old_logprobs=False, ppo_mini_batch_size=2))
     m = trainer.update(batch)
     assert m["actor/ppo_kl"] != 0.0  # the ratio is against -4.0, not the model's own log-probs
 
@@ -168,14 +168,14 @@ def test_rollout_logprobs_stand_in_when_not_recomputing(tiny_model, helpers):
 @pytest.mark.parametrize("stage", [0, 1])
 def test_zero_stage_0_and_1_give_the_same_step(tiny_model, trained, stage):
     # The stages a pipeline-parallel config may use; here without a pipeline.
-    trainer = PolicyTrainer(tiny_model, TrainerConfig(**{**CFG, "zero_stage": stage}))
+    trainer = PolicyTrainer(tiny_model, ActorConfig(**{**CFG, "zero_stage": stage}))
     trainer.update(trained["batch"])
     init = initial_weights(trainer.model_path)
     assert update_gap(trainer.gathered_state_dict(), trained["ref_state"], init) < REORDER_REL
 
 
 def test_bf16_update_hands_out_fp32_master_weights(tiny_model, helpers):
-    trainer = PolicyTrainer(tiny_model, TrainerConfig(dtype="bf16", lr=1e-3, ppo_mini_batch_size=2))
+    trainer = PolicyTrainer(tiny_model, ActorConfig(dtype="bf16", lr=1e-3, ppo_mini_batch_size=2))
     metrics = trainer.update(helpers.make_batch(seed=3, prompts=2, n=2))
     assert all(np.isfinite(v) for v in metrics.values())
     state = trainer.gathered_state_dict()

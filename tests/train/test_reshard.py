@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from gpu_jobs.train import PolicyTrainer, TrainerConfig
+from gpu_jobs.train import PolicyTrainer, ActorConfig
 from gpu_jobs.train.reshard import merge_zero3, merge_zero12, zero3_local_slice, zero3_partition_numel
 from tests.train.update_gap import REORDER_REL, update_gap
 
@@ -30,8 +30,8 @@ CFG = dict(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1, lr=1e-3, eps=1
            kl_loss={"use_kl_loss": True, "kl_loss_coef": 0.1})
 
 
-def _cfg(**kw) -> TrainerConfig:
-    return TrainerConfig(**{**CFG, **kw})
+def _cfg(**kw) -> ActorConfig:
+    return ActorConfig(**{**CFG, **kw})
 
 
 # ---- layout math --------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def _assert_moments_equal(a: dict, b: dict) -> None:
 @pytest.mark.deepspeed
 @pytest.mark.slow
 def test_two_ranks_zero3_resume_on_one_rank_zero0_and_back(tied_model, helpers, tmp_path):
-    from gpu_jobs.train.group import GroupTrainer
+    from gpu_jobs.train.ranks.trainer import GroupTrainer
 
     batches = [helpers.make_batch(seed=70 + i, ref=True) for i in range(4)]
     a, c, b = (str(tmp_path / n) for n in ("two_ranks", "two_ranks_again", "one_rank"))

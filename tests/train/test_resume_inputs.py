@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from gpu_jobs.algos import AdaptiveKLController
-from gpu_jobs.train import PolicyTrainer, TrainerConfig, TrainInputError
+from gpu_jobs.train import PolicyTrainer, ActorConfig, TrainInputError
 
 pytestmark = pytest.mark.deepspeed
 
-CFG = TrainerConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3, lr=1e-3,
+CFG = ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3, lr=1e-3,
                     lr_warmup_steps=3, entropy_coeff=0.01, seed=3)
 
 
@@ -58,9 +58,9 @@ def test_resume_equals_no_stop_bitwise(tiny_model, helpers, tmp_path):
 
 def test_checkpoint_of_another_model_is_rejected_before_loading(tiny_model, helpers, tmp_path):
     other_dir = helpers.build_tiny(str(tmp_path / "other"), hidden=32)
-    other = PolicyTrainer(other_dir, TrainerConfig())
+    other = PolicyTrainer(other_dir, ActorConfig())
     other.save(str(tmp_path / "other_ckpt"))
-    trainer = PolicyTrainer(tiny_model, TrainerConfig())
+    trainer = PolicyTrainer(tiny_model, ActorConfig())
     before = trainer.gathered_state_dict()
     with pytest.raises(TrainInputError, match="different model") as e:
         trainer.load(str(tmp_path / "other_ckpt"))
@@ -128,7 +128,7 @@ def test_trainer_state_round_trips_on_every_backend(tiny_model, helpers, storage
 # ---- bad inputs ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kl_trainer(tiny_model):
-    cfg = TrainerConfig(ppo_mini_batch_size=2, lr=1e-2, kl_loss={"use_kl_loss": True})
+    cfg = ActorConfig(ppo_mini_batch_size=2, lr=1e-2, kl_loss={"use_kl_loss": True})
     return PolicyTrainer(tiny_model, cfg)
 
 

@@ -3,7 +3,7 @@ their environment, and the command every other node runs to join.
 
     # node 0 (the process that runs the update stage) starts its ranks through RankGroup; on each
     # other node, once, with the same numbers (e.g. as a work pool job's command):
-    python -m gpu_jobs.train.launch --nnodes 2 --node-rank 1 --nproc-per-node 8 \
+    python -m gpu_jobs.train.ranks.launch --nnodes 2 --node-rank 1 --nproc-per-node 8 \
         --master-addr 10.0.0.5 --master-port 29400
 
 One node: ``torchrun --standalone`` (a free port of its own). Several nodes: torchrun's static
@@ -19,8 +19,8 @@ import argparse
 import os
 import sys
 
-_WORKER = "gpu_jobs.train.group_worker"
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_WORKER = "gpu_jobs.train.ranks.worker"
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 class NodeLayout:
@@ -59,7 +59,7 @@ class NodeLayout:
 
     def join_command(self, node_rank: int) -> str:
         """What an operator (or a work pool job) runs on node `node_rank` to join the group."""
-        return (f"python -m gpu_jobs.train.launch --nnodes {self.nnodes} --node-rank {node_rank} "
+        return (f"python -m gpu_jobs.train.ranks.launch --nnodes {self.nnodes} --node-rank {node_rank} "
                 f"--nproc-per-node {self.nproc_per_node} --master-addr {self.master_addr} "
                 f"--master-port {self.master_port}")
 
@@ -91,7 +91,7 @@ def rank_env(n_local_ranks: int, nnodes: int = 1, extra: dict[str, str] | None =
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gpu_jobs.train.launch",
+    p = argparse.ArgumentParser(prog="python -m gpu_jobs.train.ranks.launch",
                                 description="Join a multi-node rlmill rank group from node 1, 2, ...: start this "
                                             "node's ranks, which wait for node 0 (the update stage's process).")
     p.add_argument("--nnodes", type=int, required=True, help="nodes in the group (trainer.nnodes)")

@@ -1,8 +1,8 @@
-"""One rank of a warm rank group (gpu_jobs.train.group): started once by torchrun, then serves
+"""One rank of a warm rank group (gpu_jobs.train.ranks.group): started once by torchrun, then serves
 commands until told to stop.
 
     python -m torch.distributed.run --standalone --nproc_per_node N \\
-        -m gpu_jobs.train.group_worker --address 127.0.0.1:PORT --workdir DIR
+        -m gpu_jobs.train.ranks.worker --address 127.0.0.1:PORT --workdir DIR
 
 Not a command to run by hand: RankGroup starts it with the control channel's authkey in
 RLMILL_GROUP_AUTHKEY (hex). Rank 0 connects to the parent's Listener, receives each command and
@@ -23,6 +23,8 @@ import sys
 import time
 import traceback
 from typing import Any
+
+from ..weights import plan_buckets
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -139,12 +141,12 @@ class Server:
     # ---- commands -------------------------------------------------------------------------
     def cmd_init(self, model_path: str, config: Any, tokenizer: Any = None, storage: Any = None) -> dict:
         if getattr(config, "pipeline_parallel_size", 1) > 1:  # DeepSpeed pipeline stages, ZeRO 0/1
-            from .pipeline import PipelinePolicyTrainer
+            from ..pipeline import PipelinePolicyTrainer
 
             self.trainer = PipelinePolicyTrainer(model_path, config, tokenizer=tokenizer)
             self.trainer.storage = storage  # its save()/load() reach storage through it
         else:
-            from .policy import PolicyTrainer
+            from ..policy import PolicyTrainer
 
             self.trainer = PolicyTrainer(model_path, config, tokenizer=tokenizer, storage=storage)
         return {"step": self.trainer.step, "zero_stage": getattr(self.trainer, "zero_stage", None)}
@@ -327,38 +329,6 @@ class Server:
             raise RuntimeError(message)
 
 
-def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    """Group parameters (name, bytes) into buckets of about ``bucket_bytes``. A bucket ends only
-    between two modules of different layers (decoder layer ``...layers.<i>``, else the parent
-    module), so no layer is split across buckets (engines that reload layer by layer need that);
-    a bucket exceeds ``bucket_bytes`` by at most one layer. Deterministic: every rank plans the
-    same buckets."""
-    buckets: list[list[str]] = []
-    current: list[str] = []
-    used, last_key = 0, None
-    for name, size in sizes:
-        key = layer_key(name)
-        if current and key != last_key and used + size > bucket_bytes:
-            buckets.append(current)
-            current, used = [], 0
-        current.append(name)
-        used += size
-        last_key = key
-    if current or not buckets:
-        buckets.append(current)
-    return buckets
-
-
-def layer_key(name: str) -> str:
-    """``model.layers.3`` for ``model.layers.3.self_attn.q_proj.weight``; else the module path
-    (``model.embed_tokens``, ``lm_head``)."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1):
-        if parts[i] in ("layers", "h", "blocks", "layer") and parts[i + 1].isdigit():
-            return ".".join(parts[: i + 2])
-    return ".".join(parts[:-1])
-
-
 def _read_table(path: str) -> Any:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -385,7 +355,7 @@ def _file_bytes(path: str) -> bytes:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gpu_jobs.train.group_worker", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gpu_jobs.train.ranks.worker", description=__doc__.split("\n")[0])
     p.add_argument("--address", required=True, help="host:port of the parent's Listener")
     p.add_argument("--workdir", required=True, help="the group's local folder (errors, batches, buckets)")
     return p

@@ -204,7 +204,7 @@ def arith_splits(cfg, folder: str):
 
 def prompt_text(messages, tokenizer) -> str:
     """The prompt string rlmill's render_prompt tokenizes: the chat template with the generation prompt."""
-    from storage.datasets import normalize_messages
+    from gpu_jobs.data.rendering import normalize_messages
 
     return tokenizer.apply_chat_template(normalize_messages(messages), add_generation_prompt=True, tokenize=False)
 

@@ -9,7 +9,7 @@ One night, as Prefect tasks and one `rl-training` subflow (each step is one plai
   1. new data: verl-format Parquet files under `new_data_prefix` (default <root>/incoming/<model>/)
      that the last successful night did not process (storage.incoming); none -> a "nothing to do"
      artifact, done;
-  2. the gate: validate them (great-expectations, storage.quality.validate_prompts);
+  2. the gate: validate them (great-expectations, gpu_jobs.data.gates.validate_prompts);
   3. train: rl_training starting from the promoted version (models/<name>/CURRENT) or, before the
      first promotion, from the config's model; run id nightly-<YYYYMMDD>;
   4. evaluate: greedy decoding of both models on the fixed held-out set, scored by the run's reward;
@@ -39,9 +39,10 @@ from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.config import load_run_config
+from flows.nightly_run_id import pick_run_id
 from flows.reporting import artifact_key
 from storage import ModelLayout, RunLayout, copy_checkpoint, join, url_to_fs
-from storage.incoming import NewFile, list_new_files, pick_run_id, read_state, record_success, state_url
+from storage.incoming import NewFile, list_new_files, read_state, record_success, state_url
 
 if TYPE_CHECKING:
     from flows.config import RunConfig

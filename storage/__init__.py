@@ -26,7 +26,7 @@ from .errors import (
     StorageError,
     UnsupportedURLError,
 )
-from .fs import join, read_pointer, redact_url, url_to_fs, write_once, write_pointer
+from .fs import exists, join, overwrite, read_pointer, redact_url, url_to_fs, write_once, write_pointer
 from .layout import ModelLayout, RunLayout, check_name
 from .manifest import (
     MANIFEST_NAME,
@@ -48,7 +48,9 @@ __all__ = [
     "url_to_fs",
     "join",
     "redact_url",
+    "exists",
     "write_once",
+    "overwrite",
     "write_pointer",
     "read_pointer",
     # layout

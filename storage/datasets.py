@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["VERL_COLUMNS", "DatasetError", "write_prompts", "read_prompts", "read_prompt_file",
-           "normalize_messages"]
+__all__ = ["VERL_COLUMNS", "DatasetError", "write_prompts", "read_prompts", "read_prompt_file"]
 
 VERL_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 # What a verl prompt row looks like, quoted by the errors that ask for one.
@@ -44,19 +43,6 @@ def _url_to_fs(url: str, storage=None):
 # --------------------------------------------------------------------------------------------
 # Reading and writing verl-format Parquet
 # --------------------------------------------------------------------------------------------
-def normalize_messages(prompt: Any) -> list[dict[str, str]]:
-    """A prompt cell as a plain list of {"role", "content"} dicts.
-
-    Parquet gives back a numpy array of dicts (pandas) or a list; a bare string (some verl
-    datasets store raw text) becomes one user message.
-    """
-    if prompt is None:
-        return []
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [{"role": m["role"], "content": m["content"]} for m in prompt]
-
-
 def write_prompts(rows: Sequence[Mapping[str, Any]], url: str, *, storage=None) -> str:
     """Write verl-format rows to one Parquet file at `url`, atomically; returns `url`.
 

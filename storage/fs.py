@@ -3,35 +3,19 @@
 - `write_once`: create-only. Locally a temp file is hard-linked into place (os.link fails if the
   name exists); on S3 a single PUT with `If-None-Match: *`; on memory:// check-then-write under a
   process lock (memory:// is one process's, so that is enough).
-- `write_pointer`: overwrite atomically (LATEST, CURRENT). Locally write-new-then-os.replace;
-  on S3 a single PUT, which readers see whole or not at all.
+- `overwrite`: replace a file whole (a pointer such as LATEST or CURRENT, a report). Locally
+  write-new-then-os.replace; on S3 a single PUT, which readers see whole or not at all.
 
-Transient faults: every request rlmill (or anything holding a filesystem from `url_to_fs`) sends
-to S3 goes through one choke point, `RetryingS3FileSystem._call_s3`, which retries transient
-faults (connection refused/reset/timed out, HTTP 5xx, 429 and 503 SlowDown throttling) with
-exponential backoff and full jitter for up to `StorageConfig.retry_budget_seconds`, then raises
-StorageUnavailableError. Faults that cannot heal fail at once with their usual error: 403 and bad
-credentials (PermissionError -> CredentialsError), a missing bucket or key (FileNotFoundError ->
-BucketNotFoundError / NotCommittedError / CorruptShardError), a create-only conflict. A
-create-only PUT (`If-None-Match: *`) that is retried after a fault and then finds an object with
-exactly its own bytes is a success (the first attempt landed, its answer was lost); any other
-object there stays a conflict. botocore's and s3fs's own request retries are turned off so that
-this is the only place a request is sent again. Local and memory:// storage have no transient
-faults and are not retried.
+Every S3 request is retried through transient faults on one budget: `storage.retry`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
-import random
 import threading
-import time
 import uuid
 from contextlib import suppress
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
@@ -46,6 +30,7 @@ from .errors import (
     StorageUnavailableError,
     UnsupportedURLError,
 )
+from .retry import RetryPolicy, _error_code, _retrying_s3_class
 
 __all__ = [
     "url_to_fs",
@@ -53,16 +38,13 @@ __all__ = [
     "redact_url",
     "is_local",
     "is_s3",
+    "exists",
     "write_once",
+    "overwrite",
     "write_pointer",
     "read_pointer",
     "create_only",
-    "RetryPolicy",
-    "backoff_delays",
-    "is_transient",
 ]
-
-log = logging.getLogger("rlmill.storage")
 
 _S3_SCHEMES = ("s3", "s3a")
 _SUPPORTED = ("a local path", "file://", "memory://", "s3://")
@@ -208,14 +190,6 @@ def _check_bucket_once(fs: Any, bucket: str, opts: dict[str, Any], policy: "Retr
         _answered_endpoints.add(endpoint)
 
 
-def _error_code(e: BaseException) -> str:
-    for err in (e, e.__cause__, e.__context__):
-        response = getattr(err, "response", None)
-        if isinstance(response, dict):
-            return str(response.get("Error", {}).get("Code", ""))
-    return ""
-
-
 def _translate_s3_error(e: BaseException, bucket: str, endpoint: str | None) -> StorageError:
     where = f"at {endpoint}" if endpoint else "on AWS S3"
     if isinstance(e, StorageUnavailableError):
@@ -246,227 +220,6 @@ def _translate_s3_error(e: BaseException, bucket: str, endpoint: str | None) -> 
         f"cannot use S3 bucket '{bucket}' {where} ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "
         "check endpoint_url and that the server is running"
     )
-
-
-# ------------------------------------------------------------------------ transient faults
-_BASE_DELAY_S = 0.5  # the first retry waits up to this long; each later one up to twice as long
-_LOG_EVERY_S = 30.0  # while a request keeps failing, one "still failing" warning this often
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How one storage request retries transient faults: for `budget_s` seconds in all, with
-    full-jitter exponential backoff from `base_delay_s`, no single wait over `max_delay_s`."""
-
-    budget_s: float = 300.0
-    max_delay_s: float = 30.0
-    base_delay_s: float = _BASE_DELAY_S
-
-    @classmethod
-    def of(cls, storage: StorageConfig) -> "RetryPolicy":
-        return cls(storage.retry_budget_seconds, storage.retry_max_delay_seconds)
-
-    def as_tuple(self) -> tuple[float, float, float]:
-        return (self.budget_s, self.max_delay_s, self.base_delay_s)
-
-    def limited_to(self, budget_s: float) -> "RetryPolicy":
-        return RetryPolicy(min(self.budget_s, budget_s), self.max_delay_s, self.base_delay_s)
-
-
-def backoff_delays(policy: RetryPolicy, rng: random.Random | None = None) -> Iterator[float]:
-    """The waits between attempts. The n-th (n = 0, 1, ...) is uniform in
-    [0, min(max_delay_s, base_delay_s * 2**n)] ("full jitter": clients that failed together do not
-    come back together), and the waits end when they add up to the budget (the last is cut to fit).
-
-    >>> d = list(backoff_delays(RetryPolicy(budget_s=10, max_delay_s=4, base_delay_s=1), random.Random(0)))
-    >>> sum(d) <= 10 and all(x <= 4 for x in d), list(backoff_delays(RetryPolicy(budget_s=0)))
-    (True, [])
-    """
-    rng = rng or random.Random()
-    spent, n = 0.0, 0
-    while spent < policy.budget_s:
-        cap = min(policy.max_delay_s, policy.base_delay_s * 2.0 ** min(n, 60))
-        delay = min(rng.uniform(0.0, cap), policy.budget_s - spent)
-        spent += delay
-        n += 1
-        yield delay
-
-
-# S3 error codes that mean "try again later" whatever their HTTP status (AWS, MinIO, Ceph).
-_TRANSIENT_CODES = frozenset({
-    "SlowDown", "SlowDownRead", "SlowDownWrite", "Throttling", "ThrottlingException", "ThrottledException",
-    "RequestThrottled", "RequestThrottledException", "TooManyRequests", "TooManyRequestsException",
-    "RequestLimitExceeded", "BandwidthLimitExceeded", "ServiceUnavailable", "InternalError",
-    "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "OperationAborted",
-    "ConditionalRequestConflict", "XMinioServerNotInitialized", "XMinioReadQuorum", "XMinioWriteQuorum",
-    "429", "500", "502", "503", "504",
-})
-# Never transient, whatever they wrap: a missing bucket/key, 403, a create-only conflict, rlmill's own.
-_PERMANENT_TYPES = (StorageError, FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
-                    NotADirectoryError)
-
-
-def _transient_type(err: BaseException) -> bool:
-    try:
-        from botocore import exceptions as bx
-    except ImportError:  # pragma: no cover - s3fs always brings botocore
-        bx = None
-    if bx is not None:
-        if isinstance(err, bx.SSLError) and "certificate" in str(err).lower():
-            return False  # a certificate that does not verify will not start verifying
-        retryable = tuple(getattr(bx, n) for n in ("ConnectionError", "HTTPClientError", "IncompleteReadError",
-                                                   "ResponseStreamingError", "ResponseParserError")
-                          if hasattr(bx, n))
-        if isinstance(err, retryable):
-            return True
-    try:
-        import aiohttp
-
-        if isinstance(err, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    import http.client
-
-    # ConnectionError: refused/reset/aborted/broken pipe; TimeoutError: socket and asyncio timeouts.
-    return isinstance(err, (ConnectionError, TimeoutError, http.client.IncompleteRead))
-
-
-def is_transient(e: BaseException) -> bool:
-    """Whether a failed storage request may succeed when sent again a little later: connection
-    refused/reset/timed out, HTTP 5xx, 429 or 503 SlowDown. Not: 403/credentials, 404, 412
-    create-only conflicts, other 4xx, or any rlmill StorageError (already final)."""
-    err: BaseException | None = e
-    for _ in range(6):  # the error, then what it was translated from (s3fs sets __cause__)
-        if err is None or isinstance(err, _PERMANENT_TYPES):
-            return False
-        response = getattr(err, "response", None)
-        if isinstance(response, dict) and isinstance(response.get("Error"), dict):
-            code = str(response["Error"].get("Code", ""))
-            try:
-                status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-            except (TypeError, ValueError):
-                status = 0
-            return code in _TRANSIENT_CODES or status == 429 or status >= 500
-        if _transient_type(err):
-            return True
-        err = err.__cause__
-    return False
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
-
-
-def _create_conflict(method: str, kwargs: dict[str, Any], e: BaseException) -> bool:
-    """A create-only PUT (If-None-Match: *) refused because the key exists (412 PreconditionFailed)."""
-    if method != "put_object" or kwargs.get("IfNoneMatch") != "*":
-        return False
-    return (isinstance(e, FileExistsError) or _error_code(e) in ("PreconditionFailed", "412")
-            or "PreconditionFailed" in str(e))
-
-
-_retrying_class: Any = None
-
-
-def _retrying_s3_class() -> type:
-    """RetryingS3FileSystem, built on first use so `import storage` does not import s3fs."""
-    global _retrying_class
-    if _retrying_class is not None:
-        return _retrying_class
-    import s3fs
-    from fsspec.asyn import sync_wrapper
-    from s3fs.core import _error_wrapper
-
-    class RetryingS3FileSystem(s3fs.S3FileSystem):
-        """s3fs whose every request (`_call_s3`: reads, writes, listings, HEADs, multipart parts,
-        the create-only PUT) retries transient faults on one budget; see the module docstring."""
-
-        def __init__(self, *args: Any, rlmill_retry: tuple[float, float, float] = RetryPolicy().as_tuple(),
-                     **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self.rlmill_policy = RetryPolicy(*rlmill_retry)
-
-        async def _call_s3(self, method, *akwarglist, **kwargs):
-            return await self._call_s3_with(self.rlmill_policy, method, *akwarglist, **kwargs)
-
-        call_s3 = sync_wrapper(_call_s3)  # S3File's requests (fs.open) come through here
-
-        async def _call_s3_once(self, method, *akwarglist, **kwargs):
-            # s3fs's own _call_s3, with its retry loop cut to one try: retrying is ours alone.
-            await self.set_session()
-            s3 = await self.get_s3(kwargs.get("Bucket"))
-            bound = getattr(s3, method)
-            call_kwargs = self._get_s3_method_kwargs(bound, *akwarglist, **kwargs)
-            return await _error_wrapper(bound, kwargs=call_kwargs, retries=1)
-
-        async def _holds(self, kwargs: dict[str, Any]) -> bool:
-            """Whether the object a create-only PUT was refused on holds exactly that PUT's bytes."""
-            body = kwargs.get("Body")
-            if not isinstance(body, (bytes, bytearray, memoryview)):
-                return False
-            try:
-                return await self._cat_file(f"{kwargs['Bucket']}/{kwargs['Key']}") == bytes(body)
-            except FileNotFoundError:
-                return False
-
-        async def _call_s3_with(self, policy: RetryPolicy, method, *akwarglist, **kwargs):
-            delays = backoff_delays(policy)
-            start = last_log = time.monotonic()
-            failures = 0
-            endpoint = self.client_kwargs.get("endpoint_url") or "AWS S3"
-            target = "s3://" + "/".join(str(kwargs[k]) for k in ("Bucket", "Key") if kwargs.get(k))
-            while True:
-                try:
-                    out = await self._call_s3_once(method, *akwarglist, **kwargs)
-                except Exception as e:  # noqa: BLE001 - sorted into transient / final below
-                    if failures and _create_conflict(method, kwargs, e) and await self._holds(kwargs):
-                        # An earlier attempt landed and only its answer was lost: our own object.
-                        log.warning("storage: %s %s: found this write's own object after %d failed attempts; "
-                                    "it landed, done", method, target, failures)
-                        return {"rlmill_own_object": True}
-                    if not is_transient(e):
-                        if failures:
-                            self._log_recovery(method, target, endpoint, failures, start)
-                        raise
-                    failures += 1
-                    elapsed = time.monotonic() - start
-                    delay = next(delays, None)
-                    if delay is None or elapsed >= policy.budget_s:
-                        raise StorageUnavailableError(
-                            f"S3 {method} {target} at {endpoint} still failing after {elapsed:.0f} s and "
-                            f"{failures} attempts (storage.retry_budget_seconds={policy.budget_s:g}): "
-                            f"{_first_line(e)}") from e
-                    delay = min(delay, policy.budget_s - elapsed)
-                    now = time.monotonic()
-                    if failures == 1 or now - last_log >= _LOG_EVERY_S:
-                        last_log = now
-                        log.warning("storage: %s %s at %s failed (%s); retrying for up to %.0f s more "
-                                    "(attempt %d, next in %.1f s)", method, target, endpoint, _first_line(e),
-                                    policy.budget_s - elapsed, failures + 1, delay)
-                    await asyncio.sleep(delay)
-                    continue
-                if failures:
-                    self._log_recovery(method, target, endpoint, failures, start)
-                return out
-
-        @staticmethod
-        def _log_recovery(method: str, target: str, endpoint: str, failures: int, start: float) -> None:
-            log.warning("storage: %s %s at %s answered again after %d failed attempts over %.1f s",
-                        method, target, endpoint, failures, time.monotonic() - start)
-
-    RetryingS3FileSystem.__module__ = __name__
-    RetryingS3FileSystem.__qualname__ = "RetryingS3FileSystem"
-    _retrying_class = RetryingS3FileSystem
-    return RetryingS3FileSystem
-
-
-def __getattr__(name: str) -> Any:
-    # `storage.fs.RetryingS3FileSystem` (pickle finds the class by that name), built lazily.
-    if name == "RetryingS3FileSystem":
-        return _retrying_s3_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _write_local_temp(path: str, data: bytes) -> str:
@@ -523,15 +276,37 @@ def write_once(url: str, data: bytes | str, storage: StorageConfig | None = None
     return url
 
 
-def write_pointer(url: str, text: str, storage: StorageConfig | None = None) -> None:
-    """Atomically replace a small pointer file such as LATEST or CURRENT."""
+def overwrite(url: str, data: bytes | str, storage: StorageConfig | None = None) -> str:
+    """Replace the file at `url` whole, or create it (and its folders); returns the URL. Readers
+    see the old bytes or the new ones, never part of either.
+
+    >>> overwrite("memory://rlmill-doc/report.json", b"{}")
+    'memory://rlmill-doc/report.json'
+    """
     fs, path = url_to_fs(url, storage)
-    data = text.encode()
+    data = data.encode() if isinstance(data, str) else data
     if is_local(fs):
         tmp = _write_local_temp(path, data)
-        os.replace(tmp, path)  # readers see the old or the new pointer, never half of one
+        os.replace(tmp, path)  # readers see the old or the new file, never half of one
     else:
         fs.pipe_file(path, data)  # one PUT: atomic on S3
+    return url
+
+
+def write_pointer(url: str, text: str, storage: StorageConfig | None = None) -> None:
+    """Atomically replace a small pointer file such as LATEST or CURRENT."""
+    overwrite(url, text, storage)
+
+
+def exists(url: str, storage: StorageConfig | None = None) -> bool:
+    """Whether a file or folder is at `url`.
+
+    >>> url = overwrite("memory://rlmill-doc/seen.txt", "x")
+    >>> exists(url), exists("memory://rlmill-doc/none")
+    (True, False)
+    """
+    fs, path = url_to_fs(url, storage)
+    return fs.exists(path)
 
 
 def read_pointer(url: str, storage: StorageConfig | None = None) -> str | None:

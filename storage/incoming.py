@@ -18,10 +18,10 @@ from typing import Any
 
 from .config import StorageConfig
 from .fs import join, read_pointer, url_to_fs, write_pointer
-from .layout import ModelLayout, RunLayout
+from .layout import ModelLayout
 
 __all__ = ["NewFile", "list_new_files", "state_url", "read_state", "write_state", "record_success",
-           "pick_run_id", "STATE_NAME", "HISTORY_KEPT"]
+           "STATE_NAME", "HISTORY_KEPT"]
 
 STATE_NAME = "nightly_state.json"
 HISTORY_KEPT = 60  # nights remembered in the state file (the Prefect artifacts keep the rest)
@@ -90,20 +90,3 @@ def record_success(url: str, state: dict[str, Any], new: list[NewFile], record: 
     state["history"].append(record)
     state["last_success"] = {"night": record["night"], "run_id": record["run_id"], "finished_at": record["finished_at"]}
     write_state(url, state, storage)
-
-
-def pick_run_id(night: str, state: dict[str, Any], train_files: list[str], root: str,
-                storage: StorageConfig | None = None) -> str:
-    """nightly-<night>, or -2, -3 ... when that id already finished or trained on other files.
-
-    A run that failed on this date with the same files keeps its id, so it resumes.
-    """
-    done = {h.get("run_id") for h in state["history"]}
-    for n in range(1, 100):
-        run_id = f"nightly-{night}" + (f"-{n}" if n > 1 else "")
-        if run_id in done:
-            continue
-        frozen = RunLayout(root, run_id, storage).read_run_json()
-        if frozen is None or frozen["config"]["data"]["train_files"] == train_files:
-            return run_id
-    raise RuntimeError(f"more than 99 nightly runs on {night}: clean up {root}/runs/nightly-{night}*")

@@ -86,7 +86,8 @@ def _check_local(root: str, path: str) -> None:
 def _check_s3(root: str, storage: StorageConfig, write: bool, budget_s: float) -> None:
     import fsspec.asyn
 
-    from .fs import RetryPolicy, _retrying_s3_class, redact_url
+    from .fs import redact_url
+    from .retry import RetryPolicy, _retrying_s3_class
 
     opts = storage.s3fs_options()
     endpoint = opts.get("client_kwargs", {}).get("endpoint_url")

@@ -159,7 +159,8 @@ def _is_config_key(key: str) -> bool:
 def _check_command(argv: list[str]) -> None:
     """argv parses as main() parses it, is a kind the tests know, and every override is a
     config key with a valid value (the config loads, as `rlmill config show` would)."""
-    from flows.cli import _check_dataset_name, build_parser
+    from flows.cli import build_parser
+    from flows.cli_data import _check_dataset_name
     from flows.config import load_run_config
 
     args, extra = build_parser().parse_known_args(argv)

@@ -1,4 +1,5 @@
-"""Prompt data for the stages: built-in dataset generators, batch sampling, chat rendering.
+"""Prompt data for the stages: built-in dataset generators, batch sampling, chat rendering, and
+the data-quality gates on prompt datasets and rollout batches (`gpu_jobs.data.gates`).
 
 Reading and writing verl-format Parquet is `storage.datasets`; this package is what needs a
 seed or a tokenizer.

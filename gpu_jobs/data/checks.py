@@ -1,5 +1,5 @@
 """The prompt files a run names, checked before the run starts: each problem the data gate
-(`storage.quality.validate_prompts`) would find minutes in is one line here, naming the file, the
+(`gpu_jobs.data.gates.validate_prompts`) would find minutes in is one line here, naming the file, the
 column or row, and the fix. The rules are the gate's own derived columns, not a second copy.
 
     >>> check_prompt_file("data/train.parquet", "data.train_files", data=cfg.data, gate=cfg.gate, tokenizer=tok)
@@ -17,7 +17,7 @@ from typing import Any
 from gpu_jobs.data.rendering import DatasetConfig, render_many
 from storage.datasets import VERL_ROW, DatasetError, read_prompt_file
 from storage.fs import redact_url
-from storage.quality import GateConfig, prompt_derived_columns
+from gpu_jobs.data.gates import GateConfig, prompt_derived_columns
 
 __all__ = ["check_prompt_file"]
 

@@ -11,9 +11,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.datasets import normalize_messages
+__all__ = ["DatasetConfig", "OverlongPromptError", "normalize_messages", "render_prompt", "render_many",
+           "render_prompts"]
 
-__all__ = ["DatasetConfig", "OverlongPromptError", "render_prompt", "render_many", "render_prompts"]
+
+def normalize_messages(prompt: Any) -> list[dict[str, str]]:
+    """A prompt cell as a plain list of {"role", "content"} dicts.
+
+    Parquet gives back a numpy array of dicts (pandas) or a list; a bare string (some verl
+    datasets store raw text) becomes one user message.
+    """
+    if prompt is None:
+        return []
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
 class DatasetConfig(BaseModel):

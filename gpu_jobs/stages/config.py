@@ -25,7 +25,7 @@ from gpu_jobs.data.generators import dataset_names
 from gpu_jobs.models.loading import MODEL_ALIASES
 from storage.fs import redact_url
 from storage.layout import check_name, check_root
-from storage.quality import GateConfig
+from gpu_jobs.data.gates import GateConfig
 
 ARITH_PROBLEMS = 90 * 90
 

@@ -102,7 +102,7 @@ def baseline(run: Run, engines: Engines, k: int, rollout_uri: str) -> Output:
 # -------------------------------------------------------------------------------- gate
 @stage("gate", timer="timing_s/gate")
 def gate(run: Run, engines: Engines, k: int, rollout_uri: str) -> Output:
-    from storage.quality import validate_rollout
+    from gpu_jobs.data.gates import validate_rollout
 
     cfg = run.cfg
     gate_cfg = cfg.gate.model_copy(update={"max_response_length": cfg.rollout.max_response_length})

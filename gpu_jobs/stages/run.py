@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 from gpu_jobs.stages.config import RunConfig, config_from_run_json, frozen_config
-from storage import ObjectExistsError, RunLayout, join
+from storage import ObjectExistsError, RunLayout, exists, join
 from storage.datasets import read_prompts
 from gpu_jobs.data import PromptSampler, make_dataset
 
@@ -117,13 +117,6 @@ def last_committed(layout: RunLayout, stage: str, limit: int = 1_000_000) -> int
     return k
 
 
-def exists(url: str, storage: Any) -> bool:
-    from storage import url_to_fs
-
-    fs, path = url_to_fs(url, storage)
-    return fs.exists(path)
-
-
 _ABSENT = object()
 
 
@@ -196,7 +189,7 @@ def _prompts_within_length(cfg: RunConfig, split: str, df: Any, tokenizer: Any) 
     its row) before anything of the run is written; 'filter' drops such rows and says how many
     (verl's filter_overlong_prompts). Malformed prompts are left for the data gate to name."""
     from gpu_jobs.data import OverlongPromptError, render_prompts
-    from storage.datasets import normalize_messages
+    from gpu_jobs.data.rendering import normalize_messages
 
     prompts = df[cfg.data.prompt_key].tolist()
     well_formed = [i for i, p in enumerate(prompts) if _normalizes(normalize_messages, p)]
@@ -228,7 +221,7 @@ def _normalizes(normalize: Any, prompt: Any) -> bool:
 def _gate_prompts(cfg: RunConfig, layout: RunLayout, split: str, df: Any, tokenizer: Any) -> Any:
     """great-expectations suite over a prompt dataset; quarantined rows are counted and written."""
     from gpu_jobs.data import render_many
-    from storage.quality import validate_prompts
+    from gpu_jobs.data.gates import validate_prompts
 
     gate = cfg.gate.model_copy(update={"max_prompt_length": cfg.data.max_prompt_length})
     where = join(layout.root, "data_gate")

@@ -93,16 +93,18 @@ def test_state_roundtrip(tmp_path):
 
 
 def test_pick_run_id(tmp_path):
+    from flows.nightly_run_id import pick_run_id
+
     root = str(tmp_path)
     state = {"processed": {}, "history": []}
-    assert I.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101"
+    assert pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101"
     # A run of that id that failed with the same files is resumed under the same id ...
     RunLayout(root, "nightly-20260101").write_run_json({"config": {"data": {"train_files": ["f1"]}}})
-    assert I.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101"
+    assert pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101"
     # ... but new files that day get a new id, and so does a second night after a success.
-    assert I.pick_run_id("20260101", state, ["f2"], root) == "nightly-20260101-2"
+    assert pick_run_id("20260101", state, ["f2"], root) == "nightly-20260101-2"
     state["history"].append({"run_id": "nightly-20260101"})
-    assert I.pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101-2"
+    assert pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101-2"
 
 
 # ------------------------------------------------------------------------------------ promotion

@@ -54,7 +54,7 @@ def test_one_step_off_rollouts_record_their_version_and_are_corrected(tiny_confi
     # iteration 1's own rollout and the one it ran ahead for iteration 2 both used the start model
     assert committed(run.layout.stage(2, "rollout"), run.storage)
     # every version a later rollout may need is published as a loadable HF folder
-    from gpu_jobs.stages.run import exists
+    from storage import exists
     from storage import INDEX_NAME, join
 
     for v in (1, 2):

@@ -154,7 +154,7 @@ def test_genuine_bugs_keep_their_traceback(monkeypatch, example_path):
 
 
 def test_the_ephemeral_server_is_started_only_without_an_api_url(monkeypatch):
-    import flows.cli as cli
+    import flows.cli_prefect as cli
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     started = []

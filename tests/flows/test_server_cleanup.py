@@ -2,7 +2,7 @@
 
 Without PREFECT_API_URL, Prefect serves flows from an ephemeral `uvicorn prefect.server.api...`
 child that it stops in an atexit hook; a SIGKILL skips that hook, so every crash used to leave a
-server running. The CLI starts that child with PR_SET_PDEATHSIG (flows/cli.py).
+server running. The CLI starts that child with PR_SET_PDEATHSIG (flows/cli_prefect.py).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_a_child_started_through_the_wrapper_dies_with_its_parent():
     script = textwrap.dedent(
         """
         import subprocess, sys, time
-        from flows.cli import _SubprocessDyingWithParent, _die_with_parent_preexec
+        from flows.cli_prefect import _SubprocessDyingWithParent, _die_with_parent_preexec
         proxy = _SubprocessDyingWithParent(subprocess, _die_with_parent_preexec())
         child = proxy.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
         print(child.pid, flush=True)
@@ -97,7 +97,7 @@ def test_a_child_started_through_the_wrapper_dies_with_its_parent():
 def test_only_the_main_thread_asks_for_the_death_signal():
     """PR_SET_PDEATHSIG fires when the forking *thread* ends: a server started from a worker
     thread must not get it, or it would stop when that thread does."""
-    from flows.cli import _SubprocessDyingWithParent
+    from flows.cli_prefect import _SubprocessDyingWithParent
 
     calls = []
     fake = type("FakeSubprocess", (), {"Popen": staticmethod(lambda *a, **kw: calls.append(kw))})

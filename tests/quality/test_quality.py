@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from gpu_jobs.data import arith_row
-from storage.quality import DataQualityError, GateConfig, validate_prompts, validate_rollout
+from gpu_jobs.data.gates import GateConfig, validate_prompts, validate_rollout
+from storage.quality import DataQualityError
 
 
 @pytest.fixture(scope="module")

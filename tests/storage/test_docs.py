@@ -10,7 +10,7 @@ import pytest
 import storage
 
 
-@pytest.mark.parametrize("module", ["storage.config", "storage.fs", "storage.layout", "storage.tables",
+@pytest.mark.parametrize("module", ["storage.config", "storage.fs", "storage.retry", "storage.layout", "storage.tables",
                                     "storage.checkpoints", "storage.manifest",
                                     "storage.incoming"])
 def test_docstring_examples(module):

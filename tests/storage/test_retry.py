@@ -27,7 +27,8 @@ from storage import (
     write_table,
 )
 from storage.errors import StorageUnavailableError
-from storage.fs import RetryPolicy, backoff_delays, create_only, is_transient
+from storage.fs import create_only
+from storage.retry import RetryPolicy, backoff_delays, is_transient
 
 
 # ------------------------------------------------------------------------------ the schedule

@@ -32,7 +32,7 @@ from flows.remote import REMOTE_POOLS, run_remote
 from flows.run_lock import RunLock
 from gpu_jobs import stages
 from gpu_jobs.stages import Engines, Run, StageSpec, artifact_samples, last_committed, open_warm, run_iteration
-from storage import committed, join, read_manifest
+from storage import committed, join, overwrite, read_manifest
 from tasks.stages import stage_task
 
 log = logging.getLogger("rlmill")
@@ -300,7 +300,7 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
         reach("run:report")
         hist, val = _history(run, total)
         png_url = join(run.layout.root, "report", "curves.png")
-        _write_bytes(png_url, curves_png(hist, val), run)
+        overwrite(png_url, curves_png(hist, val), run.storage)
         summary = {"run_id": cfg.run_id, "iterations": total, "val/acc before": acc_before,
                    "val/acc after": acc_after, "train seconds (this process)": round(train_s, 1),
                    "resumed from iteration": done}
@@ -455,11 +455,3 @@ def _crash_cut_off_subflows(run_id: str) -> None:
             client.set_flow_run_state(fr.id, Crashed(
                 message=f"the Prefect API went away while this ran; run {run_id} ran it again as a new flow run"),
                 force=True)
-
-
-def _write_bytes(url: str, data: bytes, run: Run) -> None:
-    from storage import url_to_fs
-
-    fs, path = url_to_fs(url, run.storage)
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    fs.pipe_file(path, data)

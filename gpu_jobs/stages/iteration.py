@@ -21,12 +21,12 @@ import pyarrow as pa
 
 from gpu_jobs.stages.engines import Engines
 from gpu_jobs.stages.resume import recover_lost_trainer
-from gpu_jobs.stages.run import Run, exists, sampling_seed
+from gpu_jobs.stages.run import Run, sampling_seed
 from gpu_jobs.stages.updates import train_on
 from gpu_jobs.stages.samples import FLOAT_LIST, join_by_uid, response_masks, sample_table
 from gpu_jobs.stages.scoring import evaluate, greedy_evaluate, reward_rows
 from gpu_jobs.stages.shell import STAGES, Output, read, stage
-from storage import committed, join, read_manifest
+from storage import committed, exists, join, read_manifest
 
 
 def _policy_ref(run: Run, version: int) -> str:

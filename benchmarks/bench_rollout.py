@@ -49,17 +49,17 @@ def _runner(backend: str, path: str, samples: int, tokens: int):
     """A function prompts -> number of generated tokens, for one backend on one model."""
     import torch
 
-    from gpu_jobs.rollout import HFRolloutEngine, RolloutConfig, SamplingConfig, get_rollout_engine
+    from gpu_jobs.rollout import HFRolloutEngine, RolloutEngineConfig, SamplingConfig, get_rollout_engine
 
     sampling = SamplingConfig(temperature=1.0, max_response_length=tokens, seed=0, ignore_eos=True)
     if backend == "vllm":
-        engine = get_rollout_engine("vllm", path, RolloutConfig())
+        engine = get_rollout_engine("vllm", path, RolloutEngineConfig())
         return lambda prompts: sum(len(r["response_ids"]) for r in engine.generate(prompts, samples, sampling))
     from gpu_jobs.models import load_model
 
     model, tok = load_model(path)
     if backend == "hf":
-        engine = HFRolloutEngine(model, tok, RolloutConfig(max_batch_size=4096))  # one batch, like generate
+        engine = HFRolloutEngine(model, tok, RolloutEngineConfig(max_batch_size=4096))  # one batch, like generate
         return lambda prompts: sum(len(r["response_ids"]) for r in engine.generate(prompts, samples, sampling))
 
     def generate(prompts):

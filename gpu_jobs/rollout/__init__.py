@@ -5,7 +5,7 @@ Importing this package is light; torch/transformers/vllm load when an engine is 
 
 from gpu_jobs.rollout.base import (
     ROLLOUT_ENGINES,
-    RolloutConfig,
+    RolloutEngineConfig,
     RolloutEngine,
     SamplingConfig,
     get_rollout_engine,
@@ -17,7 +17,7 @@ from gpu_jobs.rollout.vllm_engine import VLLMRolloutEngine
 __all__ = [
     "ROLLOUT_ENGINES",
     "HFRolloutEngine",
-    "RolloutConfig",
+    "RolloutEngineConfig",
     "RolloutEngine",
     "SamplingConfig",
     "VLLMRolloutEngine",

@@ -1,7 +1,7 @@
 """The rollout interface shared by every backend, its configs, and the backend registry.
 
     >>> from gpu_jobs.rollout import get_rollout_engine, SamplingConfig
-    >>> engine = get_rollout_engine("hf", "/path/to/hf/folder", RolloutConfig())
+    >>> engine = get_rollout_engine("hf", "/path/to/hf/folder", RolloutEngineConfig())
     >>> rows = engine.generate([[7, 11, 14, 8, 9, 18]], n=4,
     ...                        sampling=SamplingConfig(temperature=1.0, max_response_length=8, seed=0))
     >>> rows[0]["response_ids"], rows[0]["rollout_logprobs"], rows[0]["finish_reason"]
@@ -45,7 +45,7 @@ class SamplingConfig(BaseModel):
         return self
 
 
-class RolloutConfig(BaseModel):
+class RolloutEngineConfig(BaseModel):
     """Engine settings (not per-call sampling): dtype, batching, vLLM memory knobs."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -104,14 +104,14 @@ register_rollout_engine = ROLLOUT_ENGINES.register
 """Decorator registering a backend factory `(model, config, **kwargs) -> RolloutEngine`."""
 
 
-def get_rollout_engine(name: str, model_path, config: RolloutConfig | None = None,
+def get_rollout_engine(name: str, model_path, config: RolloutEngineConfig | None = None,
                        **kwargs) -> RolloutEngine:
     """Build the backend `name` ("hf" | "vllm") on `model_path` (a local HF folder, a storage
     URL, "builtin" for the built-in tiny model; "hf" also takes an nn.Module). kwargs go to
     the backend (both take `storage=StorageConfig`; "hf" also `tokenizer=`). The backends
     register themselves when the package is imported (gpu_jobs/rollout/__init__.py), which
     importing this module already did."""
-    config = config or RolloutConfig()
+    config = config or RolloutEngineConfig()
     check_parallelism(name, config)
     if config.data_parallel_size > 1:  # built one layer up: the replicas build their engines through here
         raise ValueError(f"data_parallel_size={config.data_parallel_size} is several engines: build them with "
@@ -119,7 +119,7 @@ def get_rollout_engine(name: str, model_path, config: RolloutConfig | None = Non
     return ROLLOUT_ENGINES[name](model_path, config, **kwargs)
 
 
-def check_parallelism(name: str, config: RolloutConfig, cuda: bool | None = None) -> None:
+def check_parallelism(name: str, config: RolloutEngineConfig, cuda: bool | None = None) -> None:
     """Refuse parallel layouts the backend or machine cannot run, naming the fix."""
     if config.tensor_parallel_size == 1:
         return

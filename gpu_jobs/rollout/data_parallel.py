@@ -1,8 +1,8 @@
 """Data-parallel rollout: N replicas of a rollout engine, each in its own process, prompts split evenly.
 
-    >>> from gpu_jobs.rollout import RolloutConfig, SamplingConfig
+    >>> from gpu_jobs.rollout import RolloutEngineConfig, SamplingConfig
     >>> from gpu_jobs.rollout.data_parallel import build_rollout_engine
-    >>> engine = build_rollout_engine("hf", "builtin", RolloutConfig(data_parallel_size=2))
+    >>> engine = build_rollout_engine("hf", "builtin", RolloutEngineConfig(data_parallel_size=2))
     >>> rows = engine.generate(prompts, n=8, sampling=SamplingConfig(seed=0))   # replica 0: first half
     >>> engine.update_weights(trainer.gathered_state_dict())                   # every replica
     >>> engine.close()
@@ -44,9 +44,9 @@ def build_rollout_engine(name: str, model_path: Any, config: Any = None, **kwarg
     """The rollout engine a config asks for: `data_parallel_size` replicas of backend `name`, or
     one engine (gpu_jobs.rollout.get_rollout_engine) when it is 1. Lives here, not in
     rollout.base, so that the replicas' own engine factory never imports this module back."""
-    from gpu_jobs.rollout import ROLLOUT_ENGINES, RolloutConfig, get_rollout_engine
+    from gpu_jobs.rollout import ROLLOUT_ENGINES, RolloutEngineConfig, get_rollout_engine
 
-    config = config or RolloutConfig()
+    config = config or RolloutEngineConfig()
     if config.data_parallel_size == 1:
         return get_rollout_engine(name, model_path, config, **kwargs)
     ROLLOUT_ENGINES[name]  # an unknown backend fails here, listing the valid ones, not in a replica

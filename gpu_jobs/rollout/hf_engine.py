@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 
-from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig, make_row, register_rollout_engine
+from gpu_jobs.rollout.base import RolloutEngineConfig, SamplingConfig, make_row, register_rollout_engine
 
 
 def filter_top_k_top_p(logits, top_k: int, top_p: float):
@@ -82,8 +82,8 @@ class HFRolloutEngine:
     loaded with `gpu_jobs.models.load_model` in `config.dtype`.
     """
 
-    def __init__(self, model, tokenizer=None, config: RolloutConfig | None = None, storage=None):
-        self.config = config or RolloutConfig()
+    def __init__(self, model, tokenizer=None, config: RolloutEngineConfig | None = None, storage=None):
+        self.config = config or RolloutEngineConfig()
         self.storage = storage
         if isinstance(model, (str, os.PathLike)):
             from gpu_jobs.models.loading import load_model
@@ -255,5 +255,5 @@ class HFRolloutEngine:
 
 
 @register_rollout_engine("hf")
-def _make_hf(model_path, config: RolloutConfig, tokenizer=None, storage=None) -> HFRolloutEngine:
+def _make_hf(model_path, config: RolloutEngineConfig, tokenizer=None, storage=None) -> HFRolloutEngine:
     return HFRolloutEngine(model_path, tokenizer, config, storage=storage)

@@ -1,7 +1,7 @@
 """The "vllm" rollout backend: an in-process vLLM `LLM` fed with token ids.
 
-    >>> from gpu_jobs.rollout import get_rollout_engine, RolloutConfig, SamplingConfig
-    >>> engine = get_rollout_engine("vllm", "builtin", RolloutConfig())
+    >>> from gpu_jobs.rollout import get_rollout_engine, RolloutEngineConfig, SamplingConfig
+    >>> engine = get_rollout_engine("vllm", "builtin", RolloutEngineConfig())
     >>> rows = engine.generate([[7, 11, 14, 8, 9, 18]], n=4, sampling=SamplingConfig(seed=0))
     >>> engine.update_weights(trainer_state_dict)     # in memory, then the prefix cache is reset
 
@@ -18,7 +18,7 @@ import contextlib
 import os
 import random
 
-from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig, make_row, register_rollout_engine
+from gpu_jobs.rollout.base import RolloutEngineConfig, SamplingConfig, make_row, register_rollout_engine
 
 # Per-prompt seeds are spread this far apart; vLLM gives sample i of a request seed + i, so
 # prompts with the same base seed would otherwise share noise streams.
@@ -57,13 +57,13 @@ def _preserve_global_rng():
 class VLLMRolloutEngine:
     """Rollouts from a vLLM engine on a HF folder (path, storage URL or alias)."""
 
-    def __init__(self, model_path, config: RolloutConfig | None = None, storage=None):
+    def __init__(self, model_path, config: RolloutEngineConfig | None = None, storage=None):
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError("the vllm backend needs a model folder, path or URL, not a module; "
                             "use the hf backend to share an in-memory model")
         from gpu_jobs.models.loading import resolve_model_path
 
-        self.config = config or RolloutConfig()
+        self.config = config or RolloutEngineConfig()
         self.storage = storage
         self.model_path = resolve_model_path(model_path, storage)
         from gpu_jobs.models.loading import tied_weight_names_of_folder
@@ -185,5 +185,5 @@ class VLLMRolloutEngine:
 
 
 @register_rollout_engine("vllm")
-def _make_vllm(model_path, config: RolloutConfig, storage=None) -> VLLMRolloutEngine:
+def _make_vllm(model_path, config: RolloutEngineConfig, storage=None) -> VLLMRolloutEngine:
     return VLLMRolloutEngine(model_path, config, storage=storage)

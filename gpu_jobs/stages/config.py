@@ -17,7 +17,7 @@ from gpu_jobs.algos.config import AlgorithmConfig, OverlongBufferConfig
 from gpu_jobs.reward.config import RewardConfig
 from gpu_jobs.reward.config import RewardModelConfig
 from gpu_jobs.rollout.agent_loop import MultiTurnConfig
-from gpu_jobs.rollout.base import RolloutConfig, SamplingConfig
+from gpu_jobs.rollout.base import RolloutEngineConfig, SamplingConfig
 from gpu_jobs.train.config import CriticConfig, ActorConfig
 from storage.config import StorageConfig
 from gpu_jobs.data import DatasetConfig
@@ -120,7 +120,7 @@ class RolloutStageConfig(_Section):
     ignore_eos: bool = Field(
         False, description="Keep sampling past EOS to max_response_length (verl rollout.ignore_eos): "
         "fixes response length for benchmarks; not for training. Greedy decoding (validation) still stops.")
-    engine_options: RolloutConfig = Field(default_factory=RolloutConfig, description="Backend settings.")
+    engine_options: RolloutEngineConfig = Field(default_factory=RolloutEngineConfig, description="Backend settings.")
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Validation sampling (verl rollout.val_kwargs).")
     multi_turn: MultiTurnConfig = Field(
         default_factory=MultiTurnConfig, description="Multi-turn rollouts with tools (verl rollout.multi_turn).")

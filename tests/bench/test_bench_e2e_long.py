@@ -140,10 +140,10 @@ def test_trl_colocate_weight_sync_reaches_the_engine(undo_trl_vllm_setup):
     from trl.generation.vllm_generation import VLLMGeneration
 
     from gpu_jobs.models import ensure_builtin_model, load_model
-    from gpu_jobs.rollout import RolloutConfig, get_rollout_engine
+    from gpu_jobs.rollout import RolloutEngineConfig, get_rollout_engine
 
     path = ensure_builtin_model()
-    engine = get_rollout_engine("vllm", path, RolloutConfig())
+    engine = get_rollout_engine("vllm", path, RolloutEngineConfig())
     model, tok = load_model(path)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # new weights everywhere, the tied embedding / output head included

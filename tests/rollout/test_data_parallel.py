@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from gpu_jobs.rollout import HFRolloutEngine, RolloutConfig, SamplingConfig, get_rollout_engine
+from gpu_jobs.rollout import HFRolloutEngine, RolloutEngineConfig, SamplingConfig, get_rollout_engine
 from gpu_jobs.rollout.base import check_parallelism
 from gpu_jobs.rollout.data_parallel import (
     SEED_STRIDE,
@@ -50,19 +50,19 @@ def test_seed_stride_is_the_vllm_engines():
 
 def test_tensor_parallelism_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="needs rollout.engine=vllm"):
-        check_parallelism("hf", RolloutConfig(tensor_parallel_size=2))
+        check_parallelism("hf", RolloutEngineConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="no CUDA device is visible"):
-        check_parallelism("vllm", RolloutConfig(tensor_parallel_size=2), cuda=False)
-    check_parallelism("vllm", RolloutConfig(tensor_parallel_size=2), cuda=True)
+        check_parallelism("vllm", RolloutEngineConfig(tensor_parallel_size=2), cuda=False)
+    check_parallelism("vllm", RolloutEngineConfig(tensor_parallel_size=2), cuda=True)
     with pytest.raises(ValueError):
-        RolloutConfig(data_parallel_size=0)
+        RolloutEngineConfig(data_parallel_size=0)
     with pytest.raises(ValueError, match="build them with gpu_jobs.rollout.data_parallel.build_rollout_engine"):
-        get_rollout_engine("hf", "builtin", RolloutConfig(data_parallel_size=2))  # never one engine in silence
+        get_rollout_engine("hf", "builtin", RolloutEngineConfig(data_parallel_size=2))  # never one engine in silence
 
 
 @pytest.fixture(scope="module")
 def replicas(builtin_path):
-    engine = build_rollout_engine("hf", builtin_path, RolloutConfig(data_parallel_size=2))
+    engine = build_rollout_engine("hf", builtin_path, RolloutEngineConfig(data_parallel_size=2))
     yield engine
     engine.close()
 
@@ -113,7 +113,7 @@ def test_a_replica_that_fails_names_itself_and_the_others_keep_serving(replicas,
 
 
 def test_a_replica_that_dies_fails_the_call_and_close_leaves_nothing_running(builtin_path, prompts):
-    engine = DataParallelRollout("hf", builtin_path, RolloutConfig(data_parallel_size=2), 2)
+    engine = DataParallelRollout("hf", builtin_path, RolloutEngineConfig(data_parallel_size=2), 2)
     pids = list(engine.pids)
     try:
         os.kill(engine.pids[1], 9)

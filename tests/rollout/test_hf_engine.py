@@ -13,7 +13,7 @@ import torch
 from gpu_jobs.models import build_tiny_model
 from gpu_jobs.rollout import (
     HFRolloutEngine,
-    RolloutConfig,
+    RolloutEngineConfig,
     RolloutEngine,
     SamplingConfig,
     get_rollout_engine,
@@ -117,8 +117,8 @@ def test_finish_reasons_and_eos(engine, builtin, prompts):
     assert all(len(r["response_ids"]) == 12 and r["finish_reason"] == "length" for r in long)
 
 
-@pytest.mark.parametrize("config", [RolloutConfig(compact_fraction=1.0), RolloutConfig(max_batch_size=3),
-                                    RolloutConfig(compact_fraction=0.01)])
+@pytest.mark.parametrize("config", [RolloutEngineConfig(compact_fraction=1.0), RolloutEngineConfig(max_batch_size=3),
+                                    RolloutEngineConfig(compact_fraction=0.01)])
 def test_batching_and_row_dropping_do_not_change_greedy_output(builtin, prompts, config, engine):
     model, tok = builtin
     other = HFRolloutEngine(model, tok, config)
@@ -166,7 +166,7 @@ def test_engine_shares_an_in_memory_module(builtin, prompts):
 
 
 def test_registry_builds_from_path_and_rejects_unknown_names(builtin, builtin_path, prompts):
-    eng = get_rollout_engine("hf", builtin_path, RolloutConfig())
+    eng = get_rollout_engine("hf", builtin_path, RolloutEngineConfig())
     assert len(eng.generate(prompts[:2], 2, GREEDY)) == 4
     model, tok = builtin
     from_module = get_rollout_engine("hf", model, tokenizer=tok)

@@ -1,11 +1,15 @@
-"""Test servers for tests and benchmarks: a real S3 endpoint on loopback via `moto_server`, and
-a real Prefect API server (`prefect server start`, SQLite in its own PREFECT_HOME).
+"""Test servers for tests and benchmarks: a real S3 endpoint on loopback via `moto_server`, a
+real Prefect API server (`prefect server start`, SQLite in its own PREFECT_HOME), and a whole
+local Prefect (server, deployments, process workers) started the way `make server/deploy/worker` do.
 
     with MotoServer() as s3:
         cfg = s3.config()          # StorageConfig for it
         url = s3.new_bucket()      # 's3://bucket-<hex>'
     with PrefectServer(home) as prefect:
         env = {**os.environ, "PREFECT_API_URL": prefect.api_url}
+    with LocalPrefect(work, pool="rlmill-test") as prefect:     # server started, healthy
+        prefect.deploy(); prefect.start_worker()
+        flow_run_id = prefect.trigger("rl-training/manual", {"iterations": 1})
 
 Lives in tests/, not in the product packages; it needs `moto[server]` installed. Benchmarks import
 it as `tests.servers` (they run as `python -m benchmarks...` from the repository root).
@@ -29,8 +33,11 @@ from zoneinfo import ZoneInfo
 from gpu_jobs.train.ranks.dist import free_port
 from storage import StorageConfig
 
-__all__ = ["MotoServer", "PrefectServer", "free_port", "nightly_timezone", "start_moto_server", "stop_group",
-           "stop_process"]
+__all__ = ["LocalPrefect", "MotoServer", "PrefectServer", "free_port", "nightly_timezone", "start_moto_server",
+           "stop_group", "stop_process", "wait_for_api"]
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT_LOCAL = REPO / "scripts" / "prefect_local.sh"  # what `make server`, `make deploy`, `make worker` run
 
 MOTO_KEY = "rlmill-test-key"
 MOTO_SECRET = "rlmill-test-secret"
@@ -184,10 +191,12 @@ def wait_for_api(api_url: str, log: Path, timeout: float, proc: subprocess.Popen
             urllib.request.urlopen(f"{api_url}/health", timeout=5).read()
             return
         except OSError:
-            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+            exited = proc is not None and proc.poll() is not None
+            if exited or time.monotonic() > deadline:
                 tail = log.read_text()[-3000:] if log.exists() else "(no log)"
-                raise RuntimeError(f"prefect server {api_url} did not answer /health within {timeout:.0f} s "
-                                   f"(log {log}):\n{tail}") from None
+                why = f"exited ({proc.returncode}) before answering /health" if exited else \
+                    f"did not answer /health within {timeout:.0f} s"
+                raise RuntimeError(f"prefect server {api_url} {why} (log {log}):\n{tail}") from None
             time.sleep(0.3)
 
 
@@ -239,3 +248,105 @@ class PrefectServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class LocalPrefect:
+    """A real local Prefect started the way `make server`, `make deploy` and `make worker` do
+    (scripts/prefect_local.sh): a server on a free port with its own PREFECT_HOME (SQLite) under
+    `work`, the deployments on work pool `pool`, process workers. Every process it starts is in a
+    session of its own and stopped by PID (`close`: SIGTERM, SIGKILL after a grace: a process
+    worker may ignore SIGTERM). `env` is the environment of every child (and of a flow process
+    that should use this server); `env=None` starts from this process's.
+
+    Used by the deployment tests (tests/deployments/conftest.py), the two work pools of
+    benchmarks/async_pools.py and the chaos scenarios on a local Prefect (benchmarks/chaos/orchestrator.py).
+    """
+
+    def __init__(self, work: str | os.PathLike, pool: str, env: dict[str, str] | None = None):
+        from gpu_jobs.train.ranks.dist import child_env
+
+        self.work, self.pool = Path(work), pool
+        self.work.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.api = f"http://127.0.0.1:{port}/api"
+        self.env = child_env(env)  # not this process's MASTER_PORT etc. if it started DeepSpeed
+        self.env.update({
+            "PREFECT_HOME": str(self.work / "home"), "PORT": str(port), "PREFECT_API_URL": self.api,
+            "PATH": f"{REPO / '.venv' / 'bin'}:{self.env.get('PATH', '')}", "RLMILL_WORK_POOL": pool,
+            "RLMILL_NIGHTLY_TZ": nightly_timezone(), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+            "GX_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+            # The scheduler fills upcoming runs every loop (default 60 s): make the first fill prompt.
+            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+            # Workers poll every 10 s by default: most of a deployment run's start-up wait here.
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+        for key in ("PREFECT_PROFILE", "PREFECT_UI_API_URL"):
+            self.env.pop(key, None)
+        self.procs: list[subprocess.Popen] = []
+        self.logs: dict[int, Path] = {}  # pid -> its log
+        self.server: subprocess.Popen | None = None  # the server last started
+
+    def start(self, what: str, pool: str | None = None) -> subprocess.Popen:
+        """`scripts/prefect_local.sh server|worker` (a worker polls `pool`, default this one's),
+        logging to <work>/<what>-<n>.log."""
+        log = self.work / f"{what}-{len(self.procs)}.log"
+        env = {**self.env, "RLMILL_WORK_POOL": pool or self.pool}
+        with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(["bash", str(PREFECT_LOCAL), what], cwd=REPO, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        self.logs[proc.pid] = log
+        return proc
+
+    def start_server(self, timeout: float = 180.0) -> subprocess.Popen:
+        """A server on this one's port and database (again, after a stop: same database), once it answers."""
+        self.server = self.start("server")
+        wait_for_api(self.api, self.logs[self.server.pid], timeout, self.server)
+        return self.server
+
+    def start_worker(self, pool: str | None = None) -> subprocess.Popen:
+        return self.start("worker", pool)
+
+    def deploy(self, timeout: float = 400.0) -> str:
+        """`scripts/prefect_local.sh deploy`: the pool and every deployment; returns its output."""
+        return self.cli(["bash", str(PREFECT_LOCAL), "deploy"], timeout=timeout)
+
+    def cli(self, args: list[str], timeout: float = 300.0, **env: str) -> str:
+        """A command from the repository root with this Prefect's environment (plus `env`);
+        returns its stdout, raises with its output when it fails."""
+        done = subprocess.run(args, cwd=REPO, env={**self.env, **env}, capture_output=True, text=True, timeout=timeout)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(map(str, args))} failed ({done.returncode}):\n{done.stdout[-4000:]}\n"
+                               f"{done.stderr[-4000:]}")
+        return done.stdout
+
+    def trigger(self, name: str, params: dict, job_variables: dict | None = None) -> str:
+        """`prefect deployment run NAME -p k=v ... [--job-variable k=v ...]`; returns the flow run's id."""
+        import json
+        import re
+
+        args = [str(REPO / ".venv" / "bin" / "prefect"), "deployment", "run", name]
+        for k, v in params.items():
+            args += ["-p", f"{k}={json.dumps(v)}"]  # the CLI parses each value as JSON when it can
+        for k, v in (job_variables or {}).items():
+            args += ["--job-variable", f"{k}={json.dumps(v)}"]
+        out = self.cli(args, timeout=120)
+        found = re.search(r"UUID: ([0-9a-f-]{36})", out)
+        if not found:
+            raise RuntimeError(f"no flow run id in the output of {' '.join(args[1:4])}:\n{out[-1500:]}")
+        return found.group(1)
+
+    def close(self, grace: float = 15.0) -> None:
+        for proc in reversed(self.procs):
+            stop_group(proc, grace=grace)
+
+    def __enter__(self) -> "LocalPrefect":
+        try:
+            self.start_server()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -13,21 +13,18 @@ process); here the run is a deployment run, started by a worker that lives throu
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
 import subprocess
 import time
 
-from gpu_jobs.train.ranks.dist import free_port
-from tests.servers import nightly_timezone, wait_for_api
+from tests.servers import LocalPrefect
 
 from .audit import audit, snapshot
 from .harness import ITERATIONS, REPO, Chaos, Outcome, layout, overrides, session_processes
 from .scenarios import SCENARIOS, _result, scenario
 
-SCRIPT = REPO / "scripts" / "prefect_local.sh"
 POOL = "rlmill-chaos"
 # Flow runs are started by the worker, so the failpoint (failpoints.py) is armed from a
 # sitecustomize on their PYTHONPATH: in a flow run's process (PREFECT__FLOW_RUN_ID set), until the
@@ -41,55 +38,21 @@ if os.environ.get("PREFECT__FLOW_RUN_ID") and os.environ.get("RLMILL_FAILPOINT")
 """
 
 
-class LocalPrefect:
-    """Server + deployments + workers started like `make server/deploy/worker`, stopped by pid."""
+class FailpointPrefect(LocalPrefect):
+    """A local Prefect (tests.servers.LocalPrefect) whose flow runs arm `failpoint` (see
+    SITECUSTOMIZE); kill() SIGKILLs a process it started with its whole session."""
 
     def __init__(self, chaos: Chaos, name: str, failpoint: str):
-        self.dir = chaos.work / f"{name}-prefect"
-        (self.dir / "site").mkdir(parents=True, exist_ok=True)
-        (self.dir / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        self.marker = self.dir / "failpoint-reached"
-        port = free_port()
-        self.api = f"http://127.0.0.1:{port}/api"
-        self.env = {**chaos.env(failpoint, self.marker), "PYTHONPATH": f"{self.dir / 'site'}:{REPO}",
-                    "PREFECT_HOME": str(self.dir / "home"), "PORT": str(port),
-                    "PREFECT_API_URL": self.api, "RLMILL_WORK_POOL": POOL, "RLMILL_NIGHTLY_TZ": nightly_timezone(),
-                    "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
-        self.env.pop("PREFECT_UI_API_URL", None)
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, what: str) -> subprocess.Popen:
-        path = self.dir / f"{what}-{len(self.procs)}.log"
-        with open(path, "wb") as log:  # the child keeps its own copy of the descriptor
-            proc = subprocess.Popen(["bash", str(SCRIPT), what], cwd=REPO, env=self.env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(proc)
-        if what == "server":
-            self.server = (proc, path)
-        return proc
-
-    def wait_healthy(self) -> None:
-        """Until the server last started answers (tests.servers.wait_for_api)."""
-        proc, log = self.server
-        wait_for_api(self.api, log, timeout=180, proc=proc)
+        work = chaos.work / f"{name}-prefect"
+        (work / "site").mkdir(parents=True, exist_ok=True)
+        (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        self.marker = work / "failpoint-reached"
+        super().__init__(work, POOL, env=chaos.env(failpoint, self.marker))
+        self.env["PYTHONPATH"] = f"{work / 'site'}:{REPO}"
 
     def up(self) -> None:
-        self.start("server")
-        self.wait_healthy()
-        done = subprocess.run(["bash", str(SCRIPT), "deploy"], cwd=REPO, env=self.env, capture_output=True,
-                              text=True, timeout=400)
-        if done.returncode:
-            raise RuntimeError(f"deploy failed: {done.stdout[-1500:]} {done.stderr[-1500:]}")
-
-    def trigger(self, name: str, params: dict) -> str:
-        args = [str(REPO / ".venv" / "bin" / "prefect"), "deployment", "run", name]
-        for k, v in params.items():
-            args += ["-p", f"{k}={json.dumps(v)}"]
-        out = subprocess.run(args, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=120).stdout
-        m = re.search(r"UUID: ([0-9a-f-]{36})", out)
-        if not m:
-            raise RuntimeError(f"no flow run id in: {out[-1500:]}")
-        return m.group(1)
+        self.start_server()
+        self.deploy()
 
     def flow_runs(self, tag: str | None = None, ids: list[str] | None = None):
         import asyncio
@@ -139,26 +102,25 @@ def _server_restart(chaos: Chaos, name: str, seconds: float) -> Outcome:
     it again on the same database, and let the one flow run carry on."""
     root = str(chaos.work / name)
     lay, fault = layout(root, "r"), SCENARIOS[name][0]
-    prefect = LocalPrefect(chaos, name, "after-commit:reward:2")
-    release = prefect.dir / "release"
+    prefect = FailpointPrefect(chaos, name, "after-commit:reward:2")
+    release = prefect.work / "release"
     prefect.env["RLMILL_FAILPOINT_RELEASE"] = str(release)  # hold at the point only while the server stops
     try:
         prefect.up()
-        prefect.start("worker")
+        prefect.start_worker()
         first = prefect.trigger("rl-training/manual", {"overrides": [*overrides(root, "r")]})
         _wait("iteration 2's reward commit", prefect.marker.exists, chaos.timeout)
         before = snapshot(lay)
-        prefect.kill(prefect.procs[0])  # the server (API + UI + its database handle)
+        prefect.kill(prefect.server)  # the server (API + UI + its database handle)
         t_down = time.monotonic()
         release.touch()  # the run goes on and meets the outage at its next API call
         time.sleep(seconds)  # the outage itself
-        prefect.start("server")
-        prefect.wait_healthy()
+        prefect.start_server()
         down_s = time.monotonic() - t_down
         (run,) = _wait("the run finished", lambda: [
             r for r in prefect.flow_runs(ids=[first]) if r.state and r.state.is_final()], chaos.timeout)
         resumes = prefect.flow_runs(tag=f"resume-of:{first}")
-        log = "".join(p.read_text(errors="replace") for p in prefect.dir.glob("worker-*.log"))
+        log = "".join(p.read_text(errors="replace") for p in prefect.work.glob("worker-*.log"))
     finally:
         prefect.down()
     report = audit(lay, before, ITERATIONS)
@@ -185,17 +147,17 @@ scenario("server-restart-3min", "Prefect server stopped 3 min mid-iteration 2 of
 def worker_killed(chaos: Chaos) -> Outcome:
     root = str(chaos.work / "worker-killed")
     lay, fault = layout(root, "r"), SCENARIOS["worker-killed"][0]
-    prefect = LocalPrefect(chaos, "worker-killed", "before-commit:reward:2")
+    prefect = FailpointPrefect(chaos, "worker-killed", "before-commit:reward:2")
     try:
         prefect.up()
-        worker = prefect.start("worker")
+        worker = prefect.start_worker()
         first = prefect.trigger("rl-training/manual", {"overrides": [
             *overrides(root, "r"), "tasks.auto_resume_delay_seconds=5"]})
         _wait("iteration 2's reward computed, not committed", prefect.marker.exists, chaos.timeout)
         before = snapshot(lay)
         t_kill = time.monotonic()
         prefect.kill(worker)  # the worker and the flow run process it started, as a dead machine would
-        prefect.start("worker")  # a new worker, as a restarted container or a second machine would be
+        prefect.start_worker()  # a new worker, as a restarted container or a second machine would be
         resumes = _wait("a finished automatic resume", lambda: [
             r for r in prefect.flow_runs(tag=f"resume-of:{first}") if r.state and r.state.is_final()], 900)
         took = time.monotonic() - t_kill

@@ -1,9 +1,9 @@
 """A real local Prefect for the deployment tests: server, deployments, process worker.
 
-Everything is started through scripts/prefect_local.sh (what `make server/deploy/worker` run),
-with its own PREFECT_HOME (SQLite database) in a temporary folder and a free port, and stopped
-by PID at the end of the session (SIGTERM to its process group, SIGKILL after 15 s: a process
-worker may ignore SIGTERM).
+Everything is started by tests.servers.LocalPrefect through scripts/prefect_local.sh (what
+`make server/deploy/worker` run), with its own PREFECT_HOME (SQLite database) in a temporary
+folder and a free port, and stopped by PID at the end of the session (SIGTERM to its process
+group, SIGKILL after 15 s: a process worker may ignore SIGTERM).
 
     .venv/bin/python -m pytest -q tests/deployments
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port, nightly_timezone, stop_group, wait_for_api
+from tests.servers import LocalPrefect, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "prefect_local.sh"
@@ -36,42 +35,27 @@ TINY = ["data.train_batch_size=8", "rollout.n=4", "data.val_size=50", "actor.ppo
 
 
 @pytest.fixture(scope="session")
-def prefect_env(tmp_path_factory) -> dict[str, str]:
-    """Environment for every child: the session's server, pool and time zone, quiet, 1 thread."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    from gpu_jobs.train.ranks.dist import child_env
-
-    env = child_env()  # not this process's MASTER_PORT etc. if an earlier test started DeepSpeed
-    env.update({
-        "PREFECT_HOME": str(home), "PORT": str(port), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PATH": f"{VENV_BIN}:{env.get('PATH', '')}", "RLMILL_WORK_POOL": POOL,
-        "RLMILL_NIGHTLY_TZ": nightly_timezone(), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "DO_NOT_TRACK": "1", "GX_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
-        # The scheduler fills upcoming runs every loop (default 60 s): make the first fill prompt.
-        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
-        # Workers poll for runs every 10 s by default: most of a deployment run's start-up wait
-        # here, paid by every run these tests trigger (remote placement: three per iteration).
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
-        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-    })
-    env.pop("PREFECT_PROFILE", None)
-    env.pop("PREFECT_UI_API_URL", None)
-    return env
+def local_prefect(tmp_path_factory):
+    """The session's local Prefect (tests.servers.LocalPrefect): its own PREFECT_HOME, a free
+    port, pool POOL; every process it started is stopped at the end of the session."""
+    prefect = LocalPrefect(tmp_path_factory.mktemp("prefect"), POOL)
+    try:
+        yield prefect
+    finally:
+        prefect.close()
 
 
 @pytest.fixture(scope="session")
-def prefect_server(prefect_env, tmp_path_factory):
-    """`scripts/prefect_local.sh server` on a free port; yields the API URL."""
-    log = tmp_path_factory.mktemp("logs") / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(["bash", str(SCRIPT), "server"], cwd=REPO, env=prefect_env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for_api(prefect_env["PREFECT_API_URL"], log, timeout=180, proc=proc)
-        yield prefect_env["PREFECT_API_URL"]
-    finally:
-        stop_group(proc)
+def prefect_env(local_prefect) -> dict[str, str]:
+    """Environment for every child: the session's server, pool and time zone, quiet, 1 thread."""
+    return local_prefect.env
+
+
+@pytest.fixture(scope="session")
+def prefect_server(local_prefect):
+    """`scripts/prefect_local.sh server` on the session's port, answering; yields the API URL."""
+    local_prefect.start_server()
+    return local_prefect.api
 
 
 def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -83,23 +67,15 @@ def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subpr
 
 
 @pytest.fixture(scope="session")
-def deployed(prefect_server, prefect_env) -> dict[str, str]:
+def deployed(prefect_server, local_prefect) -> dict[str, str]:
     """`scripts/prefect_local.sh deploy`: the pool and both deployments exist."""
-    res = run_cli(["bash", str(SCRIPT), "deploy"], prefect_env, timeout=400)
-    return {"output": res.stdout}
+    return {"output": local_prefect.deploy()}
 
 
 @pytest.fixture(scope="session")
-def prefect_worker(deployed, prefect_env, tmp_path_factory):
-    """`scripts/prefect_local.sh worker` polling the session's pool."""
-    log = tmp_path_factory.mktemp("logs") / "worker.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(["bash", str(SCRIPT), "worker"], cwd=REPO, env=prefect_env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield log
-    finally:
-        stop_group(proc)
+def prefect_worker(deployed, local_prefect) -> Path:
+    """`scripts/prefect_local.sh worker` polling the session's pool; yields its log."""
+    return local_prefect.logs[local_prefect.start_worker().pid]
 
 
 @pytest.fixture(scope="session")
@@ -117,19 +93,6 @@ def api(prefect_server):
         return asyncio.run(go())
 
     return call
-
-
-def trigger(name: str, params: dict, env: dict[str, str], job_variables: dict | None = None) -> str:
-    """`prefect deployment run NAME -p k=v ... [--job-variable k=v ...]`; returns the new flow run's id."""
-    args = ["prefect", "deployment", "run", name]
-    for k, v in params.items():
-        args += ["-p", f"{k}={json.dumps(v)}"]  # the CLI parses each value as JSON when it can
-    for k, v in (job_variables or {}).items():
-        args += ["--job-variable", f"{k}={json.dumps(v)}"]
-    out = run_cli([str(VENV_BIN / args[0]), *args[1:]], env, timeout=120).stdout
-    m = re.search(r"UUID: ([0-9a-f-]{36})", out)
-    assert m, f"no flow run id in:\n{out}"
-    return m.group(1)
 
 
 def wait_final(api, flow_run_id: str, timeout: float, worker_log: Path | None = None):
@@ -262,10 +225,10 @@ def chromium():
 
 
 @pytest.fixture(scope="session")
-def tools(prefect_env):
+def tools(local_prefect):
     """Helpers for tests (test modules cannot import conftest under --import-mode=importlib)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(repo=REPO, script=SCRIPT, venv_bin=VENV_BIN, pool=POOL, tiny=list(TINY),
-                           env=prefect_env, run_cli=run_cli, trigger=trigger, wait_final=wait_final,
-                           logs_after_exit=logs_after_exit)
+                           env=local_prefect.env, prefect=local_prefect, run_cli=run_cli,
+                           trigger=local_prefect.trigger, wait_final=wait_final, logs_after_exit=logs_after_exit)

@@ -22,16 +22,17 @@ ASYNC = ["async_training.staleness_threshold=1", "actor.recompute_old_logprobs=t
 
 
 @pytest.fixture(scope="module")
-def rollout_worker(prefect_worker, tools, tmp_path_factory):
+def rollout_worker(prefect_worker, tools):
     """rl-stage/rollout moved to its own pool, with a second worker polling it."""
-    from benchmarks.async_pools import move_rollout_to_pool, start_worker, stop
+    from benchmarks.async_pools import move_rollout_to_pool
+    from tests.servers import stop_group
 
-    move_rollout_to_pool(tools.env, ROLLOUT_POOL)
-    proc = start_worker(tools.env, ROLLOUT_POOL, tmp_path_factory.mktemp("logs") / "rollout-worker.log")
+    move_rollout_to_pool(tools.prefect, ROLLOUT_POOL)
+    proc = tools.prefect.start_worker(ROLLOUT_POOL)
     try:
         yield proc
     finally:
-        stop(proc)
+        stop_group(proc)
 
 
 def _colocated_policy(root, run_id: str, tiny: list[str]) -> str:
@@ -58,7 +59,7 @@ def test_async_run_samples_on_the_rollout_pool_and_matches_colocated_bitwise(rol
     t0 = time.monotonic()
     flow_run_id = tools.trigger("rl-training/manual", {"iterations": 2, "overrides": [
         f"root={tmp_path / 'pools'}", f"run_id={run_id}", *tools.tiny, *ASYNC, "trainer.placement=remote",
-        "trainer.rollout_deployment=rl-stage/rollout", "tasks.auto_resumes=0"]}, tools.env)
+        "trainer.rollout_deployment=rl-stage/rollout", "tasks.auto_resumes=0"]})
     run = tools.wait_final(api, flow_run_id, RUN_TIMEOUT_S, None)
     assert run.state.is_completed(), f"{run.state} after {time.monotonic() - t0:.0f} s"
 

@@ -37,7 +37,7 @@ def _trigger_held(tools, root: Path, point: str, marker: Path) -> str:
            "RLMILL_FAILPOINT_MARKER": str(marker)}
     params = {"iterations": 1, "overrides": [f"root={root}", *tools.tiny, "tasks.auto_resumes=2",
                                              "tasks.auto_resume_delay_seconds=1"]}
-    return tools.trigger("rl-training/manual", params, tools.env, job_variables={"env": env})
+    return tools.trigger("rl-training/manual", params, job_variables={"env": env})
 
 
 def test_runs_killed_after_their_last_commit_end_completed_without_recomputing(prefect_worker, api, tools,
@@ -96,7 +96,7 @@ def test_a_run_failed_by_its_input_is_not_resumed(prefect_worker, api, tools, tm
     from prefect.client.schemas import filters as F
 
     flow_run_id = tools.trigger("rl-training/manual", {"iterations": 1, "overrides": [
-        f"root={tmp_path / 'root'}", *tools.tiny, "rollout.n=many"]}, tools.env)
+        f"root={tmp_path / 'root'}", *tools.tiny, "rollout.n=many"]})
     failed = tools.wait_final(api, flow_run_id, TIMEOUT_S, prefect_worker)
     assert failed.state_type.value == "FAILED" and "input-error" in failed.tags, (failed.state, failed.tags)
     auto = api(lambda c: c.read_deployment_by_name("rl-resume/auto"))

@@ -55,7 +55,7 @@ def test_failed_deployment_runs_say_why_in_one_line(prefect_worker, api, tools, 
                          [f"data file {missing} (data.train_files) does not exist", "rlmill data make"]),
     }
     # The worker runs them side by side.
-    started = {name: tools.trigger("rl-training/manual", params, tools.env) for name, (params, _) in cases.items()}
+    started = {name: tools.trigger("rl-training/manual", params) for name, (params, _) in cases.items()}
     for name, (_, words) in cases.items():
         state, logs = _failed_run(tools, api, prefect_worker, started[name])
         message = state.message
@@ -76,7 +76,7 @@ def test_an_unexpected_error_in_a_deployment_run_shows_one_traceback(prefect_wor
     flow_run_id = tools.trigger("rl-training/manual", {"iterations": 1, "overrides": [
         f"root={tmp_path / 'root'}", *tools.tiny, "trainer.placement=remote", "trainer.checkpoint_every=1",
         "trainer.stage_deployment=rl-stage/no-such-deployment",
-        "tasks.auto_resumes=0"]}, tools.env)  # resuming it would only fail again, on the session's worker
+        "tasks.auto_resumes=0"]})  # resuming it would only fail again, on the session's worker
     state, logs = _failed_run(tools, api, prefect_worker, flow_run_id)
     assert state.is_failed() and state.message.startswith("Flow run encountered an exception:"), state.message
     summaries = [m for m in logs if re.match(r"rlmill: run \S+ failed: .*\(unexpected: the traceback follows\)", m)]

@@ -69,7 +69,7 @@ def manual_run(prefect_worker, api, tools, tmp_path_factory):
     run_id = "deploy-manual"
     t0 = time.monotonic()
     flow_run_id = tools.trigger("rl-training/manual", {
-        "iterations": 1, "overrides": [f"root={root}", f"run_id={run_id}", *tools.tiny]}, tools.env)
+        "iterations": 1, "overrides": [f"root={root}", f"run_id={run_id}", *tools.tiny]})
     run = tools.wait_final(api, flow_run_id, RUN_TIMEOUT_S, prefect_worker)
     return {"id": flow_run_id, "run": run, "root": root, "run_id": run_id, "seconds": time.monotonic() - t0}
 
@@ -162,7 +162,7 @@ def test_nightly_promotes_refuses_and_skips(prefect_worker, api, tools, tmp_path
     _write_arith(incoming / "later" / "day2.parquet", 64, seed=456)
     flow_run_id = tools.trigger("rl-nightly/nightly", {
         "config": "examples/grpo_arith.yaml", "overrides": overrides, "model_name": "arith", "iterations": 1,
-        "eval_size": 50, "min_gain": 1.01, "night": "20260101"}, tools.env)
+        "eval_size": 50, "min_gain": 1.01, "night": "20260101"})
     run = tools.wait_final(api, flow_run_id, RUN_TIMEOUT_S, prefect_worker)
     assert run.state.is_completed(), f"{run.state}"
     state = json.loads(state_file.read_text())

@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from gpu_jobs.stages import StageSpec
-from gpu_jobs.stages.config import TaskConfig
+from gpu_jobs.stages.sections import TaskConfig
 from storage import committed
 
 _NOT_INPUTS = ("run", "engines", "k")

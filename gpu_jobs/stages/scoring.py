@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from gpu_jobs.stages.config import ValKwargs
+from gpu_jobs.stages.sections import ValKwargs
 from gpu_jobs.stages.samples import sample_table
 
 __all__ = ["reward_rows", "evaluate", "greedy_evaluate", "validation_infos", "held_out_scores", "artifact_samples"]

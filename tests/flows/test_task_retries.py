@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flows.config import load_run_config
-from gpu_jobs.stages.config import ConfigError, TaskConfig
+from gpu_jobs.stages.config import ConfigError
+from gpu_jobs.stages.sections import TaskConfig
 
 
 def test_default_is_a_backoff_schedule_not_zero():

@@ -122,7 +122,7 @@ def run_point(cfg, iterations: int) -> list[dict]:
             try:
                 return super().__call__(stage, k, *inputs)
             finally:
-                self.seconds[stage] = time.perf_counter() - t0
+                self.seconds[stage.name] = time.perf_counter() - t0
 
     run, engines = open_warm(cfg)
     calls = TimedCalls(run, engines)

@@ -14,7 +14,7 @@ import numpy as np
 
 from .batch import read_rows
 from .config import CriticConfig
-from .engine import ZeroModule
+from .zero_module import ZeroModule
 
 __all__ = ["Critic"]
 

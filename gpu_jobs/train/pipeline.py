@@ -34,7 +34,7 @@ from .checkpoint import Resumable
 from .config import ActorConfig
 from gpu_jobs.models import resolve_model_path
 
-from .engine import _torch_dtype, load_tokenizer_if_any
+from .zero_module import _torch_dtype, load_tokenizer_if_any
 from .errors import TrainInputError
 from .loop import MetricSums, PhaseTimer, adamw, optimizer_steps
 from .policy import policy_objective, required_columns

@@ -19,7 +19,7 @@ import numpy as np
 
 from .batch import Rows, read_rows
 from .config import ActorConfig
-from .engine import ZeroModule
+from .zero_module import ZeroModule
 from .protocol import InProcessTrainer
 
 __all__ = ["PolicyTrainer", "RefModel", "AdapterOffRef", "policy_objective", "policy_loss", "token_terms",

@@ -18,6 +18,8 @@ rollout pool while update k runs on the other: the overlap that makes async pay.
 
 from __future__ import annotations
 
+import uuid
+
 from prefect import flow
 from prefect.deployments import run_deployment
 
@@ -58,6 +60,19 @@ def rl_stage(root: str, run_id: str, k: int, stage: str, inputs: list[str] | Non
     return spec(run, engines, k, *(inputs or []))
 
 
+def _attempt_key(run: Run, k: int, stage: StageSpec) -> str:
+    """One deployment run per attempt of the calling task or flow run: the API creates a flow run
+    once per key, so a create the client sends again (an answer lost to a busy server: seen on
+    SQLite under load, two `logprobs-0001` runs) returns the first run instead of starting a
+    second. A new attempt (a task retry, the iteration run again, a resumed run) has a new key."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    ctx = TaskRunContext.get() or FlowRunContext.get()
+    owner = ctx.task_run if isinstance(ctx, TaskRunContext) else getattr(ctx, "flow_run", None)
+    attempt = f"{owner.id}-{owner.run_count}" if owner is not None else uuid.uuid4().hex
+    return f"rlmill-{run.run_uid}-{k}-{stage.name}-{attempt}"
+
+
 def run_remote(run: Run, k: int, stage: StageSpec, inputs: list[str] = ()) -> str:
     """Start the deployment of (k, stage)'s pool (trainer.deployment_for) and wait; returns the
     manifest it committed.
@@ -73,6 +88,7 @@ def run_remote(run: Run, k: int, stage: StageSpec, inputs: list[str] = ()) -> st
                     "inputs": list(inputs)},
         flow_run_name=f"{stage.name}-{k:04d}",
         tags=["rlmill", f"run:{run.cfg.run_id}"],  # explicit: the iteration's tasks run untagged
+        idempotency_key=_attempt_key(run, k, stage),
         timeout=None,
     )
     uri = committed(dest, run.storage)

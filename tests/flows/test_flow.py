@@ -165,6 +165,29 @@ def test_a_stage_name_is_declared_once():
         stage("reward")(lambda run, engines, k: Output(None))
 
 
+def test_a_remote_stage_asks_for_one_deployment_run_per_attempt(prefect_api):
+    """The idempotency key of a remote stage's deployment run: the same within one attempt of
+    the calling task (a create the client sends twice starts one run), new for its retry."""
+    from types import SimpleNamespace
+
+    from prefect import task
+
+    from flows.remote import _attempt_key
+    from gpu_jobs import stages
+
+    run, keys = SimpleNamespace(run_uid="uid"), []
+
+    @task(retries=1, retry_delay_seconds=0)
+    def remote_stage_attempt():
+        keys.extend([_attempt_key(run, 3, stages.update), _attempt_key(run, 3, stages.update)])
+        if len(keys) == 2:
+            raise ConnectionError("injected: the first attempt fails")
+
+    remote_stage_attempt()
+    assert keys[0] == keys[1] != keys[2] == keys[3]
+    assert keys[0].startswith("rlmill-uid-3-update-")
+
+
 # Crash-resume (SIGKILL at exact points, then bitwise-equal weights) lives in tests/chaos.
 
 

@@ -1,4 +1,4 @@
-"""The update loop the DeepSpeed trainers share (engine.ZeroModule, pipeline.PipelinePolicyTrainer):
+"""The update loop the DeepSpeed trainers share (zero_module.ZeroModule, pipeline.PipelinePolicyTrainer):
 the optimizer, the lr schedule, ppo_epochs passes of shuffled mini-batches with one optimizer
 step each, and the sums and timers their metrics come from.
 

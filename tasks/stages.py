@@ -50,8 +50,10 @@ _RETRY = dict(retries=_TASKS.retries, retry_delay_seconds=_TASKS.retry_delay_sec
 @functools.cache
 def stage_task(spec: StageSpec) -> Task:
     """The Prefect task of a stage: named after it, with the compute's parameters (the cache key
-    and the UI read them), calling the spec at run time (a wrapped `spec.compute` is honoured)."""
-    signature = inspect.signature(spec.compute)
+    and the UI read them), calling the spec at run time (a wrapped `spec.compute` is honoured).
+    The parameters are the declared compute's (`spec.__wrapped__`), not those of a wrapper a test
+    put on `spec.compute` when this task was first built: the task is cached for the process."""
+    signature = inspect.signature(spec.__wrapped__)
 
     def run_stage(*args: Any, **kwargs: Any) -> Any:
         # Prefect passes parameters with defaults by keyword: the stage gets them in order, as
@@ -60,7 +62,7 @@ def stage_task(spec: StageSpec) -> Task:
         return spec(*bound.args, **bound.kwargs)
 
     run_stage.__signature__ = signature  # type: ignore[attr-defined]
-    run_stage.__name__ = run_stage.__qualname__ = spec.compute.__name__
-    run_stage.__doc__ = spec.compute.__doc__
+    run_stage.__name__ = run_stage.__qualname__ = spec.__name__
+    run_stage.__doc__ = spec.__doc__
     caching = dict(cache_key_fn=stage_cache_key, persist_result=True) if spec.commits else dict(cache_policy=NO_CACHE)
     return task(run_stage, name=spec.name, **caching, **_RETRY)

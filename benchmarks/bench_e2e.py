@@ -302,18 +302,18 @@ def run_stages(spec: dict) -> dict:
     w, budget = Workload(**spec["workload"]), spec.get("budget")
     # No checkpoint is ever due (TRL writes none either); the final weights are saved after the clock.
     cfg = rlmill_config(w, spec["root"], spec["run_id"], val_size=32)
-    run, engines = open_warm(cfg)
+    run, roles = open_warm(cfg)
     seconds: list[float] = []
     while (sum(seconds[1:]) < budget) if budget else (len(seconds) < spec["steps"]):
         k, t0 = len(seconds) + 1, time.perf_counter()
-        run_iteration(DirectCalls(run, engines), cfg, k)
+        run_iteration(DirectCalls(run, roles), cfg, k)
         seconds.append(time.perf_counter() - t0)
     tokens = [rlmill_tokens(run.layout, k) for k in range(1, len(seconds) + 1)]
     out = {"step_seconds": seconds, "gen_tokens": [g for g, _ in tokens], "train_tokens": [t for _, t in tokens],
            "update_seconds": [m["timing_s/update_actor"] for m in rlmill_update_metrics(run.layout, len(seconds))]}
     if budget:
         folder = os.path.join(spec["root"], "final-policy")
-        engines.trainer.save_hf(folder)
+        roles.trainer.save_hf(folder)
         out.update(steps=len(seconds), train_seconds=sum(seconds[1:]), weights=folder)
     return out
 

@@ -53,7 +53,7 @@ def parse_batch(text: str) -> tuple[int, int]:
 def memory_loop(cfg, iterations: int) -> list[float]:
     """The same computation as the stages, with every table kept in memory."""
     from gpu_jobs.reward import score_batch
-    from gpu_jobs.stages import Engines, Run
+    from gpu_jobs.stages import Roles, Run
     from gpu_jobs.stages.advantage_math import batch_advantages
     from gpu_jobs.stages.run import sampling_seed
     from gpu_jobs.stages.samples import sample_table
@@ -61,7 +61,7 @@ def memory_loop(cfg, iterations: int) -> list[float]:
     import pyarrow as pa
 
     run = Run.open(cfg)
-    engines = Engines.load(run)
+    roles = Roles.load(run)
     kl_ctrl = cfg.algorithm.kl_ctrl.build()
     times = []
     for k in range(1, iterations + 1):
@@ -69,7 +69,7 @@ def memory_loop(cfg, iterations: int) -> list[float]:
         rows = run.sampler.indices(k - 1)
         prompts = [dict(run.train.iloc[i].to_dict(), row=int(i)) for i in rows]
         ids = [render_prompt(p["prompt"], run.tokenizer) for p in prompts]
-        out = engines.rollout.generate(ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
+        out = roles.rollout.generate(ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
         table = sample_table(out, prompts, k)
         texts = run.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
         scores, _, _ = score_batch([{"data_source": d, "solution_str": s, "ground_truth": g}
@@ -77,8 +77,8 @@ def memory_loop(cfg, iterations: int) -> list[float]:
                                                        table.column("ground_truth").to_pylist())], cfg.reward)
         table = table.append_column("score", pa.array(scores, pa.float32()))
         table, _ = batch_advantages(table, cfg, kl_ctrl)
-        engines.trainer.update(table)
-        engines.sync_rollout()
+        roles.trainer.update(table)
+        roles.sync_rollout()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -87,11 +87,11 @@ def stage_loop(cfg, iterations: int) -> list[float]:
     """The flow's iteration graph with the stages called directly (commits included, no Prefect)."""
     from gpu_jobs.stages import DirectCalls, open_warm, run_iteration
 
-    run, engines = open_warm(cfg)
+    run, roles = open_warm(cfg)
     times = []
     for k in range(1, iterations + 1):
         t0 = time.perf_counter()
-        run_iteration(DirectCalls(run, engines), cfg, k)
+        run_iteration(DirectCalls(run, roles), cfg, k)
         times.append(time.perf_counter() - t0)
     return times
 

@@ -4,7 +4,7 @@
     python -m benchmarks.bench_rollout --repeats 1 --prompts 16 --tokens 32   # quick look
 
 Workload per measurement: 64 prompts x 4 samples x 128 tokens, temperature 1, EOS ignored
-(`ignore_eos` in the engines, `min_new_tokens` for generate) so every backend generates the
+(`ignore_eos` in the roles, `min_new_tokens` for generate) so every backend generates the
 same number of tokens. Models: the built-in tiny model (~0.5M) and a random-init ~16M Qwen2
 over the same tokenizer. Each (model, backend) cell runs in its own subprocess (one vLLM engine
 per process; no state leaks between cells), does one small untimed warm-up call, then reports

@@ -124,24 +124,24 @@ def run_point(cfg, iterations: int) -> list[dict]:
             finally:
                 self.seconds[stage.name] = time.perf_counter() - t0
 
-    run, engines = open_warm(cfg)
-    calls = TimedCalls(run, engines)
+    run, roles = open_warm(cfg)
+    calls = TimedCalls(run, roles)
     out = []
     try:
         for k in range(1, iterations + 1):
             calls.seconds = {}
-            pids = list(getattr(engines.trainer, "pids", []))  # a rank group's ranks; [] in-process
+            pids = list(getattr(roles.trainer, "pids", []))  # a rank group's ranks; [] in-process
             sched0, t0 = rank_schedstat(pids), time.perf_counter()
             uris = run_iteration(calls, cfg, k)
             metrics = {**read_manifest(uris["commit"], run.storage).metrics,
                        "timing_s/commit": calls.seconds["commit"], "wall_s": time.perf_counter() - t0}
-            if pids and list(engines.trainer.pids) == pids:  # the same processes all along
+            if pids and list(roles.trainer.pids) == pids:  # the same processes all along
                 deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(sched0, rank_schedstat(pids))]
                 metrics["ranks/cpu_s"] = statistics.mean(d[0] for d in deltas)
                 metrics["ranks/runq_s"] = statistics.mean(d[1] for d in deltas)
             out.append(with_other(metrics))
     finally:
-        engines.close()
+        roles.close()
     return out
 
 

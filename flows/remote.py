@@ -24,7 +24,7 @@ from prefect import flow
 from prefect.deployments import run_deployment
 
 from gpu_jobs import stages
-from gpu_jobs.stages import STAGES, Engines, Run, StageSpec
+from gpu_jobs.stages import STAGES, Roles, Run, StageSpec
 from storage import committed
 
 REMOTE_POOLS = ("trainer", "rollout")  # the `where` of the stages placement=remote runs on a pool
@@ -47,17 +47,17 @@ def rl_stage(root: str, run_id: str, k: int, stage: str, inputs: list[str] | Non
     if uri := committed(run.layout.stage(k, spec.name), run.storage):  # a retried run: nothing to load
         return uri
     if spec.where == "trainer":
-        engines = Engines.load(run, rollout=False)
-        stages.restore(run, engines)  # trainer state of checkpoint k-1 (checkpoint_every is 1 in remote placement)
-        if spec is stages.logprobs and engines.version != k - 1:
+        roles = Roles.load(run, rollout=False)
+        stages.restore(run, roles)  # trainer state of checkpoint k-1 (checkpoint_every is 1 in remote placement)
+        if spec is stages.logprobs and roles.version != k - 1:
             # the batch's old log-probs are those of the weights update k starts from
             raise RuntimeError(f"log-probs of iteration {k} need the trainer after update {k - 1}, but storage "
-                               f"holds committed updates up to {engines.version}")
+                               f"holds committed updates up to {roles.version}")
     else:
-        engines = Engines.load(run, trainer=False)
+        roles = Roles.load(run, trainer=False)
         version = run.cfg.async_training.weights_version(k) if spec is stages.rollout else k
-        stages.load_policy_into_rollout(run, engines, version)
-    return spec(run, engines, k, *(inputs or []))
+        stages.load_policy_into_rollout(run, roles, version)
+    return spec(run, roles, k, *(inputs or []))
 
 
 def _attempt_key(run: Run, k: int, stage: StageSpec) -> str:

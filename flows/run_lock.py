@@ -1,7 +1,7 @@
 """One live process per run id.
 
 Two processes training the same run would race on every stage manifest; the create-only commits
-keep the data consistent, but the loser wastes a whole iteration and its warm engines diverge.
+keep the data consistent, but the loser wastes a whole iteration and its warm roles diverge.
 So the flow takes an exclusive OS lock keyed by (storage root, run id) before doing any work.
 
     with RunLock(root_url, run_id):

@@ -31,7 +31,7 @@ from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact
 from flows.remote import REMOTE_POOLS, run_remote
 from flows.run_lock import RunLock
 from gpu_jobs import stages
-from gpu_jobs.stages import Engines, Run, StageSpec, artifact_samples, last_committed, open_warm, run_iteration
+from gpu_jobs.stages import Roles, Run, StageSpec, artifact_samples, last_committed, open_warm, run_iteration
 from storage import committed, join, overwrite, read_manifest
 from tasks.stages import stage_task
 
@@ -43,14 +43,14 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distri
 
 class PrefectCalls:
     """How the flow runs a stage (see gpu_jobs.stages.graph): its Prefect task in this process with
-    the run's warm engines, or with placement=remote a deployment run for the stages whose
+    the run's warm roles, or with placement=remote a deployment run for the stages whose
     declaration says they run on a pool (`where="trainer"` on trainer.stage_deployment,
     `where="rollout"` on trainer.rollout_deployment; flows/remote.py), whose weights travel through
     checkpoints."""
 
-    def __init__(self, run: Run, engines: Engines | None):
+    def __init__(self, run: Run, roles: Roles | None):
         cfg = run.cfg
-        self.run, self.engines = run, engines
+        self.run, self.roles = run, roles
         self.remote = cfg.trainer.placement == "remote"
         self.task_options = {"retries": cfg.tasks.retries, "retry_delay_seconds": cfg.tasks.retry_delay_seconds,
                              "timeout_seconds": cfg.tasks.timeout_seconds}
@@ -64,14 +64,14 @@ class PrefectCalls:
         if self.remote and stage.where == "colocated":
             return 0.0  # seconds of hand-off: the next remote stage loads the weights the remote update published
         with _untagged_tasks():
-            return self._task(stage, k)(self.run, self.engines, k, *inputs)
+            return self._task(stage, k)(self.run, self.roles, k, *inputs)
 
     def start(self, stage: StageSpec, k: int, *inputs: Any):
         """Start a stage on Prefect's task runner (a thread here) and return its `.result`."""
         with _untagged_tasks():
             if self.remote and stage.where in REMOTE_POOLS:
                 return _remote_stage.submit(self.run, k, stage, list(inputs)).result
-            return self._task(stage, k).submit(self.run, self.engines, k, *inputs).result
+            return self._task(stage, k).submit(self.run, self.roles, k, *inputs).result
 
     def _task(self, stage: StageSpec, k: int):
         if stage not in self.tasks:
@@ -128,7 +128,7 @@ def iteration_flow_for(calls: PrefectCalls):
     with its stages as Prefect tasks; it returns the iteration's merged metrics.
 
     Built per run around `calls` because Prefect stores a flow run's parameters in its API: the
-    run's warm engines reach the stages through this closure, and the UI shows (run_id, k).
+    run's warm roles reach the stages through this closure, and the UI shows (run_id, k).
     """
     @flow(name="rl-iteration", log_prints=True)
     def rl_iteration(run_id: str, k: int) -> dict[str, Any]:
@@ -266,10 +266,10 @@ def _mark(exc: Exception, attribute: str, value: Any) -> None:
 def _train(cfg: RunConfig, logger) -> dict[str, Any]:
     t_setup = time.perf_counter()
     if cfg.trainer.placement == "colocated":
-        run, engines = open_warm(cfg)
+        run, roles = open_warm(cfg)
     else:  # remote: this process never loads a model
-        run, engines = Run.open(cfg), None
-    calls = PrefectCalls(run, engines)
+        run, roles = Run.open(cfg), None
+    calls = PrefectCalls(run, roles)
     guard = OutageGuard(cfg.tasks.api_outage_budget_seconds, logger, cfg.run_id)
     total = cfg.trainer.total_iterations
     done = last_committed(run.layout, "commit", total)
@@ -309,8 +309,8 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
         return {**summary, "curves": png_url, "root": cfg.root, "val_curve": val_curve}
     finally:
         tb.close()
-        if engines is not None:
-            engines.close()
+        if roles is not None:
+            roles.close()
 
 
 # ------------------------------------------------------------------ the Prefect API going away
@@ -392,7 +392,7 @@ class OutageGuard:
 
     Prefect 3.7 does not ride out an outage: the first task or subflow state it cannot report
     raises (httpx.ConnectError). Running the step again in this process is cheap and safe: the
-    engines stay warm, and every stage that committed before the outage returns its manifest
+    roles stay warm, and every stage that committed before the outage returns its manifest
     without computing anything (the stage contract). The subflow run the outage cut off is left
     Running by Prefect; it is marked Crashed once the API is back, so the UI tells the truth.
     """

@@ -1,5 +1,5 @@
 """A small name -> callable registry, the one every family of variants uses: advantage
-estimators, policy losses and KL estimators (``gpu_jobs.algos``), rollout engines, reward
+estimators, policy losses and KL estimators (``gpu_jobs.algos``), rollout roles, reward
 functions and dataset generators.
 
 Registering a name twice raises; asking for an unknown name raises and lists the valid names

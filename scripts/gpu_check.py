@@ -11,7 +11,7 @@ actor.zero_stage=3 (DeepSpeed over NCCL: gpu_jobs.train.ranks.dist picks nccl wh
   - the agreement probe (gpu_jobs/stages/agreement.py) compares vLLM's log-probs with the
     trainer's at run start and in every iteration, before its update commits, and fails the run
     past agreement.max_probs_diff_mean (1e-2 with bf16);
-  - after every update the weights reach vLLM in memory (Engines.sync_rollout -> the engine's
+  - after every update the weights reach vLLM in memory (Roles.sync_rollout -> the engine's
     update_weights), so iterations 2..N are sampled with synced weights, which the probe checks;
   - the trainer's checkpoint records the ZeRO stage it ran.
 Afterwards it reads each iteration's committed metrics back from the run's storage and prints a

@@ -1,8 +1,8 @@
 """Prefect tasks, one per stage: thin wrappers over gpu_jobs.stages, made from each stage's
 declaration (`stage_task(spec)`), so a new `@stage` has its task with no edit here.
 
-Each task takes the run, its warm engines and the iteration (plus the URIs of its committed
-inputs) and returns the URI of the manifest it committed. The run and engines are passed as
+Each task takes the run, its warm roles and the iteration (plus the URIs of its committed
+inputs) and returns the URI of the manifest it committed. The run and roles are passed as
 they are (plain objects, never serialized): colocated tasks run in the flow process. The cache
 key is (run uid, iteration, stage, input URIs, whether the stage is committed now) — never the
 flow run id, so a resumed flow run reuses what committed, and a stage `rlmill verify --repair`
@@ -30,7 +30,7 @@ from gpu_jobs.stages import StageSpec
 from gpu_jobs.stages.sections import TaskConfig
 from storage import committed
 
-_NOT_INPUTS = ("run", "engines", "k")
+_NOT_INPUTS = ("run", "roles", "k")
 
 
 def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:

@@ -93,8 +93,8 @@ def install(spec: str, marker: str) -> None:
     elif kind == "after-train":
         real_train = it.train_on
 
-        def train_on(run, engines, kk, table, **kw):
-            metrics = real_train(run, engines, kk, table, **kw)
+        def train_on(run, roles, kk, table, **kw):
+            metrics = real_train(run, roles, kk, table, **kw)
             if kk == k:
                 _hit(marker)
             return metrics
@@ -103,8 +103,8 @@ def install(spec: str, marker: str) -> None:
     else:  # after-checkpoint
         real_save = it.save_checkpoint
 
-        def save_checkpoint(run, engines, kk, metrics):
-            real_save(run, engines, kk, metrics)
+        def save_checkpoint(run, roles, kk, metrics):
+            real_save(run, roles, kk, metrics)
             if kk == k:
                 _hit(marker)
 
@@ -132,8 +132,8 @@ def _install_in_flight(k: int, marker: str) -> None:
                 time.sleep(0.1)
         return real_write(dest, table, *a, **kw)
 
-    def train_on(run, engines, kk, table, **kw):
-        metrics = real_train(run, engines, kk, table, **kw)
+    def train_on(run, roles, kk, table, **kw):
+        metrics = real_train(run, roles, kk, table, **kw)
         if kk == k:
             trained.set()
             generated.wait()

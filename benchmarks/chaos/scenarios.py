@@ -235,11 +235,11 @@ def _attempts_of(stage: str, k: int):
     spec = STAGES[stage]
     real, attempts = spec.shell, []
 
-    def wrapped(run, engines, kk, *a, **kw):
+    def wrapped(run, roles, kk, *a, **kw):
         if kk != k:
-            return real(run, engines, kk, *a, **kw)
+            return real(run, roles, kk, *a, **kw)
         try:
-            out = real(run, engines, kk, *a, **kw)
+            out = real(run, roles, kk, *a, **kw)
         except Exception as e:
             attempts.append(type(e).__name__)
             raise

@@ -1,4 +1,4 @@
-"""Rollout engines: one interface (`RolloutEngine`), backends "hf" and "vllm".
+"""Rollout roles: one interface (`RolloutEngine`), backends "hf" and "vllm".
 
 Importing this package is light; torch/transformers/vllm load when an engine is built.
 """

@@ -114,7 +114,7 @@ def get_rollout_engine(name: str, model_path, config: RolloutEngineConfig | None
     config = config or RolloutEngineConfig()
     check_parallelism(name, config)
     if config.data_parallel_size > 1:  # built one layer up: the replicas build their engines through here
-        raise ValueError(f"data_parallel_size={config.data_parallel_size} is several engines: build them with "
+        raise ValueError(f"data_parallel_size={config.data_parallel_size} is several roles: build them with "
                          "gpu_jobs.rollout.data_parallel.build_rollout_engine")
     return ROLLOUT_ENGINES[name](model_path, config, **kwargs)
 

@@ -1,14 +1,14 @@
-"""The stage layer: the run config, the frozen run, its warm engines, the stages of an iteration
+"""The stage layer: the run config, the frozen run, its warm roles, the stages of an iteration
 inside one commit shell, and the iteration graph written once (no Prefect here).
 
-    run, engines = open_warm(cfg)
-    uris = run_iteration(DirectCalls(run, engines), cfg, k=1)
+    run, roles = open_warm(cfg)
+    uris = run_iteration(DirectCalls(run, roles), cfg, k=1)
 
 Each stage is declared once (`@stage`: a `StageSpec`, listed in `STAGES`); tasks/ wraps each in a
 Prefect task and flows/ passes those to the same graph.
 """
 
-from gpu_jobs.stages.engines import Engines
+from gpu_jobs.stages.roles import Roles
 from gpu_jobs.stages.graph import DirectCalls, StageCalls, run_iteration
 from gpu_jobs.stages.iteration import (
     STAGES,
@@ -29,7 +29,7 @@ from gpu_jobs.stages.run import Run, RunConfigMismatchError, last_committed
 from gpu_jobs.stages.scoring import artifact_samples, held_out_scores
 from gpu_jobs.stages.shell import Output, StageSpec, read, stage
 
-__all__ = ["Run", "Engines", "RunConfigMismatchError", "last_committed", "open_warm", "restore", "replay_update",
+__all__ = ["Run", "Roles", "RunConfigMismatchError", "last_committed", "open_warm", "restore", "replay_update",
            "probe_agreement", "load_policy_into_rollout", "StageCalls", "DirectCalls", "run_iteration",
            "artifact_samples", "held_out_scores", "STAGES", "StageSpec", "stage", "Output", "read", "rollout", "baseline", "gate", "reward", "logprobs",
            "values", "advantages", "update", "weights_to_rollout", "commit", "validate"]

@@ -1,6 +1,6 @@
 """The iteration's stages in order, written once.
 
-    uris = run_iteration(DirectCalls(run, engines), run.cfg, k)     # tests, benchmarks: plain calls
+    uris = run_iteration(DirectCalls(run, roles), run.cfg, k)     # tests, benchmarks: plain calls
     uris = run_iteration(PrefectCalls(...), run.cfg, k)             # the flow: Prefect tasks / remote runs
 
 `run_iteration` says which stage runs after which and what each one reads; the `calls` argument
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from gpu_jobs.stages import iteration as st
-from gpu_jobs.stages.engines import Engines
+from gpu_jobs.stages.roles import Roles
 from gpu_jobs.stages.run import Run
 from gpu_jobs.stages.shell import StageSpec
 
@@ -34,11 +34,11 @@ class StageCalls(Protocol):
 class DirectCalls:
     """Stages as plain function calls in this process, one after another."""
 
-    def __init__(self, run: Run, engines: Engines):
-        self.run, self.engines = run, engines
+    def __init__(self, run: Run, roles: Roles):
+        self.run, self.roles = run, roles
 
     def __call__(self, stage: StageSpec, k: int, *inputs: Any) -> Any:
-        return stage(self.run, self.engines, k, *inputs)
+        return stage(self.run, self.roles, k, *inputs)
 
     def start(self, stage: StageSpec, k: int, *inputs: Any) -> Callable[[], Any]:
         result = self(stage, k, *inputs)

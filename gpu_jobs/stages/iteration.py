@@ -1,10 +1,10 @@
 """The stages of one RL iteration, each declared once with `@stage` (shell.py: its compute
 inside the commit shell, where it runs, when it is needed):
-`stage(run, engines, k, *input_uris) -> manifest URI`.
+`stage(run, roles, k, *input_uris) -> manifest URI`.
 
 A stage reads only committed inputs, computes, and returns its table and metrics; the shell
 returns an existing commit instead of recomputing and writes the manifest last. In-memory state
-(the warm engines) is only ever derived from committed data. The order they run in is written
+(the warm roles) is only ever derived from committed data. The order they run in is written
 once, in `graph.py`:
 
     rollout -> gate -> {reward model -> reward, logprobs, values} -> advantages -> update -> weight sync -> commit
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from gpu_jobs.stages.engines import Engines
+from gpu_jobs.stages.roles import Roles
 from gpu_jobs.stages.resume import recover_lost_trainer
 from gpu_jobs.stages.run import Run, sampling_seed
 from gpu_jobs.stages.updates import train_on
@@ -37,20 +37,20 @@ def _policy_ref(run: Run, version: int) -> str:
 
 # -------------------------------------------------------------------------------- rollout
 @stage("rollout", where="rollout")
-def rollout(run: Run, engines: Engines, k: int) -> Output:
+def rollout(run: Run, roles: Roles, k: int) -> Output:
     """Iteration k's samples, drawn with the weights the async schedule names for k (the
     previous update's in the synchronous loop); the manifest records that version."""
-    from gpu_jobs.rollout.agent_loop import AgentLoopEngine  # multi-turn: Engines.load_rollout wraps the engine
+    from gpu_jobs.rollout.agent_loop import AgentLoopEngine  # multi-turn: Roles.load_rollout wraps the engine
 
     cfg = run.cfg
     version = cfg.async_training.weights_version(k)
-    engines.put_rollout_at(run, version)
+    roles.put_rollout_at(run, version)
     t0 = time.perf_counter()
     if cfg.algorithm.filter_groups.enable:
-        table, metrics = _refilled_rollout(run, engines, k)
+        table, metrics = _refilled_rollout(run, roles, k)
     else:
         prompts, prompt_ids = run.batch_prompts(k)
-        out = engines.rollout.generate(prompt_ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
+        out = roles.rollout.generate(prompt_ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
         table, metrics = sample_table(out, prompts, k), {"timing_s/gen": time.perf_counter() - t0}
     lens = np.asarray(table.column("response_len").to_pylist(), dtype=np.float64)
     metrics.update({
@@ -60,12 +60,12 @@ def rollout(run: Run, engines: Engines, k: int) -> Output:
         "perf/gen_tokens_per_s": float(lens.sum() / max(metrics["timing_s/gen"], 1e-9)),
         "data/epoch": run.sampler.epoch(k - 1),
         "async/weights_version": version,
-        **(engines.rollout.last_metrics if isinstance(engines.rollout, AgentLoopEngine) else {}),
+        **(roles.rollout.last_metrics if isinstance(roles.rollout, AgentLoopEngine) else {}),
     })
     return Output(table, metrics, [_policy_ref(run, version)])
 
 
-def _refilled_rollout(run: Run, engines: Engines, k: int) -> tuple[pa.Table, dict]:
+def _refilled_rollout(run: Run, roles: Roles, k: int) -> tuple[pa.Table, dict]:
     """DAPO dynamic sampling: generate rounds of prompts until data.train_batch_size groups
     survive the filter (algorithm.filter_groups), each round a pure function of (seed, k, round)."""
     from gpu_jobs.reward import score_batch
@@ -77,7 +77,7 @@ def _refilled_rollout(run: Run, engines: Engines, k: int) -> tuple[pa.Table, dic
     def generate_round(r: int) -> pa.Table:
         plan = round_plan(run.sampler, k, r, base_seed)
         prompts, ids = run.prompts(run.train, plan.rows, cfg.data.max_prompt_length)
-        out = engines.rollout.generate(ids, cfg.rollout.n, cfg.rollout.sampling(plan.seed))
+        out = roles.rollout.generate(ids, cfg.rollout.n, cfg.rollout.sampling(plan.seed))
         return sample_table(out, prompts, k, tag=plan.tag)
 
     def score_round(table: pa.Table):
@@ -89,11 +89,11 @@ def _refilled_rollout(run: Run, engines: Engines, k: int) -> tuple[pa.Table, dic
 
 # -------------------------------------------------------------------------------- baseline (ReMax)
 @stage("baseline", timer="timing_s/baseline", needed=lambda cfg: cfg.algorithm.needs_reward_baselines)
-def baseline(run: Run, engines: Engines, k: int, rollout_uri: str) -> Output:
+def baseline(run: Run, roles: Roles, k: int, rollout_uri: str) -> Output:
     """ReMax's baseline: one greedy response per prompt of the batch, scored. Greedy decoding of
     the same weights is deterministic, so a retry is identical."""
     prompts, ids = run.batch_prompts(k)
-    table, metrics = greedy_evaluate(engines.rollout, run.tokenizer, prompts, ids, run.cfg.reward,
+    table, metrics = greedy_evaluate(roles.rollout, run.tokenizer, prompts, ids, run.cfg.reward,
                                      run.cfg.rollout.max_response_length, iteration=k)
     return Output(table.drop_columns(["response_text"]),
                   {"critic/baseline_score/mean": metrics["val/acc"]}, [rollout_uri])
@@ -101,7 +101,7 @@ def baseline(run: Run, engines: Engines, k: int, rollout_uri: str) -> Output:
 
 # -------------------------------------------------------------------------------- gate
 @stage("gate", timer="timing_s/gate")
-def gate(run: Run, engines: Engines, k: int, rollout_uri: str) -> Output:
+def gate(run: Run, roles: Roles, k: int, rollout_uri: str) -> Output:
     from gpu_jobs.data.gates import validate_rollout
 
     cfg = run.cfg
@@ -122,12 +122,12 @@ def needs_reward_model(cfg: Any) -> bool:
 
 
 @stage("reward_model", timer="timing_s/reward_model", needed=needs_reward_model)
-def reward_model(run: Run, engines: Engines, k: int, batch_uri: str) -> Output:
+def reward_model(run: Run, roles: Roles, k: int, batch_uri: str) -> Output:
     """Each response's reward-model score (`rm_score`, a logit). The prompt is decoded with the
     policy's tokenizer and passed with the response as a user turn and an assistant turn, which
     the reward model renders with its own chat template (verl's way when the two differ)."""
     table = read(run, batch_uri, ["uid", "prompt_ids", "response_ids"])
-    scorer = engines.load_reward_model(run)  # warm: loaded once per run
+    scorer = roles.load_reward_model(run)  # warm: loaded once per run
     prompts = run.tokenizer.batch_decode(table.column("prompt_ids").to_pylist(), skip_special_tokens=True)
     responses = run.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
     scores = np.asarray(scorer.score([[{"role": "user", "content": p}] for p in prompts], responses), np.float64)
@@ -139,7 +139,7 @@ def reward_model(run: Run, engines: Engines, k: int, batch_uri: str) -> Output:
 
 # -------------------------------------------------------------------------------- reward
 @stage("reward", timer="timing_s/reward")
-def reward(run: Run, engines: Engines, k: int, batch_uri: str, rm_uri: str | None = None) -> Output:
+def reward(run: Run, roles: Roles, k: int, batch_uri: str, rm_uri: str | None = None) -> Output:
     """The training score of each response: the rule reward, or with a reward model (rm_uri)
     reward_model.combined(rule score, rm score) (coef * rm, or rule + coef * rm), both kept as
     columns `rule_score` and `rm_score`."""
@@ -172,24 +172,24 @@ def needs_logprobs(cfg: Any) -> bool:
 
 
 @stage("logprobs", needed=needs_logprobs, where="trainer")
-def logprobs(run: Run, engines: Engines, k: int, batch_uri: str) -> Output:
+def logprobs(run: Run, roles: Roles, k: int, batch_uri: str) -> Output:
     """Old-policy (when recomputed) and reference log-probs."""
     table = read(run, batch_uri, ["uid", "prompt_ids", "response_ids"])
     cols: dict[str, Any] = {"uid": table.column("uid")}
     t0 = time.perf_counter()
     if run.cfg.actor.recompute_old_logprobs:
-        cols["old_logprobs"] = pa.array([x.tolist() for x in engines.trainer.compute_log_probs(table)], FLOAT_LIST)
+        cols["old_logprobs"] = pa.array([x.tolist() for x in roles.trainer.compute_log_probs(table)], FLOAT_LIST)
     t1 = time.perf_counter()
     if run.cfg.needs_ref:
-        cols["ref_logprobs"] = pa.array([x.tolist() for x in engines.ref.compute_log_probs(table)], FLOAT_LIST)
+        cols["ref_logprobs"] = pa.array([x.tolist() for x in roles.ref.compute_log_probs(table)], FLOAT_LIST)
     metrics = {"timing_s/old_log_prob": t1 - t0, "timing_s/ref": time.perf_counter() - t1}
     return Output(pa.table(cols), metrics, [batch_uri])
 
 
 @stage("values", timer="timing_s/values", needed=lambda cfg: cfg.critic is not None)
-def values(run: Run, engines: Engines, k: int, batch_uri: str) -> Output:
+def values(run: Run, roles: Roles, k: int, batch_uri: str) -> Output:
     table = read(run, batch_uri, ["uid", "prompt_ids", "response_ids"])
-    vals = engines.critic.compute_values(table)
+    vals = roles.critic.compute_values(table)
     out = pa.table({"uid": table.column("uid"), "values": pa.array([v.tolist() for v in vals], FLOAT_LIST)})
     return Output(out, {}, [batch_uri])
 
@@ -208,7 +208,7 @@ def kl_controller_for(run: Run, k: int):
 
 
 @stage("advantages", timer="timing_s/adv")
-def advantages(run: Run, engines: Engines, k: int, batch_uri: str, reward_uri: str,
+def advantages(run: Run, roles: Roles, k: int, batch_uri: str, reward_uri: str,
                logprobs_uri: str | None = None, values_uri: str | None = None,
                baseline_uri: str | None = None) -> Output:
     from gpu_jobs.stages.advantage_math import batch_advantages
@@ -227,7 +227,7 @@ def advantages(run: Run, engines: Engines, k: int, batch_uri: str, reward_uri: s
 
 
 # -------------------------------------------------------------------------------- update
-def _agreement(run: Run, engines: Engines, k: int, table: pa.Table) -> dict[str, float]:
+def _agreement(run: Run, roles: Roles, k: int, table: pa.Table) -> dict[str, float]:
     """The trainer's log-probs of (some of) the batch's sampled tokens against the rollout
     engine's, from a forward of its own; raises AgreementError past the configured limit,
     before anything trains."""
@@ -242,7 +242,7 @@ def _agreement(run: Run, engines: Engines, k: int, table: pa.Table) -> dict[str,
         trainer_lp = probe.column("old_logprobs").to_pylist()
     else:
         probe = table.take(pa.array(probe_rows(len(table), cfg.agreement.rows), pa.int64()))
-        trainer_lp = engines.trainer.compute_log_probs(probe)
+        trainer_lp = roles.trainer.compute_log_probs(probe)
     metrics = rows_agreement(probe.column("rollout_logprobs").to_pylist(), trainer_lp, response_masks(probe))
     _check_on_policy(run, k, metrics)
     metrics["timing_s/agreement"] = time.perf_counter() - t0
@@ -259,15 +259,15 @@ def _check_on_policy(run: Run, k: int, metrics: dict[str, float]) -> None:
         check_agreement(metrics, cfg.agreement.threshold(cfg.rollout, cfg.actor), f"the update of iteration {k}")
 
 
-def _probed_by_the_update(run: Run, engines: Engines, k: int, table: pa.Table) -> bool:
+def _probed_by_the_update(run: Run, roles: Roles, k: int, table: pa.Table) -> bool:
     """Whether the update's own first mini-batch is the agreement probe (agreement.in_update): the
     trainer can (one process, ZeRO stage 0, no dropout), trains in this update (not a critic
     warm-up) and no logprobs stage already re-scored the batch."""
     cfg = run.cfg
     recomputed = "old_logprobs" in table.column_names and cfg.actor.recompute_old_logprobs
-    warming_critic = engines.critic is not None and k <= cfg.critic.critic_warmup
+    warming_critic = roles.critic is not None and k <= cfg.critic.critic_warmup
     return (cfg.agreement.in_update and len(table) > 0 and not recomputed and not warming_critic
-            and engines.trainer.probes_in_update)
+            and roles.trainer.probes_in_update)
 
 
 def _update_probe(run: Run, k: int, found: dict[str, float]):
@@ -289,26 +289,26 @@ def _checkpoint_due(run: Run, k: int) -> bool:
     return k % loop.checkpoint_every == 0 or k == loop.total_iterations
 
 
-def save_checkpoint(run: Run, engines: Engines, k: int, metrics: dict) -> None:
+def save_checkpoint(run: Run, roles: Roles, k: int, metrics: dict) -> None:
     """policy/ (HF), trainer/ (exact-resume state), critic/, metrics.json, then LATEST last."""
     from storage import write_pointer
 
-    engines.trainer.save(run.layout.trainer(k))
-    engines.trainer.save_hf(run.layout.policy(k))
-    if engines.critic is not None:
-        engines.critic.save(join(run.layout.checkpoint(k), "critic"))
+    roles.trainer.save(run.layout.trainer(k))
+    roles.trainer.save_hf(run.layout.policy(k))
+    if roles.critic is not None:
+        roles.critic.save(join(run.layout.checkpoint(k), "critic"))
     write_pointer(join(run.layout.checkpoint(k), "update_metrics.json"), json.dumps(metrics), run.storage)
     run.layout.set_latest(k)
 
 
-def _metrics_of_applied_update(run: Run, engines: Engines, k: int) -> dict:
-    """The engines already hold update k: this is a retry after a failed checkpoint write
+def _metrics_of_applied_update(run: Run, roles: Roles, k: int) -> dict:
+    """The warm roles already hold update k: this is a retry after a failed checkpoint write
     (metrics kept in memory), or the process died after checkpoint k was published but before
     the update's manifest (metrics saved with the checkpoint). Training again would apply the
     update twice."""
     from storage import read_pointer
 
-    metrics = engines.update_metrics.get(k)
+    metrics = roles.update_metrics.get(k)
     if metrics is None:
         saved = read_pointer(join(run.layout.checkpoint(k), "update_metrics.json"), run.storage)
         if saved is None:
@@ -318,58 +318,58 @@ def _metrics_of_applied_update(run: Run, engines: Engines, k: int) -> dict:
 
 
 @stage("update", where="trainer")
-def update(run: Run, engines: Engines, k: int, adv_uri: str) -> Output:
-    recover_lost_trainer(run, engines)  # a rank group that died with updates in it: restore first
-    if engines.version >= k:
-        metrics = _metrics_of_applied_update(run, engines, k)
+def update(run: Run, roles: Roles, k: int, adv_uri: str) -> Output:
+    recover_lost_trainer(run, roles)  # a rank group that died with updates in it: restore first
+    if roles.version >= k:
+        metrics = _metrics_of_applied_update(run, roles, k)
     else:
-        if engines.version != k - 1:
-            raise RuntimeError(f"trainer holds update {engines.version}, cannot apply update {k}: restore first")
+        if roles.version != k - 1:
+            raise RuntimeError(f"trainer holds update {roles.version}, cannot apply update {k}: restore first")
         table = read(run, adv_uri)
-        if _probed_by_the_update(run, engines, k, table):  # no forward of its own: the update's first mini-batch
+        if _probed_by_the_update(run, roles, k, table):  # no forward of its own: the update's first mini-batch
             probe: dict[str, float] = {}
-            trained = train_on(run, engines, k, table, probe=_update_probe(run, k, probe))
+            trained = train_on(run, roles, k, table, probe=_update_probe(run, k, probe))
         else:
-            probe = _agreement(run, engines, k, table)
-            trained = train_on(run, engines, k, table)
+            probe = _agreement(run, roles, k, table)
+            trained = train_on(run, roles, k, table)
         staleness = float(k - 1 - run.cfg.async_training.weights_version(k))
         metrics = {**trained, **probe,
                    "async/staleness_mean": staleness, "async/staleness_max": staleness}
-        if engines.trainer.groups_started is not None:  # a warm rank group: started once per process, or a restart
-            metrics["perf/rank_group_starts"] = float(engines.trainer.groups_started)
-        engines.update_metrics[k] = metrics
+        if roles.trainer.groups_started is not None:  # a warm rank group: started once per process, or a restart
+            metrics["perf/rank_group_starts"] = float(roles.trainer.groups_started)
+        roles.update_metrics[k] = metrics
     if _checkpoint_due(run, k) and (run.layout.latest_checkpoint() or 0) < k:
         t0 = time.perf_counter()
-        save_checkpoint(run, engines, k, metrics)
+        save_checkpoint(run, roles, k, metrics)
         metrics = {**metrics, "timing_s/save_checkpoint": time.perf_counter() - t0}
     elif run.cfg.async_training.staleness_threshold > 0:
         # Stale rollouts sample with older weights than the trainer's: publish every version, so
         # a resumed run (or a rollout on another pool) loads exactly the weights the schedule names.
         t0 = time.perf_counter()
-        _publish_policy(run, engines, k)
+        _publish_policy(run, roles, k)
         metrics = {**metrics, "timing_s/publish_weights": time.perf_counter() - t0}
     return Output(pa.table({"iteration": [k]}), metrics, [adv_uri])
 
 
-def _publish_policy(run: Run, engines: Engines, k: int) -> None:
+def _publish_policy(run: Run, roles: Roles, k: int) -> None:
     from storage import INDEX_NAME
 
     if not exists(join(run.layout.policy(k), INDEX_NAME), run.storage):  # a retry after publishing
-        engines.trainer.save_hf(run.layout.policy(k))
+        roles.trainer.save_hf(run.layout.policy(k))
 
 
 @stage("weight-sync", where="colocated", commits=False)
-def weights_to_rollout(run: Run, engines: Engines, k: int) -> float:
+def weights_to_rollout(run: Run, roles: Roles, k: int) -> float:
     """Hand the trainer's full weights to the rollout engine in memory (nothing to commit: a
     retried or resumed run derives them from storage); returns seconds."""
     t0 = time.perf_counter()
-    engines.put_rollout_at(run, engines.version)
+    roles.put_rollout_at(run, roles.version)
     return time.perf_counter() - t0
 
 
 # -------------------------------------------------------------------------------- commit
 @stage("commit")
-def commit(run: Run, engines: Engines, k: int, stage_uris: dict[str, str | None], extra_metrics: dict) -> Output:
+def commit(run: Run, roles: Roles, k: int, stage_uris: dict[str, str | None], extra_metrics: dict) -> Output:
     """The iteration's own manifest: every stage's metrics merged, inputs = the stage manifests."""
     metrics: dict[str, Any] = {}
     for uri in stage_uris.values():
@@ -385,18 +385,18 @@ def commit(run: Run, engines: Engines, k: int, stage_uris: dict[str, str | None]
 
 # -------------------------------------------------------------------------------- validation
 @stage("validate", timer="timing_s/validate", where="rollout")
-def validate(run: Run, engines: Engines, k: int) -> Output:
+def validate(run: Run, roles: Roles, k: int) -> Output:
     """rollout.val_kwargs.n responses (greedy by default) to each held-out prompt with the weights
     after update k, scored by the rule reward: val/acc = mean score, and verl's val-core/val-aux
     metrics per data source (mean@N, best@N, maj@N with bootstrap std)."""
     cfg = run.cfg
-    engines.put_rollout_at(run, engines.version)
+    roles.put_rollout_at(run, roles.version)
     prompts, ids = run.prompts(run.val, list(range(len(run.val))), None)
     # Its own seed stream (not a training rollout's), fixed per k: a retried validation samples the same.
     seed = sampling_seed(cfg.data.seed + 1, k)
-    table, metrics = evaluate(engines.rollout, run.tokenizer, prompts, ids, cfg.reward, cfg.rollout.max_response_length,
+    table, metrics = evaluate(roles.rollout, run.tokenizer, prompts, ids, cfg.reward, cfg.rollout.max_response_length,
                               cfg.rollout.val_kwargs, seed=seed, iteration=k, tag="val")
-    metrics["val/weights_of_iteration"] = engines.version
+    metrics["val/weights_of_iteration"] = roles.version
     return Output(table, metrics, [committed(run.layout.stage(k, "update"), run.storage) or run.model_path])
 
 

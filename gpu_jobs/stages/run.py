@@ -5,7 +5,7 @@
 
 Opening a run is cheap and does every check of the user's input before anything of the run is
 written except the data gate's report: missing files, overlong prompts, a reused run id whose
-config differs. The warm engines that compute on it live in `engines.py`.
+config differs. The warm roles that compute on it live in `roles.py`.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ class LoopConfig(_Section):
     val_every: int = Field(10, ge=0, description="Validate every this many iterations (0 = only before and after).")
     checkpoint_every: int = Field(10, ge=1, description="Write policy weights + trainer state every this many iterations.")
     placement: Literal["colocated", "remote"] = Field(
-        "colocated", description="Where GPU stages run. 'colocated': in the flow process with warm engines. "
+        "colocated", description="Where GPU stages run. 'colocated': in the flow process with warm roles. "
         "'remote': rollout, update and validation run as runs of the stage deployment on its work pool, "
         "handing weights over through checkpoints in storage.")
     n_gpus_per_node: int = Field(

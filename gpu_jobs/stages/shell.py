@@ -1,12 +1,12 @@
 """Each stage declared once: `@stage` wraps a compute in the commit shell and registers it.
 
     @stage("reward", timer="timing_s/reward")
-    def reward(run, engines, k, batch_uri) -> Output:
+    def reward(run, roles, k, batch_uri) -> Output:
         table = read(run, batch_uri, ["uid", "response_ids"])
         ...
         return Output(out_table, metrics, inputs=[batch_uri])
 
-The result is a `StageSpec`, called like the compute (`reward(run, engines, k, batch_uri)`
+The result is a `StageSpec`, called like the compute (`reward(run, roles, k, batch_uri)`
 returns the manifest URI). Everything that runs a stage reads its spec and nothing else: the graph
 (`graph.run_iteration` calls the spec objects, so go-to-definition lands here), the Prefect tasks
 (`tasks.stages.stage_task`), remote placement (`where`: which pool, `flows/remote.py`), the
@@ -38,7 +38,7 @@ __all__ = ["Output", "StageSpec", "STAGES", "Where", "stage", "read"]
 # the flow keeps: remote placement refuses those configs). "trainer" / "rollout": in the flow's
 # process with placement=colocated; with placement=remote, a run of the trainer's or the rollout
 # pool's deployment that loads its model from storage. "colocated": an in-memory hand-off between
-# engines of one process that commits nothing; with placement=remote there is nothing to hand off.
+# the roles of one process that commits nothing; with placement=remote there is nothing to hand off.
 Where = Literal["flow", "trainer", "rollout", "colocated"]
 
 
@@ -76,20 +76,20 @@ class StageSpec:
         one it does not: a task run costs ~25 ms of API calls when it does nothing)."""
         return self.needed is None or bool(self.needed(cfg))
 
-    def __call__(self, run: Any, engines: Any, k: int, *input_uris: Any, **named_inputs: Any) -> Any:
-        return self.shell(run, engines, k, *input_uris, **named_inputs)
+    def __call__(self, run: Any, roles: Any, k: int, *input_uris: Any, **named_inputs: Any) -> Any:
+        return self.shell(run, roles, k, *input_uris, **named_inputs)
 
-    def shell(self, run: Any, engines: Any, k: int, *input_uris: Any, **named_inputs: Any) -> Any:
+    def shell(self, run: Any, roles: Any, k: int, *input_uris: Any, **named_inputs: Any) -> Any:
         """The compute inside the commit shell (what calling the stage does)."""
         if not self.commits:
-            return self.compute(run, engines, k, *input_uris, **named_inputs)
+            return self.compute(run, roles, k, *input_uris, **named_inputs)
         if not self.is_needed(run.cfg):
             return None
         dest = run.layout.stage(k, self.name)
         if uri := committed(dest, run.storage):
             return uri
         t0 = time.perf_counter()
-        out = self.compute(run, engines, k, *input_uris, **named_inputs)
+        out = self.compute(run, roles, k, *input_uris, **named_inputs)
         metrics = dict(out.metrics)
         if self.timer is not None:
             metrics.setdefault(self.timer, time.perf_counter() - t0)
@@ -101,7 +101,7 @@ STAGES: dict[str, StageSpec] = {}  # every declared stage by name, in declaratio
 
 def stage(name: str, *, timer: str | None = None, needed: Callable[[Any], bool] | None = None,
           where: Where = "flow", commits: bool = True) -> Callable[[Callable[..., Any]], StageSpec]:
-    """Declare `compute(run, engines, k, *input_uris) -> Output` as the stage `name`.
+    """Declare `compute(run, roles, k, *input_uris) -> Output` as the stage `name`.
 
     `timer`: the metric the compute's wall time is recorded under (unless it sets it itself);
     `needed(cfg)`: False makes the stage return None at once (an optional stage); `where`: see

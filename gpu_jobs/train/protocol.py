@@ -65,7 +65,7 @@ class LogProbModel(Protocol):
 
 @runtime_checkable
 class ActorTrainer(Trainer, LogProbModel, Protocol):
-    """The policy trainer the stages drive (``Engines.trainer``)."""
+    """The policy trainer the stages drive (``Roles.trainer``)."""
 
     probes_in_update: bool  # update(batch, probe=...) can score the agreement probe in its own forwards
     groups_started: int | None  # rank groups started so far; None in process (no group)
@@ -91,7 +91,7 @@ class ActorTrainer(Trainer, LogProbModel, Protocol):
 
 @runtime_checkable
 class CriticTrainer(Trainer, Protocol):
-    """The value model (``Engines.critic``)."""
+    """The value model (``Roles.critic``)."""
 
     def compute_values(self, batch: Any) -> list[Any]:
         """Per row, a float32 array of the value before each response token (no grad)."""

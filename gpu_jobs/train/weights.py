@@ -54,7 +54,7 @@ def state_dict_buckets(state: dict[str, Any], bucket_bytes: int = DEFAULT_BUCKET
 def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
     """Group parameters (name, bytes) into buckets of about ``bucket_bytes``. A bucket ends only
     between two modules of different layers (decoder layer ``...layers.<i>``, else the parent
-    module), so no layer is split across buckets (engines that reload layer by layer need that);
+    module), so no layer is split across buckets (roles that reload layer by layer need that);
     a bucket exceeds ``bucket_bytes`` by at most one layer. Deterministic: every rank plans the
     same buckets."""
     buckets: list[list[str]] = []

@@ -42,13 +42,13 @@ def _colocated_policy(root, run_id: str, tiny: list[str]) -> str:
     from tests.tiny import EXAMPLE
 
     cfg = load_run_config(EXAMPLE, [f"root={root}", f"run_id={run_id}", *tiny, *ASYNC, "trainer.total_iterations=2"])
-    run, engines = open_warm(cfg)
+    run, roles = open_warm(cfg)
     try:
         for k in (1, 2):
-            run_iteration(DirectCalls(run, engines), cfg, k)
+            run_iteration(DirectCalls(run, roles), cfg, k)
         return run.layout.policy(2)
     finally:
-        engines.close()
+        roles.close()
 
 
 def test_async_run_samples_on_the_rollout_pool_and_matches_colocated_bitwise(rollout_worker, api, tools, tmp_path):

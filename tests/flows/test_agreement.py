@@ -92,10 +92,10 @@ def _iterate(run, eng, k):
 
 
 def _open(cfg):
-    from gpu_jobs.stages import Engines, Run, restore
+    from gpu_jobs.stages import Roles, Run, restore
 
     run = Run.open(cfg)
-    eng = Engines.load(run)
+    eng = Roles.load(run)
     restore(run, eng)
     return run, eng
 

@@ -34,8 +34,8 @@ def test_async_needs_the_trainers_old_logprobs(tiny_config):
         tiny_config("async_training.staleness_threshold=1", "actor.recompute_old_logprobs=false")
 
 
-def _weights(engines):
-    return {k: v.clone() for k, v in engines.trainer.gathered_state_dict().items()}
+def _weights(roles):
+    return {k: v.clone() for k, v in roles.trainer.gathered_state_dict().items()}
 
 
 def test_one_step_off_rollouts_record_their_version_and_are_corrected(tiny_config):

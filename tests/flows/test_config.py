@@ -90,7 +90,7 @@ def test_a_logger_that_is_not_installed_is_refused_up_front():
 
 def test_several_nodes_take_their_rendezvous_from_the_config_or_the_environment(monkeypatch):
     from flows.config import load_run_config
-    from gpu_jobs.stages.engines import _rendezvous
+    from gpu_jobs.stages.roles import _rendezvous
 
     assert _rendezvous(load_run_config(None, []).trainer) == {"nnodes": 1}
     given = load_run_config(None, ["trainer.nnodes=2", "trainer.master_addr=10.0.0.5", "trainer.master_port=29400"])

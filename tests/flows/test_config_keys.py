@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpu_jobs import stages
-from gpu_jobs.stages import Engines, Run, restore
+from gpu_jobs.stages import Roles, Run, restore
 from storage import read_manifest
 
 pytestmark = pytest.mark.deepspeed
@@ -21,9 +21,9 @@ PPO = ("algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4", "actor.rec
 
 def _open(cfg):
     run = Run.open(cfg)
-    engines = Engines.load(run)
-    restore(run, engines)
-    return run, engines
+    roles = Roles.load(run)
+    restore(run, roles)
+    return run, roles
 
 
 def _batch(run, eng, k):

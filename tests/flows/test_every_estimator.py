@@ -86,14 +86,14 @@ def test_variant_trains_two_iterations(case, tmp_path):
     cfg = load_run_config(REPO / "examples" / EXAMPLE_OF[case],
                           tiny_overrides(str(tmp_path / "root"), "trainer.total_iterations=2",
                                          "trainer.checkpoint_every=2", "data.val_size=8", *overrides))
-    run, engines = open_warm(cfg)
-    start = {k: v.clone() for k, v in engines.trainer.gathered_state_dict().items()}
+    run, roles = open_warm(cfg)
+    start = {k: v.clone() for k, v in roles.trainer.gathered_state_dict().items()}
     per_iter = []
     for k in (1, 2):
-        uris = run_iteration(DirectCalls(run, engines), cfg, k)
+        uris = run_iteration(DirectCalls(run, roles), cfg, k)
         per_iter.append(read_manifest(uris["commit"], run.storage).metrics)
-    end = engines.trainer.gathered_state_dict()
-    engines.close()
+    end = roles.trainer.gathered_state_dict()
+    roles.close()
 
     moved = max(float((end[name] - start[name]).abs().max()) for name in start)
     assert moved > 0, f"{case}: two updates left every weight unchanged"

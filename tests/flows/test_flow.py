@@ -97,11 +97,11 @@ def test_a_stage_that_fails_once_is_retried_and_the_run_completes(prefect_api, t
 
     real, calls = stages.reward.compute, []
 
-    def flaky(run, engines, k, *inputs):
+    def flaky(run, roles, k, *inputs):
         calls.append(k)
         if len(calls) == 1:
             raise ConnectionError("injected: reward service unavailable")
-        return real(run, engines, k, *inputs)
+        return real(run, roles, k, *inputs)
 
     monkeypatch.setattr(stages.reward, "compute", flaky)
     summary = rl_training(config=str(example_path), overrides=tiny(str(tmp_path / "r"), "run_id=flaky"), iterations=1)
@@ -119,7 +119,7 @@ def _declare_toy_stage():
         return STAGES["response_lengths"]
 
     @stage("response_lengths", timer="timing_s/response_lengths")
-    def response_lengths(run, engines, k: int, batch_uri: str) -> Output:
+    def response_lengths(run, roles, k: int, batch_uri: str) -> Output:
         table = read(run, batch_uri, ["uid", "response_len"])
         lens = np.asarray(table.column("response_len").to_pylist(), np.float64)
         return Output(table, {"toy/response_len/mean": float(lens.mean())}, [batch_uri])
@@ -132,7 +132,7 @@ def test_a_stage_added_in_one_declaration_runs_as_a_task_of_the_flow(prefect_api
     """One decorated function plus one line in the graph: the flow runs it as a Prefect task of
     its own, and it commits like every stage (a second call returns the same manifest)."""
     import flows.training
-    from gpu_jobs.stages import DirectCalls, Engines, Run, run_iteration
+    from gpu_jobs.stages import DirectCalls, Roles, Run, run_iteration
     from storage import RunLayout, committed, read_manifest, read_table
 
     toy = _declare_toy_stage()
@@ -155,14 +155,14 @@ def test_a_stage_added_in_one_declaration_runs_as_a_task_of_the_flow(prefect_api
     names = _read(_task_runs_of("iter-0001"))
     assert any(n.startswith("response_lengths-") for n in names), names
     run = Run.from_storage(root, "toy-stage")
-    assert DirectCalls(run, Engines(run.model_path))(toy, 1, committed(layout.stage(1, "gate"))) == uri
+    assert DirectCalls(run, Roles(run.model_path))(toy, 1, committed(layout.stage(1, "gate"))) == uri
 
 
 def test_a_stage_name_is_declared_once():
     from gpu_jobs.stages import Output, stage
 
     with pytest.raises(ValueError, match="stage 'reward' is declared twice"):
-        stage("reward")(lambda run, engines, k: Output(None))
+        stage("reward")(lambda run, roles, k: Output(None))
 
 
 def test_a_remote_stage_asks_for_one_deployment_run_per_attempt(prefect_api):

@@ -34,14 +34,14 @@ def test_grpo_raises_held_out_accuracy(example_path, tmp_path):
         "data.train_batch_size=64", "rollout.n=8", "actor.lr=1.0e-4", "data.val_size=300",
         f"trainer.total_iterations={ITERATIONS}", f"trainer.checkpoint_every={ITERATIONS}",
         "trainer.tensorboard=false"])
-    run, engines = open_warm(cfg)
+    run, roles = open_warm(cfg)
 
     def acc(k: int) -> float:
-        return read_manifest(validate(run, engines, k), run.storage).metrics["val/acc"]
+        return read_manifest(validate(run, roles, k), run.storage).metrics["val/acc"]
 
     before = acc(0)
     assert 0.25 <= before <= 0.45, f"the built-in model starts outside its band: {before:.3f}"
-    calls = DirectCalls(run, engines)
+    calls = DirectCalls(run, roles)
     for k in range(1, ITERATIONS + 1):
         run_iteration(calls, cfg, k)
     after = acc(ITERATIONS)

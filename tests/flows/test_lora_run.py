@@ -22,8 +22,8 @@ LORA = ("model.lora_rank=8", "model.lora_alpha=16", "actor.lr=1e-3", "trainer.to
         "trainer.checkpoint_every=2", "actor.kl_loss.use_kl_loss=true")
 
 
-def _params(engines, trainable: bool) -> dict[str, torch.Tensor]:
-    module = engines.trainer.engine.module
+def _params(roles, trainable: bool) -> dict[str, torch.Tensor]:
+    module = roles.trainer.engine.module
     return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad == trainable}
 
 
@@ -41,22 +41,22 @@ def lora_run(tmp_path_factory):
 
     torch.set_num_threads(1)
     cfg = load_run_config(EXAMPLE, tiny_overrides(str(tmp_path_factory.mktemp("lora") / "root"), *LORA))
-    run, engines = open_warm(cfg)
-    start = {"frozen": _params(engines, False), "adapters": _params(engines, True)}
+    run, roles = open_warm(cfg)
+    start = {"frozen": _params(roles, False), "adapters": _params(roles, True)}
     uris, merged_at = [], {}
     for k in (1, 2, 3):
-        uris.append(run_iteration(DirectCalls(run, engines), cfg, k))
-        merged_at[k] = engines.trainer.gathered_state_dict()
-    return cfg, run, engines, start, uris, merged_at
+        uris.append(run_iteration(DirectCalls(run, roles), cfg, k))
+        merged_at[k] = roles.trainer.gathered_state_dict()
+    return cfg, run, roles, start, uris, merged_at
 
 
 def test_only_adapters_change_and_the_optimizer_holds_them(lora_run):
-    _, _, engines, start, _, _ = lora_run
-    _bitwise(_params(engines, False), start["frozen"])
-    after = _params(engines, True)
+    _, _, roles, start, _, _ = lora_run
+    _bitwise(_params(roles, False), start["frozen"])
+    after = _params(roles, True)
     assert after and all(".lora_" in n for n in after)
     assert all(not torch.equal(after[n], start["adapters"][n]) for n in after if ".lora_B." in n)
-    held = [p for g in engines.trainer.optimizer.param_groups for p in g["params"]]
+    held = [p for g in roles.trainer.optimizer.param_groups for p in g["params"]]
     assert sum(p.numel() for p in held) == sum(t.numel() for t in after.values())
     assert sum(t.numel() for t in after.values()) < sum(t.numel() for t in start["frozen"].values()) / 5
 
@@ -111,13 +111,13 @@ def test_checkpoint_policy_folder_is_the_adapter_and_a_base_pointer(lora_run):
 
 
 def test_resumed_run_ends_with_the_same_weights(lora_run):
-    cfg, _, engines, _, _, merged_at = lora_run
+    cfg, _, roles, _, _, merged_at = lora_run
     # A fresh process: checkpoint 2 (adapters + Adam moments) + replay of update 3; its start
     # probe re-checks agreement with the rollout engine synced from the restored trainer.
     _, resumed = open_warm(cfg)
     assert resumed.version == 3
-    _bitwise(_params(resumed, True), _params(engines, True))
-    _bitwise(_params(resumed, False), _params(engines, False))
+    _bitwise(_params(resumed, True), _params(roles, True))
+    _bitwise(_params(resumed, False), _params(roles, False))
     _bitwise(resumed.trainer.gathered_state_dict(), merged_at[3])
     resumed.close()
 
@@ -173,13 +173,13 @@ def test_a_run_from_a_promoted_adapter_chains_its_base(lora_run, tmp_path):
     version = promote_version(run.layout.policy(3), ModelLayout(str(tmp_path / "reg"), "arith"), "v1")
     cfg = load_run_config(EXAMPLE, tiny_overrides(str(tmp_path / "night2"), "model.lora_rank=4", "actor.lr=1e-3",
                                                   f"model.path={version}", "trainer.total_iterations=1"))
-    night2, engines = open_warm(cfg)  # its start probe: the merged promoted model in both engines
-    start = engines.trainer.gathered_state_dict()
+    night2, roles = open_warm(cfg)  # its start probe: the merged promoted model in both engines
+    start = roles.trainer.gathered_state_dict()
     for name, tensor in merged_at[3].items():
         torch.testing.assert_close(start[name], tensor, atol=1e-6, rtol=1e-6)
-    run_iteration(DirectCalls(night2, engines), cfg, 1)
+    run_iteration(DirectCalls(night2, roles), cfg, 1)
     assert read_index(night2.layout.policy(1)).extra["lora"]["path"] == version
-    loaded, now = read_state_dict(night2.layout.policy(1)), engines.trainer.gathered_state_dict()
+    loaded, now = read_state_dict(night2.layout.policy(1)), roles.trainer.gathered_state_dict()
     for name, tensor in now.items():
         torch.testing.assert_close(loaded[name], tensor, atol=1e-6, rtol=1e-6)
-    engines.close()
+    roles.close()

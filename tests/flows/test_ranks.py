@@ -14,8 +14,8 @@ from tests.train.update_gap import REORDER_REL, update_gap
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
 
-def _weights(engines):
-    return {k: v.clone() for k, v in engines.trainer.gathered_state_dict().items()}
+def _weights(roles):
+    return {k: v.clone() for k, v in roles.trainer.gathered_state_dict().items()}
 
 
 def test_two_rank_run_keeps_one_warm_group_and_resumes_bitwise(tiny_config, tmp_path):

@@ -27,13 +27,13 @@ def _iteration_remote(cfg, k: int) -> None:
     rl_stage.fn(cfg.root, cfg.run_id, k, "update", [adv])
 
 
-def _iteration_colocated(run, engines, k: int) -> None:
-    rollout = stages.rollout(run, engines, k)
-    batch = stages.gate(run, engines, k, rollout)
-    reward = stages.reward(run, engines, k, batch)
-    adv = stages.advantages(run, engines, k, batch, reward)
-    stages.update(run, engines, k, adv)
-    stages.weights_to_rollout(run, engines, k)
+def _iteration_colocated(run, roles, k: int) -> None:
+    rollout = stages.rollout(run, roles, k)
+    batch = stages.gate(run, roles, k, rollout)
+    reward = stages.reward(run, roles, k, batch)
+    adv = stages.advantages(run, roles, k, batch, reward)
+    stages.update(run, roles, k, adv)
+    stages.weights_to_rollout(run, roles, k)
 
 
 def test_remote_stages_match_the_colocated_run_bitwise(tiny_config, tmp_path):
@@ -42,9 +42,9 @@ def test_remote_stages_match_the_colocated_run_bitwise(tiny_config, tmp_path):
     local = tiny_config(*extra, root=str(tmp_path / "local"))
     for k in (1, 2):
         _iteration_remote(remote, k)
-    run, engines = open_warm(local)
+    run, roles = open_warm(local)
     for k in (1, 2):
-        _iteration_colocated(run, engines, k)
+        _iteration_colocated(run, roles, k)
     a = load_state_dict(str(tmp_path / "remote" / "runs" / remote.run_id / "checkpoints" / "2" / "policy"))
     b = load_state_dict(str(tmp_path / "local" / "runs" / local.run_id / "checkpoints" / "2" / "policy"))
     assert a.keys() == b.keys()
@@ -64,7 +64,7 @@ def test_remote_placement_requires_per_iteration_checkpoints(tiny_config):
 
 class _InProcessRemote:
     """The graph's calls as remote placement makes them, without Prefect: GPU stages through
-    `rl_stage.fn` (what a deployment run executes, from storage alone), the rest with no engines.
+    `rl_stage.fn` (what a deployment run executes, from storage alone), the rest with no roles.
     Records which deployment each GPU stage would have gone to."""
 
     def __init__(self, cfg):
@@ -102,9 +102,9 @@ def test_async_remote_stages_on_two_deployments_match_the_colocated_async_run_bi
     for k in (1, 2, 3):
         run_iteration(calls, remote, k)
     local = tiny_config(*ASYNC_REMOTE, root=str(tmp_path / "local"))
-    run, engines = open_warm(local)
+    run, roles = open_warm(local)
     for k in (1, 2, 3):
-        run_iteration(DirectCalls(run, engines), local, k)
+        run_iteration(DirectCalls(run, roles), local, k)
     a = load_state_dict(str(tmp_path / "remote" / "runs" / remote.run_id / "checkpoints" / "3" / "policy"))
     b = load_state_dict(str(tmp_path / "local" / "runs" / local.run_id / "checkpoints" / "3" / "policy"))
     assert a.keys() == b.keys()

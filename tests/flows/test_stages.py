@@ -11,19 +11,19 @@ import pytest
 import torch
 
 from gpu_jobs import stages
-from gpu_jobs.stages import DirectCalls, Engines, Run, RunConfigMismatchError, open_warm, run_iteration
+from gpu_jobs.stages import DirectCalls, Roles, Run, RunConfigMismatchError, open_warm, run_iteration
 from storage import committed, read_manifest, url_to_fs
 
 pytestmark = pytest.mark.deepspeed
 
 
-def iterate(run: Run, engines: Engines, k: int) -> dict[str, str | None]:
+def iterate(run: Run, roles: Roles, k: int) -> dict[str, str | None]:
     """The iteration graph the flow runs, with the stages called directly."""
-    return run_iteration(DirectCalls(run, engines), run.cfg, k)
+    return run_iteration(DirectCalls(run, roles), run.cfg, k)
 
 
-def weights(engines: Engines) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in engines.trainer.gathered_state_dict().items()}
+def weights(roles: Roles) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in roles.trainer.gathered_state_dict().items()}
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:

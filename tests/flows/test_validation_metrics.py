@@ -11,10 +11,10 @@ torch.set_num_threads(1)
 
 def _rollout_only(cfg):
     """The run and a rollout-only engine set (validation needs no trainer)."""
-    from gpu_jobs.stages import Engines, Run
+    from gpu_jobs.stages import Roles, Run
 
     run = Run.open(cfg)
-    return run, Engines.load(run, trainer=False)
+    return run, Roles.load(run, trainer=False)
 
 
 @pytest.mark.slow

@@ -241,11 +241,11 @@ def test_the_gsm8k_command_line_trains(gsm_files, tmp_path):
     torch.set_num_threads(1)
     train, test = gsm_files
     cfg = load_run_config(None, [f"root={tmp_path / 'root'}", *verl_gsm8k(train, test), *CPU_SCALE])
-    run, engines = open_warm(cfg)
+    run, roles = open_warm(cfg)
     try:
-        uris = run_iteration(DirectCalls(run, engines), cfg, 1)
+        uris = run_iteration(DirectCalls(run, roles), cfg, 1)
     finally:
-        engines.close()
+        roles.close()
     metrics = read_manifest(uris["commit"], run.storage).metrics
     numbers = {k: v for k, v in metrics.items() if isinstance(v, float)}
     assert all(math.isfinite(v) for v in numbers.values()), numbers

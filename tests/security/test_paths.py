@@ -179,11 +179,11 @@ def test_stage_commit_helpers_refuse_escaping_stage_names(stage, tmp_path):
     layout = RunLayout(str(tmp_path / "root"), "r")
     # The commit shell reads only run.layout, run.storage and run.cfg.
     run = SimpleNamespace(layout=layout, storage=None, cfg=None)
-    compute = StageSpec(stage, lambda run, engines, k: Output(pa.table({"x": [1]})))
+    compute = StageSpec(stage, lambda run, roles, k: Output(pa.table({"x": [1]})))
     with pytest.raises(InvalidNameError):
         compute(run, None, 1)
     with pytest.raises(InvalidNameError):
         last_committed(layout, stage)
     with pytest.raises(InvalidNameError):
-        StageSpec("rollout", lambda run, engines, k: Output(pa.table({"x": [1]})))(run, None, -1)
+        StageSpec("rollout", lambda run, roles, k: Output(pa.table({"x": [1]})))(run, None, -1)
     assert not (tmp_path / "root").exists()

@@ -1,8 +1,8 @@
-"""The warm engines of a run: trainer, reference model, critic and rollout engine, kept loaded
+"""The warm roles of a run (verl's word): trainer, reference model, critic and rollout engine, kept loaded
 across iterations, and the weights version they hold.
 
-    engines = Engines.load(run)                  # builds the DeepSpeed trainer and the rollout engine
-    engines = Engines.load(run, trainer=False)   # a rollout-only process (remote placement)
+    roles = Roles.load(run)                  # builds the DeepSpeed trainer and the rollout engine
+    roles = Roles.load(run, trainer=False)   # a rollout-only process (remote placement)
 
 Loading a model for every stage is the cost that sinks orchestrated RL, so the flow builds these
 once and passes them to every stage; a stage in another process builds its own from storage.
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from gpu_jobs.train.protocol import ActorTrainer, CriticTrainer, LogProbModel
 
 
-class Engines:
-    """Warm engines for (model, weights version): `version` is the iteration whose update the
+class Roles:
+    """The warm roles for (model, weights version): `version` is the iteration whose update the
     weights include (0 = the start model). A plain class so Prefect passes it through as is."""
 
     def __init__(self, model_path: str):
@@ -39,16 +39,16 @@ class Engines:
         self.update_metrics: dict[int, dict] = {}
 
     def __repr__(self) -> str:
-        return f"Engines({self.model_path!r}: trainer at update {self.version}, rollout at {self.rollout_version})"
+        return f"Roles({self.model_path!r}: trainer at update {self.version}, rollout at {self.rollout_version})"
 
     @classmethod
-    def load(cls, run: Run, *, trainer: bool = True, rollout: bool = True) -> "Engines":
-        engines = cls(run.model_path)
+    def load(cls, run: Run, *, trainer: bool = True, rollout: bool = True) -> "Roles":
+        roles = cls(run.model_path)
         if rollout:
-            engines.load_rollout(run)
+            roles.load_rollout(run)
         if trainer:
-            engines.load_trainers(run)
-        return engines
+            roles.load_trainers(run)
+        return roles
 
     def load_rollout(self, run: Run) -> None:
         from gpu_jobs.rollout.data_parallel import build_rollout_engine

@@ -141,7 +141,7 @@ def trl_vllm_setup() -> None:
     from trl.generation.vllm_generation import VLLMGeneration
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from gpu_jobs.models.tiny import default_cache_dir
+    from gpu_jobs.models.build import default_cache_dir
 
     # rlmill's vLLM cache folder: both sides start vLLM warm (a cold one re-imports vLLM's model registry).
     os.environ.setdefault("VLLM_CACHE_ROOT", str(default_cache_dir().parent / "vllm"))

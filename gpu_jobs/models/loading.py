@@ -241,7 +241,7 @@ def ensure_smollm2(cache_dir=None) -> str:
     Dequantising the GGUF takes ~30 s; the converted fp32 folder reloads in ~1 s. Built in a
     temporary sibling and renamed into place, like the built-in model.
     """
-    from gpu_jobs.models.tiny import build_once, default_cache_dir
+    from gpu_jobs.models.build import build_once, default_cache_dir
 
     gguf = smollm2_gguf()  # raises a clear error first if the package is missing
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()

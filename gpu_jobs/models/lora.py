@@ -208,7 +208,7 @@ def merge_adapter_folder(folder: str, base: str) -> str:
     from_pretrained / vLLM; built once per adapter content under <cache>/merged-<hash>, the
     cache pruned to the MERGED_KEEP most recently used.
     (gpu_jobs.models.loading resolves `base` from the folder's pointer first.)"""
-    from gpu_jobs.models.tiny import build_once, default_cache_dir
+    from gpu_jobs.models.build import build_once, default_cache_dir
 
     final = Path(default_cache_dir()) / f"merged-{_folder_key(folder, base)}"
     path = build_once(final, lambda tmp: _merge_into(base, folder, tmp))

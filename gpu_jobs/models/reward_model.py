@@ -29,8 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpu_jobs.models.tiny import (build_once, default_cache_dir, ensure_builtin_model, probe_problems, recipe_digest,
-                                  training_stream)
+from gpu_jobs.models.build import build_once, default_cache_dir, one_thread_seeded, recipe_digest, supervised_steps
+from gpu_jobs.models.tiny import ensure_builtin_model, probe_problems, training_stream
 from gpu_jobs.models.tokenizer import build_tokenizer
 
 __all__ = ["RewardModelRecipe", "ensure_arith_reward_model", "resolve_reward_model_path", "labelled_answers",
@@ -175,35 +175,25 @@ def train_reward_model(model, tok, train: list[tuple[str, float]], probe: list[t
     recipe.target_auc; returns the (step, AUC) checks. One thread, forked RNG."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    order = random.Random(recipe.seed)
+    # Balanced batches: the policy is right ~30% of the time, and cross-entropy on the raw mix
+    # first learns only that prior.
+    pos, neg = [x for x in train if x[1] > 0.5], [x for x in train if x[1] <= 0.5]
+    half = recipe.batch_size // 2
+
+    def next_loss():
+        batch = order.sample(pos, half) + order.sample(neg, recipe.batch_size - half)
+        target = torch.tensor([y for _, y in batch])
+        return torch.nn.functional.binary_cross_entropy_with_logits(_logits(model, tok, [t for t, _ in batch]), target)
+
     checks: list[tuple[int, float]] = []
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(recipe.seed)
-            opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
-            order = random.Random(recipe.seed)
-            # Balanced batches: the policy is right ~30% of the time, and cross-entropy on the
-            # raw mix first learns only that prior.
-            pos, neg = [x for x in train if x[1] > 0.5], [x for x in train if x[1] <= 0.5]
-            half = recipe.batch_size // 2
-            model.train()
-            for step in range(1, recipe.max_steps + 1):
-                batch = order.sample(pos, half) + order.sample(neg, recipe.batch_size - half)
-                target = torch.tensor([y for _, y in batch])
-                logits = _logits(model, tok, [t for t, _ in batch])
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                if step % recipe.check_every == 0:
-                    checks.append((step, rm_auc(model, tok, probe)))
-                    if checks[-1][1] >= recipe.target_auc:
-                        model.eval()
-                        return checks
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread_seeded(recipe.seed):
+        for step, _ in supervised_steps(model, next_loss, lr=recipe.lr, weight_decay=0.0, max_steps=recipe.max_steps):
+            if step % recipe.check_every == 0:
+                checks.append((step, rm_auc(model, tok, probe)))
+                if checks[-1][1] >= recipe.target_auc:
+                    model.eval()
+                    return checks
     raise RewardModelNotReachedError(
         f"built-in reward model: probe AUC never reached {recipe.target_auc} in "
         f"{recipe.max_steps} steps (last checks {checks[-5:]}); report it with these checks")

@@ -32,17 +32,16 @@ alone, in a direction that is known to lead somewhere.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
+from gpu_jobs.models.build import (build_once, default_cache_dir, one_thread_seeded, recipe_digest,
+                                   supervised_steps)
 from gpu_jobs.models.tokenizer import build_tokenizer, char_vocab
 
 # Bump when the recipe changes in a way the fields below do not capture: it is part of the
@@ -93,12 +92,6 @@ class WarmupRecipe:
 
     def digest(self) -> str:
         return recipe_digest(self)
-
-
-def recipe_digest(recipe) -> str:
-    """12 hex digits naming a built model's recipe (a dataclass): the cache folder's suffix, so a
-    changed field builds anew. The three built-in models' recipes all name themselves this way."""
-    return hashlib.sha256(json.dumps(asdict(recipe), sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -226,20 +219,12 @@ def warmup(model, tok, recipe: WarmupRecipe) -> WarmupResult:
     recipe (thread count changes float reduction order). Across machines the step counts move;
     the probe accuracies do not, since they are what every decision is taken on.
     """
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(recipe.seed)
-            probe = probe_problems(recipe.probe_size, seed=20_000 + recipe.seed)
-            result, start = _train_to_anchor(model, tok, recipe, probe)
-            _interpolate_to_target(model, tok, recipe, probe, start, result)
-            model.eval()
-            return result
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread_seeded(recipe.seed):
+        probe = probe_problems(recipe.probe_size, seed=20_000 + recipe.seed)
+        result, start = _train_to_anchor(model, tok, recipe, probe)
+        _interpolate_to_target(model, tok, recipe, probe, start, result)
+        model.eval()
+        return result
 
 
 def _snapshot(model) -> dict:
@@ -249,27 +234,18 @@ def _snapshot(model) -> dict:
 def _train_to_anchor(model, tok, recipe: WarmupRecipe, probe) -> tuple[WarmupResult, dict]:
     """Supervised training until the mean probe accuracy of `window` checks >= anchor_acc;
     returns the result and the start weights (kept at the first check >= start_acc)."""
-    import torch
-
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / recipe.warmup_steps)
-    )
     # The training stream never shows a probe problem, so the probe measures held-out accuracy.
     stream = training_stream(10_000 + recipe.seed, exclude={p for p, _ in probe})
+
+    def next_loss():
+        ids, mask, labels, positions = _encode_batch(tok, [next(stream) for _ in range(recipe.batch_size)])
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels).loss
+
     result, start = WarmupResult(), None
     next_check = recipe.coarse_every
-    model.train()
-    for step in range(1, recipe.max_steps + 1):
-        batch = [next(stream) for _ in range(recipe.batch_size)]
-        ids, mask, labels, positions = _encode_batch(tok, batch)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        result.losses.append(float(out.loss.detach()))
+    for step, loss in supervised_steps(model, next_loss, lr=recipe.lr, weight_decay=recipe.weight_decay,
+                                       max_steps=recipe.max_steps, warmup_steps=recipe.warmup_steps):
+        result.losses.append(loss)
         if step != next_check:
             continue
         acc = greedy_exact_match(model, tok, probe)  # leaves the model in train mode
@@ -355,12 +331,6 @@ def greedy_exact_match(model, tok, problems, batch_size: int = 256) -> float:
     return hits / len(problems)
 
 
-def default_cache_dir() -> Path:
-    """~/.cache/rlmill/models, or $RLMILL_CACHE_DIR/models."""
-    root = os.environ.get("RLMILL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "rlmill")
-    return Path(root) / "models"
-
-
 def ensure_builtin_model(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> str:
     """Path of the warmed-up built-in model's HF folder, building it on first use (1500-3200
     training steps, 2-5 min of one core; the step counts depend on the CPU and the seed, the
@@ -373,43 +343,6 @@ def ensure_builtin_model(cache_dir: str | os.PathLike | None = None, seed: int =
     recipe = WarmupRecipe(seed=seed)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return build_once(root / f"builtin-{recipe.digest()}", lambda tmp: _build_into(tmp, recipe))
-
-
-def build_once(final: Path, build: Callable[[Path], None]) -> str:
-    """The cached model folder `final`, built by `build(tmp)` into a temp sibling and renamed
-    into place the first time: a crash never leaves a half-written model. Builders of the same
-    folder take turns on `<final>.lock` (flock: released by the kernel when a builder dies), so a
-    second process (another test worker, a second `rlmill train`) waits for the first build
-    instead of repeating it. The first build says on stderr what it builds: it can take minutes."""
-    import fcntl
-    import sys
-
-    if (final / "config.json").exists():
-        return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = final.parent / f".{final.name}.lock"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (final / "config.json").exists():  # built while this process waited
-                return str(final)
-            print(f"rlmill: building {final.name} into {final.parent} (first use on this machine; "
-                  "cached for every later run)", file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-            try:
-                build(tmp)
-                try:
-                    os.rename(tmp, final)
-                except OSError:  # a builder that took a lock file removed meanwhile finished first
-                    if not (final / "config.json").exists():
-                        raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            print(f"rlmill: built {final.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        finally:
-            lock_path.unlink(missing_ok=True)  # the cache holds models only; a waiter re-checks above
-    return str(final)
 
 
 def _build_into(folder: Path, recipe: WarmupRecipe) -> None:

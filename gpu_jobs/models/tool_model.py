@@ -27,7 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpu_jobs.models.tiny import build_once, default_cache_dir, ensure_builtin_model, recipe_digest
+from gpu_jobs.models.build import build_once, default_cache_dir, one_thread_seeded, recipe_digest, supervised_steps
+from gpu_jobs.models.tiny import ensure_builtin_model
 from gpu_jobs.data.tool_calls import calculator, get_tool_format
 
 __all__ = ["ToolRecipe", "ensure_tool_model", "tool_exact_match", "tool_problems", "ToolWarmupNotReachedError"]
@@ -148,36 +149,26 @@ def tool_exact_match(model, tok, problems, use_tools: bool = True) -> float:
 def warmup_tools(model, tok, recipe: ToolRecipe) -> dict:
     """Train `model` in place until the probe accuracy with tools reaches target_acc; returns
     what it did (steps, checks). One thread under a forked RNG, as the built-in warm-up."""
-    import torch
+    with one_thread_seeded(recipe.seed):
+        probe = tool_problems(recipe.probe_size, seed=30_000 + recipe.seed)
+        stream = random.Random(40_000 + recipe.seed)
+        exclude = frozenset(p for p, _ in probe)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(recipe.seed)
-            probe = tool_problems(recipe.probe_size, seed=30_000 + recipe.seed)
-            stream = random.Random(40_000 + recipe.seed)
-            exclude = {p for p, _ in probe}
-            opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01)
-            checks = []
-            model.train()
-            for step in range(1, recipe.max_steps + 1):
-                batch = tool_problems(recipe.batch_size, stream.randrange(1 << 30), frozenset(exclude))
-                ids, mask, labels, positions = _batch(tok, batch)
-                loss = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels).loss
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                if step % recipe.check_every:
-                    continue
-                checks.append((step, tool_exact_match(model, tok, probe), float(loss.detach())))
-                log.info("tool warm-up step %d: probe exact match with the calculator %.3f, loss %.3f", *checks[-1])
-                if checks[-1][1] >= recipe.target_acc:
-                    model.eval()
-                    return {"steps": step, "probe_acc": checks[-1][1], "checks": checks}
-    finally:
-        torch.set_num_threads(threads)
+        def next_loss():
+            batch = tool_problems(recipe.batch_size, stream.randrange(1 << 30), exclude)
+            ids, mask, labels, positions = _batch(tok, batch)
+            return model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels).loss
+
+        checks = []
+        for step, loss in supervised_steps(model, next_loss, lr=recipe.lr, weight_decay=0.01,
+                                           max_steps=recipe.max_steps):
+            if step % recipe.check_every:
+                continue
+            checks.append((step, tool_exact_match(model, tok, probe), loss))
+            log.info("tool warm-up step %d: probe exact match with the calculator %.3f, loss %.3f", *checks[-1])
+            if checks[-1][1] >= recipe.target_acc:
+                model.eval()
+                return {"steps": step, "probe_acc": checks[-1][1], "checks": checks}
     raise ToolWarmupNotReachedError(f"tool warm-up: probe exact match with the calculator never reached "
                                     f"{recipe.target_acc} in {recipe.max_steps} steps (last checks {checks[-5:]})")
 

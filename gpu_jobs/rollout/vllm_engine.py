@@ -33,7 +33,7 @@ def _set_vllm_env() -> None:
     subprocess that imports vLLM's model registry (~5 s idle, over a minute on busy cores)
     on every engine start.
     """
-    from gpu_jobs.models.tiny import default_cache_dir
+    from gpu_jobs.models.build import default_cache_dir
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(default_cache_dir().parent / "vllm"))

@@ -58,14 +58,6 @@ def prefect_server(local_prefect):
     return local_prefect.api
 
 
-def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """A command from the repository root; raises with its output when it fails."""
-    res = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
-    return res
-
-
 @pytest.fixture(scope="session")
 def deployed(prefect_server, local_prefect) -> dict[str, str]:
     """`scripts/prefect_local.sh deploy`: the pool and both deployments exist."""
@@ -230,5 +222,5 @@ def tools(local_prefect):
     from types import SimpleNamespace
 
     return SimpleNamespace(repo=REPO, script=SCRIPT, venv_bin=VENV_BIN, pool=POOL, tiny=list(TINY),
-                           env=local_prefect.env, prefect=local_prefect, run_cli=run_cli,
+                           env=local_prefect.env, prefect=local_prefect, cli=local_prefect.cli,
                            trigger=local_prefect.trigger, wait_final=wait_final, logs_after_exit=logs_after_exit)

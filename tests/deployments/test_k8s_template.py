@@ -115,18 +115,16 @@ def test_unset_optional_variables_leave_no_placeholder(template):
 
 
 @pytest.mark.slow
-def test_work_pool_create_takes_it(prefect_server, prefect_env):
+def test_work_pool_create_takes_it(prefect_server, local_prefect):
     """The README's command against a real Prefect server, which validates the template's
     defaults on its side too; then the pool holds the template unchanged."""
-    from tests.deployments.conftest import run_cli
-
     prefect = str(REPO / ".venv" / "bin" / "prefect")
-    run_cli([prefect, "work-pool", "create", "gpu-k8s-check", "--type", "kubernetes",
-             "--base-job-template", str(TEMPLATE)], prefect_env)
+    local_prefect.cli([prefect, "work-pool", "create", "gpu-k8s-check", "--type", "kubernetes",
+                       "--base-job-template", str(TEMPLATE)])
     try:
-        out = run_cli([prefect, "work-pool", "inspect", "gpu-k8s-check", "--output", "json"], prefect_env).stdout
+        out = local_prefect.cli([prefect, "work-pool", "inspect", "gpu-k8s-check", "--output", "json"])
         pool = json.loads(out[out.index("{"):])
         assert pool["type"] == "kubernetes"
         assert pool["base_job_template"] == json.loads(TEMPLATE.read_text())
     finally:
-        run_cli([prefect, "work-pool", "delete", "gpu-k8s-check"], prefect_env)
+        local_prefect.cli([prefect, "work-pool", "delete", "gpu-k8s-check"])

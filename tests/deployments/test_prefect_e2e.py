@@ -127,11 +127,10 @@ def _write_arith(url: Path, n: int, seed: int) -> None:
 
 
 def _nightly_cli(tools, args: list[str]) -> dict:
-    res = tools.run_cli([str(tools.venv_bin / "python"), "-m", "flows.nightly", *args], tools.env,
-                        timeout=RUN_TIMEOUT_S)
-    m = re.search(r"^\{$", res.stdout, flags=re.M)  # main() prints the result as indented JSON, last
-    assert m, res.stdout[-3000:]
-    return json.JSONDecoder().raw_decode(res.stdout[m.start():])[0]
+    out = tools.cli([str(tools.venv_bin / "python"), "-m", "flows.nightly", *args], timeout=RUN_TIMEOUT_S)
+    m = re.search(r"^\{$", out, flags=re.M)  # main() prints the result as indented JSON, last
+    assert m, out[-3000:]
+    return json.JSONDecoder().raw_decode(out[m.start():])[0]
 
 
 def test_nightly_promotes_refuses_and_skips(prefect_worker, api, tools, tmp_path):

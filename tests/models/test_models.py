@@ -229,7 +229,7 @@ def test_concurrent_builders_take_turns_and_the_second_builds_nothing(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
-        from gpu_jobs.models.tiny import build_once
+        from gpu_jobs.models.build import build_once
 
         asking = Path({str(tmp_path)!r}) / f"asking-{{sys.argv[1]}}"
 

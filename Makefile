@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
+.PHONY: venv help run test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-memory bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -25,6 +25,7 @@ help:
 	@echo 'make chaos         inject faults into real runs and print the recovery table'
 	@echo 'make bench-storage|bench-rollout|bench-update|bench-overhead|bench-e2e|bench-scale|bench-async   benchmarks'
 	@echo '                   (make bench-async ARGS="--disaggregated --per-sample": two work pools, learning per sample)'
+	@echo 'make bench-memory  resident memory before/peak/after each policy update (ARGS="--model smollm2 --prompts 8 --tokens 128")'
 	@echo 'make venv          only set up .venv (every target above does it first)'
 	@echo 'make clean         remove ./.rlmill (local runs) and pytest caches'
 
@@ -62,6 +63,9 @@ bench-rollout: venv
 
 bench-update: venv
 	$(PY) -m benchmarks.bench_update
+
+bench-memory: venv
+	$(PY) -m benchmarks.bench_memory $(ARGS)
 
 bench-overhead: venv
 	$(PY) -m benchmarks.bench_overhead

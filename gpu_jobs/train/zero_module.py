@@ -19,6 +19,7 @@ from .batch import Rows, collate, plan_microbatches
 from .checkpoint import Resumable
 from .config import _UpdateConfig
 from .loop import MetricSums, PhaseTimer, adamw, optimizer_steps
+from .memory import trim_heap
 from .ranks import dist
 
 __all__ = ["ZeroModule"]
@@ -164,6 +165,7 @@ class ZeroModule(Resumable):
             self._train_minibatch(rows, mini, loss_of, agg_mode, timer, sums, before_step)
 
         lr = optimizer_steps(self.config, self.optimizer, self.step, rows, self._shuffle, train_minibatch)
+        trim_heap()  # the activations' pages: else they stay resident until the next update (memory.py)
         self.step += 1
         self.samples_seen += len(rows)
         seconds = time.perf_counter() - t0
@@ -298,6 +300,7 @@ class ZeroModule(Resumable):
                 out = fn(self._collate(rows, micro, fallback=0)).float().cpu().numpy()
                 for j, i in enumerate(micro):
                     local[i] = out[j, : len(rows.response_ids[i])].copy()
+        trim_heap()
         merged: dict[int, np.ndarray] = {}
         for part in dist.all_gather_object(local):
             merged.update(part)

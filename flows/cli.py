@@ -36,6 +36,7 @@ from flows.cli_data import add_data_parser
 from flows.cli_help import CONFIG_SHOW_HELP, MAIN_HELP, RUN_HELP, TRAIN_HELP, VERIFY_HELP
 from flows.cli_models import add_models_parser
 from flows.cli_prefect import _start_ephemeral_api
+from flows.cli_serve import add_serve_parsers
 from flows.reporting import UserError, check_startable, user_error_line, user_error_types  # light: no heavy imports
 
 # `rlmill run`'s config: examples/grpo_arith.yaml, embedded so that an installed wheel (which has
@@ -263,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_parser(sub)
     add_data_parser(sub, RAW)
     add_models_parser(sub)
+    add_serve_parsers(sub)
     _add_config_parser(sub)
     return p
 

@@ -1,0 +1,120 @@
+"""Concurrent requests -> one `engine.generate` call per batch, in one worker thread.
+
+    batcher = Batcher(engine, max_batch=16, max_wait_s=0.005)
+    rows = batcher.submit([prompt_ids], n=2, sampling=SamplingConfig(...)).result()   # a Future
+    batcher.stats()      # {'requests': 1, 'batches': 1, 'sequences': 2}
+    batcher.close()
+
+The worker takes the first waiting request, then collects more for up to `max_wait_s` or until
+`max_batch` requests wait, and groups them by (n, sampling): each group is ONE generate call
+(engines are not thread-safe, and a call takes one n and one SamplingConfig). A request with a
+seed is a group of its own: the hf engine draws a whole call from one generator, so batching it
+with others would make the same seed give another answer. Async code awaits the Future with
+`asyncio.wrap_future`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Batcher"]
+
+log = logging.getLogger("rlmill.serve")
+
+
+@dataclass
+class _Request:
+    prompts: list[list[int]]
+    n: int
+    sampling: Any
+    future: Future = field(default_factory=Future)
+    key: tuple = ()
+
+
+class Batcher:
+    """One worker thread owning `engine`; see the module docstring."""
+
+    def __init__(self, engine: Any, *, max_batch: int = 16, max_wait_s: float = 0.005):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.engine, self.max_batch, self.max_wait_s = engine, max_batch, max_wait_s
+        self._queue: queue.Queue = queue.Queue()
+        self._counts = {"requests": 0, "batches": 0, "sequences": 0}
+        self._lock = threading.Lock()
+        self._solo = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="rlmill-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompts: list[list[int]], n: int, sampling: Any) -> Future:
+        """Queue `n` samples of each prompt; the Future gives the engine's rows (prompt-major)."""
+        req = _Request(prompts, n, sampling)
+        req.key = (n, sampling, next(self._solo) if getattr(sampling, "seed", None) is not None else None)
+        self._queue.put(req)
+        return req.future
+
+    def stats(self) -> dict[str, int]:
+        """requests served, batches (= generate calls) made, sequences generated."""
+        with self._lock:
+            return dict(self._counts)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            batch = self._collect()
+            if batch is None:
+                return
+            groups: dict[tuple, list[_Request]] = {}
+            for req in batch:
+                groups.setdefault(req.key, []).append(req)
+            for reqs in groups.values():
+                self._generate(reqs)
+
+    def _collect(self) -> list[_Request] | None:
+        first = self._queue.get()
+        if first is None:
+            return None
+        batch, deadline = [first], time.monotonic() + self.max_wait_s
+        while len(batch) < self.max_batch:
+            try:
+                req = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if req is None:  # close(): finish this batch, then stop
+                self._queue.put(None)
+                break
+            batch.append(req)
+        return batch
+
+    def _generate(self, reqs: list[_Request]) -> None:
+        """One engine.generate call for requests sharing (n, sampling); rows go back per request."""
+        live = [r for r in reqs if r.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        prompts = [p for r in live for p in r.prompts]
+        n, sampling = live[0].n, live[0].sampling
+        try:
+            rows = self.engine.generate(prompts, n, sampling)
+        except BaseException as exc:  # the requests fail; the worker keeps serving
+            log.exception("generate failed for a batch of %d request(s)", len(live))
+            for r in live:
+                r.future.set_exception(exc)
+            return
+        with self._lock:
+            self._counts["requests"] += len(live)
+            self._counts["batches"] += 1
+            self._counts["sequences"] += len(rows)
+        start = 0
+        for r in live:
+            size = len(r.prompts) * n
+            r.future.set_result(rows[start:start + size])
+            start += size

@@ -1,0 +1,298 @@
+"""The stream -> Parquet segments, committed through storage's manifest, acked after the commit.
+
+    result = consume("s3://bucket/rl", "redis://127.0.0.1:6379/0")   # drain what is there, then return
+    consume(root, url, follow=True)                                    # keep reading (rlmill feedback consume --follow)
+
+Layout: <root>/feedback/<model>/<yyyy-mm-dd-hh>/segment-<first event id>/ holds answers-*.parquet
+(one row per choice) and feedback-*.parquet, published by a `_MANIFEST.json` (kind
+"feedback-segment") that also lists the segment's event ids and answer ids. The hour is the
+event's `created` time in UTC. Events the quality gate refuses (events.check_event, and feedback
+for an answer never logged) go, whole and with the reason, to
+<root>/feedback/_quarantine/<yyyy-mm-dd-hh>/segment-<first event id>/: counted, never dropped.
+
+Exactly once: a consumer group (XREADGROUP) delivers each entry; it is XACKed only after its
+segment committed. A consumer that dies between commit and ack gets the same entries again (its
+pending list is read first, with id 0). Before writing, each event id is looked up in the
+committed-ids index: the event ids the manifests of the hour folders a batch touches list (read
+once per folder per process, then kept up to date), so an event already committed -- a
+redelivery, or a duplicate XADD by a publisher whose first reply was lost -- is skipped, not
+written twice. Segment names come from the first event id left, and a segment name that is
+already committed with the same ids is a no-op.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from gpu_jobs.serve.answers import id_time
+from gpu_jobs.serve.broker import GROUP, STREAM, connect
+from gpu_jobs.serve.events import answers_table, check_event, decode, feedback_table, quarantine_table
+
+__all__ = ["FEEDBACK_DIR", "QUARANTINE_DIR", "SEGMENT_KIND", "ConsumeResult", "consume", "hour_of",
+           "segment_manifests"]
+
+log = logging.getLogger("rlmill.feedback")
+
+FEEDBACK_DIR = "feedback"
+QUARANTINE_DIR = "_quarantine"  # not a valid model name (check_name), so it never collides with one
+SEGMENT_KIND = "feedback-segment"
+QUARANTINE_KIND = "feedback-quarantine"
+
+
+@dataclass
+class ConsumeResult:
+    """What one consume() call did."""
+
+    read: int = 0  # stream entries handled (and acked)
+    answers: int = 0  # answer events committed
+    feedback: int = 0  # feedback events committed
+    duplicates: int = 0  # events skipped because their id was already committed
+    quarantined: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)  # quarantine reason -> count
+    segments: list[str] = field(default_factory=list)  # manifest URIs committed
+
+
+def hour_of(ts: float) -> str:
+    """The UTC hour folder name of a Unix time.
+
+    >>> hour_of(0.0)
+    '1970-01-01-00'
+    """
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d-%H")
+
+
+class _CommittedIds:
+    """Event ids and answer ids of committed segments, per hour folder, read from the manifests."""
+
+    def __init__(self, storage=None):
+        self.storage = storage
+        self._folders: dict[str, tuple[set[str], set[str]]] = {}
+
+    def folder(self, url: str) -> tuple[set[str], set[str]]:
+        if url not in self._folders:
+            events, answers = set(), set()
+            for m in segment_manifests(url, self.storage):
+                events.update(m.extra.get("event_ids", ()))
+                answers.update(m.extra.get("answer_ids", ()))
+            self._folders[url] = (events, answers)
+        return self._folders[url]
+
+
+def segment_manifests(folder_url: str, storage=None) -> list:
+    """The committed segment manifests under `folder_url` (recursively), oldest name first."""
+    from storage import read_manifest, url_to_fs
+    from storage.manifest import MANIFEST_NAME
+
+    fs, path = url_to_fs(folder_url, storage)
+    if not fs.exists(path):
+        return []
+    found = sorted(p for p in fs.find(path) if p.endswith("/" + MANIFEST_NAME) and "/segment-" in p)
+    prefix = folder_url.rstrip("/")
+    return [read_manifest(prefix + p[len(path.rstrip("/")):], storage) for p in found]
+
+
+def _parquet(table) -> bytes:
+    import pyarrow.parquet as pq
+
+    sink = io.BytesIO()
+    pq.write_table(table, sink, use_dictionary=False)
+    return sink.getvalue()
+
+
+def _commit_segment(dest: str, tables: dict[str, Any], kind: str, extra: dict, storage=None) -> str:
+    """Write the tables under fresh names and commit them; an existing commit with the same
+    event ids (a re-commit of the same batch) is returned as it is."""
+    from storage import committed, read_manifest, write_files
+    from storage import commit as commit_files
+    from storage.errors import ManifestExistsError
+
+    if (uri := committed(dest, storage)) is not None and _same_ids(read_manifest(uri, storage), extra):
+        return uri
+    attempt = uuid.uuid4().hex[:12]
+    blobs = {f"{name}-{attempt}.parquet": _parquet(t) for name, t in tables.items()}
+    rows = {f"{name}-{attempt}.parquet": t.num_rows for name, t in tables.items()}
+    files = write_files(dest, blobs, storage, rows=rows)
+    metrics = {name: t.num_rows for name, t in tables.items()}
+    try:
+        return commit_files(dest, files, kind=kind, metrics=metrics, extra=extra, storage=storage)
+    except ManifestExistsError:
+        uri = committed(dest, storage)
+        if uri is not None and _same_ids(read_manifest(uri, storage), extra):
+            return uri
+        raise
+
+
+def _same_ids(manifest, extra: dict) -> bool:
+    return set(extra["event_ids"]) <= set(manifest.extra.get("event_ids", ()))
+
+
+class _Round:
+    """One batch of stream entries: gate, dedupe, group, commit."""
+
+    def __init__(self, root: str, index: _CommittedIds, result: ConsumeResult, storage=None):
+        self.root, self.index, self.result, self.storage = root, index, result, storage
+        self.quarantine: list[tuple[str, Any, str]] = []
+
+    def folder(self, model: str, hour: str) -> str:
+        from storage import join
+
+        return join(self.root, FEEDBACK_DIR, model, hour)
+
+    def run(self, entries: list[tuple[str, Any]]) -> None:
+        good: dict[tuple[str, str], list[dict]] = {}
+        seen: set[str] = set()
+        round_answers = set()
+        for sid, e in entries:
+            if (reason := check_event(e)) is not None:
+                self.quarantine.append((sid, e, reason))
+            elif e["event_id"] in seen:
+                self.result.duplicates += 1
+            else:
+                seen.add(e["event_id"])
+                good.setdefault((e["model"], hour_of(e["created"])), []).append((sid, e))
+                if e["kind"] == "answer":
+                    round_answers.add(e["answer_id"])
+        for (model, hour), items in sorted(good.items()):
+            self._commit_group(model, hour, [(sid, e) for sid, e in items], round_answers)
+        self._commit_quarantine()
+
+    def _answer_known(self, e: dict, round_answers: set[str]) -> bool:
+        if e["answer_id"] in round_answers:
+            return True
+        born = id_time(e["answer_id"])
+        if born is None:
+            return False
+        return any(e["answer_id"] in self.index.folder(self.folder(e["model"], hour_of(t)))[1]
+                   for t in (born, born - 3600))  # the request's start may be in the hour before its id's
+
+    def _commit_group(self, model: str, hour: str, items: list[tuple[str, dict]], round_answers: set[str]) -> None:
+        folder = self.folder(model, hour)
+        done_events, done_answers = self.index.folder(folder)
+        keep = []
+        for sid, e in items:
+            if e["event_id"] in done_events:
+                self.result.duplicates += 1
+            elif e["kind"] == "feedback" and not self._answer_known(e, round_answers):
+                self.quarantine.append((sid, e, f"feedback for answer {e['answer_id']} that was never logged"))
+            else:
+                keep.append(e)
+        if not keep:
+            return
+        answers = [e for e in keep if e["kind"] == "answer"]
+        feedback = [e for e in keep if e["kind"] == "feedback"]
+        extra = {"event_ids": [e["event_id"] for e in keep], "answer_ids": [e["answer_id"] for e in answers]}
+        from storage import join
+
+        dest = join(folder, f"segment-{keep[0]['event_id']}")
+        uri = _commit_segment(dest, {"answers": answers_table(answers), "feedback": feedback_table(feedback)},
+                              SEGMENT_KIND, extra, self.storage)
+        done_events.update(extra["event_ids"])
+        done_answers.update(extra["answer_ids"])
+        self.result.answers += len(answers)
+        self.result.feedback += len(feedback)
+        self.result.segments.append(uri)
+
+    def _commit_quarantine(self) -> None:
+        from storage import join
+
+        by_hour: dict[str, list] = {}
+        for sid, e, reason in self.quarantine:
+            created = e.get("created") if isinstance(e, dict) else None
+            ok = isinstance(created, (int, float)) and 0 < created < 4e9
+            by_hour.setdefault(hour_of(created if ok else id_time_of_stream(sid)), []).append((sid, e, reason))
+        for hour, items in sorted(by_hour.items()):
+            folder = join(self.root, FEEDBACK_DIR, QUARANTINE_DIR, hour)
+            done = self.index.folder(folder)[0]
+            keys = [_quarantine_key(sid, e) for sid, e, _ in items]
+            fresh = [(k, it) for k, it in zip(keys, items) if k not in done]
+            self.result.duplicates += len(items) - len(fresh)
+            if not fresh:
+                continue
+            extra = {"event_ids": [k for k, _ in fresh], "answer_ids": []}
+            dest = join(folder, f"segment-{fresh[0][0].replace(':', '-')}")
+            uri = _commit_segment(dest, {"quarantine": quarantine_table([it for _, it in fresh])},
+                                  QUARANTINE_KIND, extra, self.storage)
+            done.update(extra["event_ids"])
+            self.result.segments.append(uri)
+            for _, (sid, e, reason) in fresh:
+                self.result.quarantined += 1
+                kind = _reason_kind(reason)
+                self.result.reasons[kind] = self.result.reasons.get(kind, 0) + 1
+                log.warning("quarantined stream entry %s: %s", sid, reason)
+
+
+def _reason_kind(reason: str) -> str:
+    """The reason without the event's own details, to count by."""
+    if reason.startswith("feedback for answer"):
+        return "feedback for an answer never logged"
+    return reason.split(" (")[0].split(":")[0]
+
+
+def _quarantine_key(sid: str, e: Any) -> str:
+    """An event's own id when it has one, else its stream entry id (stable across redelivery)."""
+    if isinstance(e, dict) and isinstance(e.get("event_id"), str) and e["event_id"]:
+        return e["event_id"]
+    return f"stream:{sid}"
+
+
+def id_time_of_stream(sid: str) -> float:
+    """A Redis stream id's time: `<ms>-<seq>`."""
+    try:
+        return int(str(sid).split("-")[0]) / 1000.0
+    except ValueError:
+        return 0.0
+
+
+def _ensure_group(client, stream: str, group: str) -> None:
+    import redis
+
+    try:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def _entries(response) -> list[tuple[str, Any]]:
+    if not response:
+        return []
+    out = []
+    for _stream, items in response:
+        for sid, fields in items:
+            sid = sid.decode() if isinstance(sid, bytes) else sid
+            out.append((sid, decode(fields) if fields else {"trimmed": "the entry was trimmed from the stream"}))
+    return out
+
+
+def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GROUP, consumer: str = "consumer-1",
+            batch: int = 500, follow: bool = False, block_ms: int = 1000, storage=None,
+            after_commit: Callable[[ConsumeResult], None] | None = None) -> ConsumeResult:
+    """Read the stream with consumer group `group` as `consumer`, commit segments, ack; see the
+    module docstring. Without `follow`, returns once nothing new is waiting. `after_commit` runs
+    after each batch committed and before its XACK (tests kill the process there)."""
+    from storage.layout import check_root
+
+    client = connect(redis_url)
+    check_root(root)
+    _ensure_group(client, stream, group)
+    index, result, cursor = _CommittedIds(storage), ConsumeResult(), "0"  # own pending entries first
+    while True:
+        block = block_ms if (cursor == ">" and follow) else None
+        entries = _entries(client.xreadgroup(group, consumer, {stream: cursor}, count=batch, block=block))
+        if not entries:
+            if cursor == "0":
+                cursor = ">"
+                continue
+            if follow:
+                continue
+            return result
+        _Round(root, index, result, storage).run(entries)
+        if after_commit is not None:
+            after_commit(result)
+        client.xack(stream, group, *[sid for sid, _ in entries])
+        result.read += len(entries)

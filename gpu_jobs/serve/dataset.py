@@ -1,0 +1,94 @@
+"""Answers joined with their feedback by answer id: training rows in verl's prompt-dataset format.
+
+    rows = training_rows("s3://bucket/rl", "arith")                  # list of dicts
+    write_training_dataset("s3://bucket/rl", "arith", "s3://bucket/data/arith-feedback.parquet")
+    storage.datasets.read_prompts("s3://bucket/data/arith-feedback.parquet")   # reads it back
+
+One row per answer choice that received feedback:
+  data_source    "rlmill/feedback/<model>"
+  prompt         chat messages (a completion's text prompt becomes one user message)
+  ability        "feedback"
+  reward_model   {"style": "feedback", "ground_truth": the answer's text}
+  extra_info     {answer_id, index, model, version, response, response_ids, reward, scores,
+                  thumbs, preferred_over, rejected_for, texts, users, endpoint, prompt_kind}
+  response, reward, model_version   the same, as columns of their own
+`reward` is the mean of the choice's scores (thumbs up = 1, down = 0), None when it only has
+preferences or text; preferences are kept as pairs: `preferred_over` lists the "<answer id>#<choice>"
+this one won against, `rejected_for` those that won against it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+__all__ = ["read_segments", "training_rows", "write_training_dataset"]
+
+
+def read_segments(root: str, model: str, storage=None) -> tuple[list[dict], list[dict]]:
+    """(answer rows, feedback rows) of every committed segment of `model`, verified on read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from storage import check_name, join
+    from storage.manifest import read_files
+
+    from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifests
+
+    answers, feedback = [], []
+    for m in segment_manifests(join(root, FEEDBACK_DIR, check_name(model, "model name")), storage):
+        for f, data in zip(m.files, read_files(m, storage=storage)):
+            rows = pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
+            (answers if f.path.startswith("answers-") else feedback).extend(rows)
+    return answers, feedback
+
+
+def training_rows(root: str, model: str, storage=None) -> list[dict[str, Any]]:
+    """The verl-format rows described in the module docstring, oldest answer first."""
+    answers, feedback = read_segments(root, model, storage)
+    by_choice = {(a["answer_id"], a["index"]): a for a in answers}
+    signals: dict[tuple[str, int], dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for f in sorted(feedback, key=lambda f: f["created"]):
+        key = (f["answer_id"], f["index"])
+        s = signals[key]
+        if f["score"] is not None:
+            s["scores"].append(float(f["score"]))
+        if f["thumbs"] is not None:
+            s["thumbs"].append(f["thumbs"])
+        if f["text"] is not None:
+            s["texts"].append(f["text"])
+        if f["user"] is not None:
+            s["users"].append(f["user"])
+        if f["preferred_over"] is not None:
+            loser = (f["preferred_over"], f["preferred_over_index"] or 0)
+            s["preferred_over"].append(f"{loser[0]}#{loser[1]}")
+            signals[loser]["rejected_for"].append(f"{key[0]}#{key[1]}")
+    rows = [_row(by_choice[key], s) for key, s in signals.items() if key in by_choice]
+    return sorted(rows, key=lambda r: (r["extra_info"]["created"], r["extra_info"]["answer_id"],
+                                       r["extra_info"]["index"]))
+
+
+def _row(a: dict, s: dict[str, list]) -> dict[str, Any]:
+    prompt = json.loads(a["prompt"])
+    messages = prompt if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) else \
+        [{"role": "user", "content": prompt if isinstance(prompt, str) else json.dumps(prompt)}]
+    values = s.get("scores", []) + [1.0 if t == "up" else 0.0 for t in s.get("thumbs", [])]
+    reward = sum(values) / len(values) if values else None
+    extra = {"answer_id": a["answer_id"], "index": a["index"], "model": a["model"], "version": a["version"],
+             "created": a["created"], "endpoint": a["endpoint"],
+             "prompt_kind": "chat" if isinstance(prompt, list) else "text",
+             "response": a["text"], "response_ids": list(a["token_ids"]), "reward": reward,
+             **{k: list(s.get(k, [])) for k in ("scores", "thumbs", "preferred_over", "rejected_for", "texts", "users")}}
+    return {"data_source": f"rlmill/feedback/{a['model']}", "prompt": messages, "ability": "feedback",
+            "reward_model": {"style": "feedback", "ground_truth": a["text"]}, "extra_info": extra,
+            "response": a["text"], "reward": reward, "model_version": a["version"]}
+
+
+def write_training_dataset(root: str, model: str, out_url: str, storage=None) -> int:
+    """Write training_rows to one verl-format Parquet file at `out_url`; returns the row count."""
+    from storage.datasets import write_prompts
+
+    rows = training_rows(root, model, storage)
+    write_prompts(rows, out_url, storage=storage)
+    return len(rows)

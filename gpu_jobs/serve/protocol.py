@@ -1,0 +1,233 @@
+"""OpenAI's request and response shapes for /v1/completions and /v1/chat/completions.
+
+Supported sampling parameters: temperature, top_p, top_k (vLLM's extension), max_tokens
+(max_completion_tokens for chat), n, seed, stop (cut after generation, as the text the user
+sees: the engine has no stop strings), stream and stream_options.include_usage, user, and
+rlmill's session_id. OpenAI parameters the engine cannot honour are refused with a 400 naming
+them unless they hold their neutral value (presence_penalty 0, logprobs false, ...); names
+OpenAI does not have are refused too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterator
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["ChatRequest", "CompletionRequest", "FeedbackRequest", "ParamError", "refused_param", "sampling_of",
+           "make_choices", "chat_response", "completion_response", "stream_chunks"]
+
+# Parameters accepted only at their neutral value (what OpenAI does when they are left out).
+NEUTRAL: dict[str, tuple] = {
+    "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
+    "logit_bias": (None, {}), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False, None),
+    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, True, False), "min_tokens": (None, 0), "ignore_eos": (None, False),
+    "min_p": (None, 0, 0.0), "stream_options": (None,),
+}
+# Accepted and ignored: they do not change the answer.
+IGNORED = ("metadata", "store", "service_tier")
+
+
+class ParamError(ValueError):
+    """A request parameter the server cannot honour: a 400 naming `param`."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=64)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    session_id: str | None = Field(None, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("give at most 4 non-empty stop strings")
+        return stops or None
+
+    def max_new_tokens(self) -> int:
+        return self.max_tokens or 16
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = ""
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # [{"type": "text", "text": "..."}]
+            if any(part.get("type") != "text" for part in self.content):
+                raise ParamError("messages", "only text content parts are supported")
+            return "".join(str(part.get("text", "")) for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def max_new_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ParamError("prompt", "one prompt per request: send the others as their own requests")
+            p = p[0]
+        if not p:
+            raise ParamError("prompt", "prompt is empty")
+        return p
+
+
+def refused_param(req: _Sampling) -> ParamError | None:
+    """The first parameter the server cannot honour, or None."""
+    for key, value in (req.model_extra or {}).items():
+        if key in IGNORED:
+            continue
+        if key not in NEUTRAL:
+            return ParamError(key, f"unsupported parameter {key!r}")
+        if value not in NEUTRAL[key]:
+            return ParamError(key, f"parameter {key!r}={json.dumps(value)} is not supported by this server's "
+                                   f"engine; leave it out")
+    return None
+
+
+def sampling_of(req: _Sampling):
+    """The engine's SamplingConfig for a request."""
+    from gpu_jobs.rollout import SamplingConfig
+
+    return SamplingConfig(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                          max_response_length=req.max_new_tokens(), seed=req.seed)
+
+
+def make_choices(rows: list[dict], tokenizer, stops: list[str] | None) -> list[dict]:
+    """Engine rows of one prompt -> choices {index, text, token_ids, logprobs, finish_reason}.
+    A stop string cuts the text before it; the tokens kept are those the cut text came from."""
+    out = []
+    for i, row in enumerate(rows):
+        ids, lps, reason = list(row["response_ids"]), list(row["rollout_logprobs"]), row["finish_reason"]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        cut = min((text.find(s) for s in stops or () if s in text), default=-1)
+        if cut >= 0:
+            text, reason = text[:cut], "stop"
+            keep = next(k for k in range(len(ids) + 1)
+                        if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= cut)
+            ids, lps = ids[:keep], lps[:keep]
+        out.append({"index": i, "text": text, "token_ids": ids, "logprobs": lps, "finish_reason": reason})
+    return out
+
+
+def _usage(prompt_ids: list[int], choices: list[dict]) -> dict:
+    completion = sum(len(c["token_ids"]) for c in choices)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion}
+
+
+def chat_response(answer_id: str, created: int, model: str, fingerprint: str, prompt_ids, choices) -> dict:
+    return {"id": answer_id, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                         "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices],
+            "usage": _usage(prompt_ids, choices)}
+
+
+def completion_response(answer_id: str, created: int, model: str, fingerprint: str, prompt_ids, choices) -> dict:
+    return {"id": answer_id, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": [{"index": c["index"], "text": c["text"], "logprobs": None,
+                         "finish_reason": c["finish_reason"]} for c in choices],
+            "usage": _usage(prompt_ids, choices)}
+
+
+def _pieces(choice: dict, tokenizer) -> list[str]:
+    """The choice's text split at token boundaries (what each token added), summing to the text."""
+    pieces, shown = [], ""
+    for k in range(1, len(choice["token_ids"]) + 1):
+        now = tokenizer.decode(choice["token_ids"][:k], skip_special_tokens=True)[:len(choice["text"])]
+        if len(now) > len(shown):
+            pieces.append(now[len(shown):])
+            shown = now
+    if shown != choice["text"]:
+        pieces.append(choice["text"][len(shown):])
+    return pieces
+
+
+def stream_chunks(kind: str, answer_id: str, created: int, model: str, fingerprint: str, prompt_ids,
+                  choices: list[dict], tokenizer, include_usage: bool) -> Iterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending `data: [DONE]`. The engine returns whole
+    answers, so the chunks (one per token) follow the generation instead of overlapping it."""
+    chat = kind == "chat"
+    head = {"id": answer_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "system_fingerprint": fingerprint}
+
+    def event(choices_part: list[dict], **extra) -> str:
+        return f"data: {json.dumps({**head, 'choices': choices_part, **extra})}\n\n"
+
+    for c in choices:
+        if chat:
+            yield event([{"index": c["index"], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        for piece in _pieces(c, tokenizer):
+            body = {"delta": {"content": piece}} if chat else {"text": piece}
+            yield event([{"index": c["index"], **body, "logprobs": None, "finish_reason": None}])
+        last = {"delta": {}} if chat else {"text": ""}
+        yield event([{"index": c["index"], **last, "logprobs": None, "finish_reason": c["finish_reason"]}])
+    if include_usage:
+        yield event([], usage=_usage(prompt_ids, choices))
+    yield "data: [DONE]\n\n"
+
+
+class FeedbackRequest(BaseModel):
+    """Body of POST /v1/feedback: the answer, and at least one signal."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    answer_id: str = Field(min_length=1, max_length=128)
+    index: int = Field(0, ge=0, description="Which choice of the answer (n > 1).")
+    score: float | None = Field(None, ge=0.0, le=1.0)
+    thumbs: str | None = Field(None, pattern="^(up|down)$")
+    preferred_over: str | None = Field(None, min_length=1, max_length=128,
+                                       description="Another answer id this one was preferred over.")
+    preferred_over_index: int = Field(0, ge=0)
+    text: str | None = Field(None, max_length=10_000)
+    user: str | None = Field(None, max_length=256)
+    session_id: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_signal(self) -> "FeedbackRequest":
+        if self.score is None and self.thumbs is None and self.preferred_over is None and self.text is None:
+            raise ValueError("give one of score (0..1), thumbs (up/down), preferred_over (an answer id) or text")
+        return self
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -86,52 +86,61 @@ def console_line(k: int, total: int, metrics: dict[str, Any]) -> str:
 
 
 class MetricLoggers:
-    """TensorBoard events, plus Weights & Biases / MLflow runs when the config names them.
+    """TensorBoard events, plus the MLflow / Weights & Biases runs trainer.loggers names
+    (flows/trackers.py): iteration k's scalars at step k, and at close a summary and the curves.
 
     The config check (flows.config) refuses a named logger whose package is not installed, so
     by the time a run starts every logger named here imports.
     """
 
     def __init__(self, run_id: str, tb_dir: str | None, extra: list[str], config: dict[str, Any]):
-        self.tb = self.wandb = self.mlflow = None
+        from flows.trackers import open_trackers
+
+        self.run_id, self.tb = run_id, None
+        self.history: list[tuple[int, dict[str, float]]] = []  # what this process logged: the closing summary
         if tb_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(tb_dir)
-        if "wandb" in extra:
-            import wandb
-
-            self.wandb = wandb.init(project="rlmill", name=run_id, id=run_id, resume="allow", config=config)
-        if "mlflow" in extra:
-            import mlflow
-
-            mlflow.set_experiment("rlmill")
-            self.mlflow = mlflow.start_run(run_name=run_id)
-            mlflow.log_params({"run_id": run_id})
+        self.trackers = open_trackers(run_id, extra, config)
 
     def log(self, k: int, metrics: dict[str, Any]) -> None:
         scalars = {m: float(v) for m, v in metrics.items() if isinstance(v, (int, float))}
+        self.history.append((k, scalars))
         if self.tb is not None:
             for m, v in scalars.items():
                 self.tb.add_scalar(m, v, k)
             self.tb.flush()
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=k)
-        if self.mlflow is not None:
-            import mlflow
-
-            # MLflow metric names may not contain '@' (verl's val-core/.../mean@4); '/' is fine.
-            mlflow.log_metrics({m.replace("@", "_at_"): v for m, v in scalars.items()}, step=k)
+        for tracker in self.trackers:
+            tracker.log(k, scalars)
 
     def close(self) -> None:
+        """Call it from the run's `finally`: an exception on its way out means the run failed, and
+        the trackers' runs end FAILED (MLflow status, W&B exit code 1) instead of FINISHED."""
+        import sys
+
+        failed = sys.exc_info()[0] is not None
         if self.tb is not None:
             self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-        if self.mlflow is not None:
-            import mlflow
+        if not self.trackers:
+            return
+        summary, png = self._summary(failed), curves_png(self.history, self._val_points())
+        for tracker in self.trackers:
+            try:
+                tracker.finish(failed, summary, png)
+            except Exception as exc:
+                if not failed:
+                    raise
+                # The run's own error is on its way out: a tracker that cannot be told must not hide it.
+                log.warning("rlmill: could not end the %s run of %s: %s", type(tracker).__name__, self.run_id, exc)
 
-            mlflow.end_run()
+    def _summary(self, failed: bool) -> dict[str, Any]:
+        last = {m: v for _, scalars in self.history for m, v in scalars.items()}  # each metric's latest value
+        return {"run_id": self.run_id, "status": "failed" if failed else "finished",
+                "iterations logged": [k for k, _ in self.history], "last": last}
+
+    def _val_points(self) -> list[tuple[int, float]]:
+        return [(k, s["val/acc"]) for k, s in self.history if "val/acc" in s]
 
 
 def curves_png(history: list[tuple[int, dict]], val: list[tuple[int, float]]) -> bytes:

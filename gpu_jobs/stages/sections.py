@@ -168,7 +168,12 @@ class LoopConfig(_Section):
     samples_in_artifact: int = Field(4, ge=0, description="Prompts/responses shown in each iteration's markdown artifact.")
     tensorboard: bool = Field(True, description="Also write metrics as TensorBoard events under the run's folder.")
     loggers: list[Literal["wandb", "mlflow"]] = Field(
-        default_factory=list, description="Extra metric loggers: 'wandb' and/or 'mlflow' (their packages must be installed).")
+        default_factory=list, description="Extra metric loggers: 'wandb' and/or 'mlflow' (their packages must be "
+        "installed; `make test` installs the pinned ones). One tracker run per rlmill run: the frozen config as "
+        "params, each iteration's metrics at step = iteration, a summary and the curves at the end, FAILED when "
+        "the run fails; a resumed run continues it. MLflow logs to $MLFLOW_TRACKING_URI (unset: MLflow's "
+        "default, ./mlflow.db), experiment $MLFLOW_EXPERIMENT_NAME or 'rlmill'; W&B to project $WANDB_PROJECT "
+        "or 'rlmill', offline with WANDB_MODE=offline (files under $WANDB_DIR).")
 
     def deployment_for(self, pool: Literal["trainer", "rollout"]) -> str:
         """The deployment of a pool (a stage's declared `where`): generation on rollout_deployment

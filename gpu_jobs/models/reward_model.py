@@ -89,8 +89,12 @@ def ensure_arith_reward_model(cache_dir=None, recipe: RewardModelRecipe | None =
     recipe = recipe or RewardModelRecipe()
     policy = ensure_builtin_model(cache_dir, seed=recipe.policy_seed)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = hashlib.sha256(f"{recipe.digest()}:{Path(policy).name}".encode()).hexdigest()[:12]
-    return build_once(root / f"arith-rm-{key}", lambda tmp: _build_into(tmp, policy, recipe))
+    return build_once(root / reward_model_folder(Path(policy).name, recipe), lambda tmp: _build_into(tmp, policy, recipe))
+
+
+def reward_model_folder(policy_folder: str, recipe: RewardModelRecipe) -> str:
+    """The cache folder's name: its recipe and the policy it starts from (by its folder name)."""
+    return f"arith-rm-{hashlib.sha256(f'{recipe.digest()}:{policy_folder}'.encode()).hexdigest()[:12]}"
 
 
 def labelled_answers(policy, tok, problems: list[tuple[str, str]], samples: int, seed: int) -> list[tuple[str, float]]:

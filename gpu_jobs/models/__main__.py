@@ -1,0 +1,48 @@
+"""Build the three built-in models into the cache ahead of their first use.
+
+    python -m gpu_jobs.models            # builds what is missing (built-in policy, then the tool and reward models)
+    python -m gpu_jobs.models --missing  # prints the missing ones, exit 1 when any is missing; builds nothing
+
+Every model is otherwise built on first use, by whichever run needs it; `make test` runs this
+beside the test workers on a machine without the models (scripts/run_tests.sh), so the minutes
+of building overlap tests that need no model instead of stalling the workers that do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _builds() -> list[tuple[str, object]]:
+    """(cache folder name, build function) in dependency order: the tool and reward models
+    start from the built-in policy's weights."""
+    from gpu_jobs.models.reward_model import RewardModelRecipe, ensure_arith_reward_model, reward_model_folder
+    from gpu_jobs.models.tiny import WarmupRecipe, ensure_builtin_model
+    from gpu_jobs.models.tool_model import ToolRecipe, ensure_tool_model
+
+    builtin = f"builtin-{WarmupRecipe().digest()}"
+    return [(builtin, ensure_builtin_model),
+            (f"builtin-tools-{ToolRecipe().digest()}", ensure_tool_model),
+            (reward_model_folder(builtin, RewardModelRecipe()), ensure_arith_reward_model)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpu_jobs.models", description=__doc__.splitlines()[0])
+    p.add_argument("--missing", action="store_true", help="list the models not built yet; build nothing")
+    args = p.parse_args(argv)
+    from gpu_jobs.models.build import default_cache_dir
+
+    root = default_cache_dir()
+    missing = [(name, build) for name, build in _builds() if not (Path(root) / name / "config.json").exists()]
+    if args.missing:
+        print("\n".join(name for name, _ in missing))
+        return 1 if missing else 0
+    for _, build in missing:
+        build()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -181,6 +181,27 @@ class MotoServer:
         return f"s3://{name}"
 
 
+@contextlib.contextmanager
+def module_prefect_api():
+    """Prefect's test harness (a fresh API server and database) for one test module; yields its
+    URL. The process's event and log workers are drained first: each is bound to the API that
+    was current when it started (the session server, after any earlier test of this process ran
+    a flow), and the harness drains them only on exit, so the module's task-run states (sent as
+    events) and logs would otherwise land on the other server."""
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    EventsWorker.drain_all()
+    APILogWorker.drain_all()
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()
+    EventsWorker.drain_all()  # and bound to the harness now: the next module gets new ones
+    APILogWorker.drain_all()
+
+
 def wait_for_api(api_url: str, log: Path, timeout: float, proc: subprocess.Popen | None = None) -> None:
     """Block until a Prefect API answers /health (~11 s after its start on idle cores, ~30 s on
     busy ones); raises with the end of its log when it does not within `timeout` s, or when

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,11 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
 @pytest.fixture(scope="module")
 def prefect_api():
-    """One Prefect API for this module (~10-20 s to start); yields its URL. Module scope: a
-    session-wide harness would still be the current API when other modules start their own."""
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
+    """A Prefect API of this module's own (~10-20 s to start); yields its URL."""
+    from tests.servers import module_prefect_api
 
-    with prefect_test_harness(server_startup_timeout=180):
-        yield PREFECT_API_URL.value()
+    with module_prefect_api() as url:
+        yield url
 
 
 def _read(coro):

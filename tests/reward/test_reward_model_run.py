@@ -109,14 +109,11 @@ def test_reward_model_stage_commits_scores_the_reward_stage_combines(rm_config):
 
 @pytest.fixture(scope="module")
 def prefect_api():
-    """A Prefect API for this module (~10-20 s to start)."""
-    import os
+    """A Prefect API of this module's own (~10-20 s to start); yields its URL."""
+    from tests.servers import module_prefect_api
 
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+    with module_prefect_api() as url:
+        yield url
 
 
 @pytest.mark.slow

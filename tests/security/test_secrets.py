@@ -206,15 +206,11 @@ def test_storage_errors_carry_no_credentials(secrets, s3_endpoint, s3_bucket_url
 # ----------------------------------------------------------------------------- a real run
 @pytest.fixture(scope="module")
 def prefect_api():
-    """A Prefect API for this module (~10-20 s to start); torn down after it."""
-    import os
+    """A Prefect API of this module's own (~10-20 s to start); yields its URL."""
+    from tests.servers import module_prefect_api
 
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield PREFECT_API_URL.value()
+    with module_prefect_api() as url:
+        yield url
 
 
 async def _all_pages(read, **kwargs) -> list:

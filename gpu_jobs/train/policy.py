@@ -83,6 +83,12 @@ def required_columns(config: ActorConfig, batch: Any) -> tuple[str, ...]:
     return tuple(need)
 
 
+def _over_temperature(logits: Any, temperature: float) -> Any:
+    """``logits / temperature`` in place, for logits straight out of the LM head (a linear layer:
+    autograd keeps its input, not its output), so no second (tokens, vocab) tensor is made."""
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
 class _CausalLM(ZeroModule):
     """Log-probs of response tokens under an AutoModelForCausalLM in a DeepSpeed engine."""
 
@@ -106,7 +112,7 @@ class _CausalLM(ZeroModule):
             R = mb["response_width"]
             logits = self.engine(**self._model_inputs(mb), logits_to_keep=R + 1).logits[:, :R, :]
             logits = logits.reshape(-1, logits.shape[-1])
-        logits = logits.float()
+        logits = logits.float()  # not divided in place: a model's own last op may keep its output (tanh soft-capping)
         return logits / self.config.temperature if self.config.temperature != 1.0 else logits
 
     def _response_hidden(self, mb: dict[str, Any]) -> Any:
@@ -123,20 +129,19 @@ class _CausalLM(ZeroModule):
         return h[:, P - 1 : P + R - 1].reshape(-1, h.shape[-1])
 
     def _head_terms(self, head: Any, hidden: Any, labels: Any, with_entropy: bool):
-        logits = head(hidden).float()
-        if self.config.temperature != 1.0:
-            logits = logits / self.config.temperature
+        logits = _over_temperature(head(hidden).float(), self.config.temperature)
         return token_terms(logits, labels, self.config, with_entropy)
 
     def _response_terms(self, mb: dict[str, Any], with_entropy: bool = True):
         """Per-token (log_prob, entropy) ``(b, R)`` of the responses (entropy None without
-        ``with_entropy``). With entropy_from_logits_with_chunking the LM head runs on
-        entropy_chunk_size tokens at a time, checkpointed: peak logits memory is one chunk's."""
+        ``with_entropy``). With entropy_from_logits_with_chunking, and always without grad (a
+        log-prob pass: nothing to recompute, so chunks cost nothing), the LM head runs on
+        entropy_chunk_size tokens at a time, checkpointed under grad: peak logits memory is one
+        chunk's, ``entropy_chunk_size x vocab x 4`` bytes, instead of the micro-batch's."""
+        import torch
+
         labels = self._flat(mb["responses"], mb)
-        if not self.config.entropy_from_logits_with_chunking:
-            log_prob, entropy = token_terms(self._response_logits(mb), labels, self.config, with_entropy)
-        else:
-            import torch
+        if self.config.entropy_from_logits_with_chunking or not torch.is_grad_enabled():  # True or "auto"
             from torch.utils.checkpoint import checkpoint
 
             hidden, head = self._response_hidden(mb), self.engine.module.get_output_embeddings()
@@ -147,6 +152,8 @@ class _CausalLM(ZeroModule):
                              if torch.is_grad_enabled() else self._head_terms(*args))
             log_prob = torch.cat([p[0] for p in parts])
             entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+        else:
+            log_prob, entropy = token_terms(self._response_logits(mb), labels, self.config, with_entropy)
         return self._rows(log_prob, mb), None if entropy is None else self._rows(entropy, mb)
 
     def _read(self, batch: Any, require: tuple[str, ...] = ()) -> Rows:

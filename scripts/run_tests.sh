@@ -16,6 +16,16 @@ if [ "$tier" = e2e ]; then marker="e2e"; minutes=20; else marker="not e2e"; minu
 bash scripts/ensure_venv.sh test || exit $?
 bash scripts/ensure_test_tools.sh || exit $?
 workers=${RLMILL_TEST_WORKERS:-$(nproc)}
+# A machine without the built-in models (a bare one): build them beside the test workers from the
+# start (python -m gpu_jobs.models), so the minutes of building overlap the tests that need no
+# model; a test that needs one waits on its build lock (build_once) instead of building it.
+builder=
+if ! missing=$(.venv/bin/python -m gpu_jobs.models --missing 2>/dev/null); then
+    build_log=$(mktemp "${TMPDIR:-/tmp}/rlmill-model-build.XXXXXX")
+    echo "[rlmill] building the built-in models beside the tests ($(echo $missing)); log: $build_log"
+    .venv/bin/python -m gpu_jobs.models >"$build_log" 2>&1 &
+    builder=$!
+fi
 # loadscope: a module's tests (a class's, where a module splits its work into classes) on one
 # worker, so module- and session-scoped fixtures (a warm engine, a built model, tests/deployments'
 # server and worker) are built once per worker. (loadgroup cannot be used: pytest-xdist 3.8's
@@ -24,6 +34,9 @@ workers=${RLMILL_TEST_WORKERS:-$(nproc)}
 .venv/bin/python -m pytest -q --durations=30 -n "$workers" --dist loadscope --no-loadscope-reorder -m "$marker" \
     "${@:-tests}"
 rc=$?
+if [ -n "$builder" ] && ! wait "$builder"; then
+    echo "[rlmill] building the built-in models failed (the tests that need them say how):"; tail -5 "$build_log"
+fi
 secs=$(( $(date +%s) - start ))
 budget=$(( minutes * 60 ))
 verdict=$([ "$secs" -le "$budget" ] && echo "within" || echo "OVER")

@@ -186,8 +186,10 @@ class LoopConfig(_Section):
 
         for name in self.loggers:
             if importlib.util.find_spec(name) is None:
+                # Not a bare `pip install mlflow`: full mlflow pins pyarrow below the environment's.
                 raise ValueError(f"trainer.loggers names {name!r} but it is not installed: "
-                                 f"`.venv/bin/pip install {name}` or remove it")
+                                 f"`bash scripts/ensure_venv.sh test` installs the tested versions (the `test` "
+                                 f"extra of pyproject.toml: mlflow-skinny, wandb), or remove it")
         return self
 
 

@@ -78,16 +78,6 @@ def test_secrets_are_masked_in_the_frozen_config():
     assert "verysecret" not in text and "AKIAEXAMPLE" not in text
 
 
-def test_a_logger_that_is_not_installed_is_refused_up_front():
-    import importlib.util
-
-    missing = [n for n in ("wandb", "mlflow") if importlib.util.find_spec(n) is None]
-    if not missing:
-        pytest.skip("wandb and mlflow are both installed here")
-    with pytest.raises(ConfigError, match=f"pip install {missing[0]}"):
-        load_run_config(None, [f"trainer.loggers=[{missing[0]}]"])
-
-
 def test_several_nodes_take_their_rendezvous_from_the_config_or_the_environment(monkeypatch):
     from flows.config import load_run_config
     from gpu_jobs.stages.roles import _rendezvous

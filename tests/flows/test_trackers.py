@@ -225,10 +225,10 @@ def test_mlflow_ui_run_page_shows_the_run_and_its_metric(runs, mlflow_server, tm
 # ------------------------------------------------------------------------------------- not installed
 @pytest.mark.parametrize("name", ["mlflow", "wandb"])
 def test_a_logger_whose_package_is_missing_is_refused_up_front(name, monkeypatch):
-    """tests/flows/test_config.py checks this only where a package is missing, and `make test`
-    installs both: a None in sys.modules is how Python marks a module as not importable."""
+    """`make test` installs both, so each is made not importable here: a None in sys.modules is
+    how Python marks a module as such."""
     from flows.config import ConfigError, load_run_config
 
     monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(ConfigError, match=f"trainer.loggers names '{name}' but it is not installed"):
+    with pytest.raises(ConfigError, match=f"trainer.loggers names '{name}' but it is not installed: `bash scripts/ensure_venv.sh test`"):
         load_run_config(None, [f"trainer.loggers=[{name}]"])

@@ -28,6 +28,12 @@ PIPELINE_ZERO_ERROR = (
 # pads instead of use_remove_padding.
 _PIPELINE_UNSUPPORTED = ("gradient_checkpointing", "entropy_from_logits_with_chunking")
 
+# gradient_checkpointing="auto": bytes of activations a decoder layer keeps for the backward per
+# token and hidden unit without checkpointing (measured on SmolLM2-135M: ~50 KB per token per
+# layer at hidden size 576), and the micro-batch's activations past which it is turned on.
+ACTIVATION_BYTES_PER_UNIT = 88
+ACTIVATION_BUDGET_BYTES = 1 << 30
+
 
 class _UpdateConfig(BaseModel):
     """Fields the actor and the critic share: batching, optimizer, schedule, parallelism."""
@@ -70,18 +76,30 @@ class _UpdateConfig(BaseModel):
     )
     gradient_checkpointing: bool | Literal["auto"] = Field(
         "auto",
-        description="verl's name; 'auto' (on, verl's default; off under a pipeline, which does not "
-        "implement it) or true/false. HF gradient_checkpointing_enable, non-reentrant: "
-        "keep only each decoder layer's input in the forward and recompute the layer in the "
-        "backward. Same gradients. Without it a micro-batch keeps every layer's activations for "
-        "the backward, ~50 KB per token per layer in fp32 on SmolLM2-135M (1.5 MB per token, so "
-        "14 GB for an 8192-token micro-batch); with it ~2.3 KB per token per layer plus one layer. "
-        "Measured on CPU: update peak 8.1 -> 4.7 GB (SmolLM2-135M, one 3124-token micro-batch, "
-        "with entropy_from_logits_with_chunking); 1109 -> 696 MB on a 16M-param model (8 layers, "
-        "4 rows of 1088 tokens) for ~1.35x the update time (~1.9x on the built-in model). False: "
-        "faster when the micro-batch's activations fit in memory.",
+        description="verl's name (verl's default: on); 'auto' or true/false. HF "
+        "gradient_checkpointing_enable, non-reentrant: keep only each decoder layer's input in the "
+        "forward and recompute the layer in the backward. Same gradients. Without it a micro-batch "
+        "keeps every layer's activations for the backward, ~50 KB per token per layer in fp32 on "
+        "SmolLM2-135M (14 GB for an 8192-token micro-batch); with it ~2.3 KB per token per layer "
+        "plus one layer. 'auto': on when a micro-batch of ppo_max_token_len_per_gpu tokens would "
+        "keep more than 1 GiB of activations (estimated as 88 bytes per token per layer per hidden "
+        "unit, SmolLM2's measured rate): on for SmolLM2-135M and the 16M bench model, off for the "
+        "built-in model, whose update it would make ~1.9x slower for nothing; off under a pipeline, "
+        "which does not implement it. Measured on CPU: update peak 8.1 -> 4.7 GB (SmolLM2-135M, "
+        "one 3124-token micro-batch, with entropy_from_logits_with_chunking); 1109 -> 696 MB on a "
+        "16M-param model (8 layers, 4 rows of 1088 tokens) for ~1.35x the update time.",
     )
     shuffle: bool = Field(True, description="Shuffle rows into mini-batches with a seeded generator.")
+
+    def checkpoints_layers(self, hf_config: Any) -> bool:
+        """gradient_checkpointing made concrete for a model ("auto": see the field)."""
+        if self.gradient_checkpointing != "auto":
+            return bool(self.gradient_checkpointing)
+        layers, hidden = getattr(hf_config, "num_hidden_layers", None), getattr(hf_config, "hidden_size", None)
+        if not layers or not hidden:  # an architecture without these names: bound the memory
+            return True
+        return ACTIVATION_BYTES_PER_UNIT * layers * hidden * self.ppo_max_token_len_per_gpu > ACTIVATION_BUDGET_BYTES
+
     lr: float = Field(1e-6, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.01, ge=0, description="AdamW decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")

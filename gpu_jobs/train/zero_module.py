@@ -82,7 +82,7 @@ class ZeroModule(Resumable):
         with torch.random.fork_rng(devices=[]):  # seed a fresh head (critic), keep the caller's RNG
             torch.manual_seed(config.seed)
             model = self._build_model(auto_class, config_overrides or {})
-        if train and config.gradient_checkpointing:  # True or "auto"
+        if train and config.checkpoints_layers(model.config):
             # Non-reentrant: works with inputs that need no grad and with ZeRO-3's hooks.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model_config = model.config

@@ -176,3 +176,24 @@ def test_dynamic_microbatches_respect_the_token_budget():
     assert len(packed) < len(micros)
     fixed = plan_microbatches(rows, range(n), micro_size=6, max_tokens=None)
     assert [len(m) for m in fixed] == [6, 6, 6, 2]
+
+
+def test_gradient_checkpointing_auto_turns_on_where_activations_pass_the_budget():
+    """'auto' estimates one micro-batch's activations (ppo_max_token_len_per_gpu tokens x layers x
+    hidden x 88 B): on for SmolLM2-135M, off for the built-in model, on where the config does not
+    say its size; true/false are taken as given."""
+    from types import SimpleNamespace
+
+    from gpu_jobs.train.config import ACTIVATION_BUDGET_BYTES, ACTIVATION_BYTES_PER_UNIT
+
+    builtin, smollm2 = SimpleNamespace(num_hidden_layers=2, hidden_size=128), SimpleNamespace(num_hidden_layers=30, hidden_size=576)
+    auto = ActorConfig()
+    assert auto.gradient_checkpointing == "auto"
+    assert not auto.checkpoints_layers(builtin) and auto.checkpoints_layers(smollm2)
+    assert auto.checkpoints_layers(SimpleNamespace())
+    # the boundary is the budget: one token more than fits turns it on
+    fits = ACTIVATION_BUDGET_BYTES // (ACTIVATION_BYTES_PER_UNIT * 2 * 128)
+    assert not ActorConfig(ppo_max_token_len_per_gpu=fits).checkpoints_layers(builtin)
+    assert ActorConfig(ppo_max_token_len_per_gpu=fits + 1).checkpoints_layers(builtin)
+    assert ActorConfig(gradient_checkpointing=True).checkpoints_layers(builtin)
+    assert not ActorConfig(gradient_checkpointing=False).checkpoints_layers(smollm2)

@@ -243,9 +243,12 @@ def ensure_smollm2(cache_dir=None) -> str:
     """
     from gpu_jobs.models.build import build_once, default_cache_dir
 
-    gguf = smollm2_gguf()  # raises a clear error first if the package is missing
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return build_once(root / "smollm2-135m-instruct", lambda tmp: _convert_gguf(gguf, tmp))
+    final = root / "smollm2-135m-instruct"
+    if (final / "config.json").exists():  # converted once: the package is not needed again (a new environment lacks it)
+        return str(final)
+    gguf = smollm2_gguf()  # raises a clear error first if the package is missing
+    return build_once(final, lambda tmp: _convert_gguf(gguf, tmp))
 
 
 def _convert_gguf(gguf: str, out: Path) -> None:

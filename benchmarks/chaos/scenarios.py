@@ -557,3 +557,9 @@ def bad_config(chaos: Chaos) -> Outcome:
 importlib.import_module(f"{__package__}.orchestrator")
 importlib.import_module(f"{__package__}.async_runs")
 importlib.import_module(f"{__package__}.rank_runs")
+
+# Serving (rlmill serve, the broker, the feedback consumer) under faults: benchmarks/chaos/serve_runs.py.
+from .serve_runs import ROWS as _SERVE_ROWS  # noqa: E402 - it needs Outcome and Chaos only, not this module
+
+for _name, (_fault, _fn) in _SERVE_ROWS.items():
+    scenario(_name, _fault)(lambda chaos, f=_fault, fn=_fn: fn(chaos, f))

@@ -2,13 +2,17 @@
 # A local Prefect for rlmill: server (API + UI), a process worker, and the deployments.
 #
 #   scripts/prefect_local.sh server    # API + UI on http://127.0.0.1:${PORT:-4200} (make server), logs streamed to --watch
+#   RLMILL_PREFECT_DB=postgres scripts/prefect_local.sh server   # the same on PostgreSQL (make server DB=postgres)
 #   scripts/prefect_local.sh worker    # process worker on pool ${RLMILL_WORK_POOL:-local} (make worker)
 #   scripts/prefect_local.sh deploy    # pool if missing + deployments/prefect.yaml (make deploy)
 #
 # Environment: PORT (4200), PREFECT_API_URL (http://127.0.0.1:$PORT/api, for worker and deploy),
 # RLMILL_WORK_POOL (local), RLMILL_NIGHTLY_TZ (UTC; the nightly 02:00 schedule's time zone),
 # PREFECT_HOME (~/.prefect: the server's SQLite database lives there), RLMILL_SERVER_WAIT_S (30:
-# seconds worker/deploy wait for the server to answer).
+# seconds worker/deploy wait for the server to answer), RLMILL_PREFECT_DB (sqlite: the server's
+# database; postgres: a local cluster started by scripts/postgres_local.sh, in RLMILL_PG_DIR
+# (.rlmill/postgres) on PGPORT (a free port); a PostgreSQL of your own: leave it sqlite and set
+# PREFECT_API_DATABASE_CONNECTION_URL=postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,8 +46,31 @@ PY
   fi
 }
 
+use_database() {
+  # SQLite (in PREFECT_HOME) needs nothing; PostgreSQL is started here, idempotently, and stays
+  # up after the server stops (its data is kept for the next `make server DB=postgres`).
+  case "${RLMILL_PREFECT_DB:-sqlite}" in
+    sqlite) ;;
+    postgres)
+      if [ -n "${PREFECT_API_DATABASE_CONNECTION_URL:-}" ]; then
+        echo "rlmill: DB=postgres starts a local PostgreSQL, but PREFECT_API_DATABASE_CONNECTION_URL is" \
+             "already set: unset it, or leave DB unset to serve from the database it names" >&2
+        exit 2
+      fi
+      PREFECT_API_DATABASE_CONNECTION_URL="$(bash "$REPO/scripts/postgres_local.sh" start)" || exit 1
+      export PREFECT_API_DATABASE_CONNECTION_URL
+      ;;
+    *)
+      echo "rlmill: DB=${RLMILL_PREFECT_DB} is not a database the Prefect server runs on here:" \
+           "DB=sqlite (the default, in PREFECT_HOME) or DB=postgres (a local cluster in .rlmill/postgres)" >&2
+      exit 2
+      ;;
+  esac
+}
+
 case "${1:-}" in
   server)
+    use_database
     # The bundled UI is told where the API is through PREFECT_UI_API_URL; without it, it asks
     # the default port 4200 even when the server listens elsewhere.
     export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-http://127.0.0.1:$PORT/api}"
@@ -68,7 +95,7 @@ case "${1:-}" in
     exec prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml
     ;;
   *)
-    sed -n '2,11p' "$0" >&2
+    sed -n '2,15p' "$0" >&2
     exit 2
     ;;
 esac

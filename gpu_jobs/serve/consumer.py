@@ -2,6 +2,8 @@
 
     result = consume("s3://bucket/rl", "redis://127.0.0.1:6379/0")   # drain what is there, then return
     consume(root, url, follow=True)                                    # keep reading (rlmill feedback consume --follow)
+    consume(root, url, max_s=45, on_segment=print)                     # one bounded drain (the rl-feedback flow)
+    group_lag("redis://127.0.0.1:6379/0")                              # what waits for the consumer group
 
 Layout: <root>/feedback/<model>/<yyyy-mm-dd-hh>/segment-<first event id>/ holds answers-*.parquet
 (one row per choice) and feedback-*.parquet, published by a `_MANIFEST.json` (kind
@@ -17,7 +19,10 @@ committed-ids index: the event ids the manifests of the hour folders a batch tou
 once per folder per process, then kept up to date), so an event already committed -- a
 redelivery, or a duplicate XADD by a publisher whose first reply was lost -- is skipped, not
 written twice. Segment names come from the first event id left, and a segment name that is
-already committed with the same ids is a no-op.
+already committed with the same ids is a no-op. `on_segment` runs after a segment's manifest is
+committed and before the batch's XACK, so whatever it does (the rl-feedback flow emits a Prefect
+event) happens only for committed data; `max_s` stops between batches (after an XACK), so a bounded
+drain leaves nothing half-done.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import datetime as dt
 import io
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,8 +39,8 @@ from gpu_jobs.serve.answers import id_time
 from gpu_jobs.serve.broker import GROUP, STREAM, connect
 from gpu_jobs.serve.events import answers_table, check_event, decode, feedback_table, quarantine_table
 
-__all__ = ["FEEDBACK_DIR", "QUARANTINE_DIR", "SEGMENT_KIND", "ConsumeResult", "consume", "hour_of",
-           "segment_manifests"]
+__all__ = ["FEEDBACK_DIR", "QUARANTINE_DIR", "QUARANTINE_KIND", "SEGMENT_KIND", "ConsumeResult", "GroupLag",
+           "Segment", "consume", "group_lag", "hour_of", "segment_manifests"]
 
 log = logging.getLogger("rlmill.feedback")
 
@@ -42,6 +48,20 @@ FEEDBACK_DIR = "feedback"
 QUARANTINE_DIR = "_quarantine"  # not a valid model name (check_name), so it never collides with one
 SEGMENT_KIND = "feedback-segment"
 QUARANTINE_KIND = "feedback-quarantine"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment, right after its manifest was committed (what `on_segment` receives)."""
+
+    uri: str  # its _MANIFEST.json
+    kind: str  # SEGMENT_KIND (answers + feedback of one model and hour) or QUARANTINE_KIND
+    model: str | None  # None for a quarantine segment (its events may name no valid model)
+    hour: str  # the yyyy-mm-dd-hh folder it is in
+    answers: int = 0
+    feedback: int = 0
+    quarantined: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)  # quarantine reason -> count
 
 
 @dataclass
@@ -55,6 +75,7 @@ class ConsumeResult:
     quarantined: int = 0
     reasons: dict[str, int] = field(default_factory=dict)  # quarantine reason -> count
     segments: list[str] = field(default_factory=list)  # manifest URIs committed
+    stopped_early: bool = False  # max_s ran out with entries possibly still waiting
 
 
 def hour_of(ts: float) -> str:
@@ -134,8 +155,10 @@ def _same_ids(manifest, extra: dict) -> bool:
 class _Round:
     """One batch of stream entries: gate, dedupe, group, commit."""
 
-    def __init__(self, root: str, index: _CommittedIds, result: ConsumeResult, storage=None):
+    def __init__(self, root: str, index: _CommittedIds, result: ConsumeResult, storage=None,
+                 on_segment: Callable[[Segment], None] | None = None):
         self.root, self.index, self.result, self.storage = root, index, result, storage
+        self.on_segment = on_segment
         self.quarantine: list[tuple[str, Any, str]] = []
 
     def folder(self, model: str, hour: str) -> str:
@@ -196,6 +219,11 @@ class _Round:
         self.result.answers += len(answers)
         self.result.feedback += len(feedback)
         self.result.segments.append(uri)
+        self._committed(Segment(uri, SEGMENT_KIND, model, hour, answers=len(answers), feedback=len(feedback)))
+
+    def _committed(self, segment: Segment) -> None:
+        if self.on_segment is not None:
+            self.on_segment(segment)
 
     def _commit_quarantine(self) -> None:
         from storage import join
@@ -219,11 +247,15 @@ class _Round:
                                   QUARANTINE_KIND, extra, self.storage)
             done.update(extra["event_ids"])
             self.result.segments.append(uri)
+            reasons: dict[str, int] = {}
             for _, (sid, e, reason) in fresh:
-                self.result.quarantined += 1
                 kind = _reason_kind(reason)
-                self.result.reasons[kind] = self.result.reasons.get(kind, 0) + 1
+                reasons[kind] = reasons.get(kind, 0) + 1
                 log.warning("quarantined stream entry %s: %s", sid, reason)
+            self.result.quarantined += len(fresh)
+            for kind, n in reasons.items():
+                self.result.reasons[kind] = self.result.reasons.get(kind, 0) + n
+            self._committed(Segment(uri, QUARANTINE_KIND, None, hour, quarantined=len(fresh), reasons=reasons))
 
 
 def _reason_kind(reason: str) -> str:
@@ -270,29 +302,92 @@ def _entries(response) -> list[tuple[str, Any]]:
 
 
 def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GROUP, consumer: str = "consumer-1",
-            batch: int = 500, follow: bool = False, block_ms: int = 1000, storage=None,
-            after_commit: Callable[[ConsumeResult], None] | None = None) -> ConsumeResult:
+            batch: int = 500, follow: bool = False, block_ms: int = 1000, max_s: float | None = None, storage=None,
+            after_commit: Callable[[ConsumeResult], None] | None = None,
+            on_segment: Callable[[Segment], None] | None = None) -> ConsumeResult:
     """Read the stream with consumer group `group` as `consumer`, commit segments, ack; see the
-    module docstring. Without `follow`, returns once nothing new is waiting. `after_commit` runs
-    after each batch committed and before its XACK (tests kill the process there)."""
+    module docstring. Without `follow`, returns once nothing new is waiting. `max_s` (with or
+    without `follow`): read no new batch after that many seconds, so a drain under steady traffic
+    ends (`stopped_early`); the batch in hand is committed and acked first. `on_segment` runs
+    for each segment right after its commit; `after_commit` after each batch committed and
+    before its XACK (tests kill the process there)."""
     from storage.layout import check_root
 
+    if max_s is not None and not max_s > 0:
+        raise ValueError(f"max_s={max_s!r}: give a positive number of seconds, or None for no bound")
     client = connect(redis_url)
     check_root(root)
     _ensure_group(client, stream, group)
     index, result, cursor = _CommittedIds(storage), ConsumeResult(), "0"  # own pending entries first
+    deadline = None if max_s is None else time.monotonic() + max_s
     while True:
         block = block_ms if (cursor == ">" and follow) else None
+        if block is not None and deadline is not None:  # never wait past the bound for new entries
+            block = max(1, min(block, int(1000 * (deadline - time.monotonic()))))  # 0 would block forever
         entries = _entries(client.xreadgroup(group, consumer, {stream: cursor}, count=batch, block=block))
-        if not entries:
-            if cursor == "0":
-                cursor = ">"
-                continue
-            if follow:
-                continue
+        if entries:
+            _Round(root, index, result, storage, on_segment).run(entries)
+            if after_commit is not None:
+                after_commit(result)
+            client.xack(stream, group, *[sid for sid, _ in entries])
+            result.read += len(entries)
+        elif cursor == "0":  # own pending entries done: new ones next
+            cursor = ">"
+            continue
+        elif not follow:
             return result
-        _Round(root, index, result, storage).run(entries)
-        if after_commit is not None:
-            after_commit(result)
-        client.xack(stream, group, *[sid for sid, _ in entries])
-        result.read += len(entries)
+        # Checked after a read, never before the first: a bound smaller than one read still drains a batch.
+        if deadline is not None and time.monotonic() >= deadline:
+            result.stopped_early = True
+            return result
+
+
+@dataclass(frozen=True)
+class GroupLag:
+    """What waits for consumer group `group` of `stream` (Redis 7 XINFO GROUPS, XPENDING)."""
+
+    stream: str
+    group: str
+    length: int  # entries in the stream (XLEN)
+    lag: int | None  # entries not yet delivered to the group; None when Redis cannot tell (entries deleted)
+    pending: int  # delivered to a consumer, not acknowledged (a consumer died mid-batch, or is at work)
+    consumers: dict[str, int]  # consumer name -> its pending count
+    oldest_pending_age_s: float | None  # age of the oldest pending entry (from its stream id)
+    oldest_waiting_age_s: float | None  # age of the oldest entry not yet acknowledged (pending or undelivered)
+    group_exists: bool = True  # False before the first consume: then every entry is waiting
+
+    @property
+    def waiting(self) -> int | None:
+        """Entries not yet acknowledged: the backlog a drain has to commit."""
+        return None if self.lag is None else self.lag + self.pending
+
+
+def group_lag(redis_url: str, *, stream: str = STREAM, group: str = GROUP, now: float | None = None) -> GroupLag:
+    """The consumer group's backlog, read without consuming anything (see GroupLag)."""
+    import redis
+
+    client = connect(redis_url)
+    now = time.time() if now is None else now
+    length = client.xlen(stream)
+    try:
+        info = next((g for g in client.xinfo_groups(stream) if _s(g["name"]) == group), None)
+    except redis.ResponseError:  # no such stream yet
+        info = None
+    if info is None:
+        first = client.xrange(stream, count=1)
+        oldest = now - id_time_of_stream(_s(first[0][0])) if first else None
+        return GroupLag(stream, group, length, length, 0, {}, None, oldest, group_exists=False)
+    summary = client.xpending(stream, group)
+    pending = int(summary["pending"])
+    oldest_pending = now - id_time_of_stream(_s(summary["min"])) if pending else None
+    undelivered = client.xrange(stream, min="(" + _s(info["last-delivered-id"]), count=1)
+    oldest_undelivered = now - id_time_of_stream(_s(undelivered[0][0])) if undelivered else None
+    ages = [a for a in (oldest_pending, oldest_undelivered) if a is not None]
+    lag = info.get("lag")
+    return GroupLag(stream, group, length, None if lag is None else int(lag), pending,
+                    {_s(c["name"]): int(c["pending"]) for c in summary.get("consumers") or ()},
+                    oldest_pending, max(ages) if ages else None)
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

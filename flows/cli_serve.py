@@ -40,6 +40,13 @@ def add_serve_parsers(sub) -> None:
     serve.add_argument("--max-batch", type=int, default=16, help="requests per generate call at most")
     serve.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long to collect a batch")
     serve.add_argument("--queue-size", type=int, default=10_000, help="events held while the broker is slow or down")
+    serve.add_argument("--event-wait-ms", type=float, default=250.0,
+                       help="how long an answer waits for its event to reach the broker before it goes out anyway "
+                            "(the event stays queued, counted as buffered); 0 = never wait (default 250)")
+    serve.add_argument("--watch-s", type=float, default=5.0,
+                       help="seconds between reads of models/<name>/CURRENT: when it moves, the new version is "
+                            "loaded and swapped in without cutting a request; 0 = off (default 5; the built-in "
+                            "model has nothing to watch)")
     serve.set_defaults(fn=cmd_serve)
     feedback = sub.add_parser("feedback", help="feedback: consume the event stream into storage, build a dataset")
     fsub = feedback.add_subparsers(dest="feedback_command", required=True, metavar="command")
@@ -78,32 +85,45 @@ def _publisher(url: str, queue_size: int):
     return EventPublisher(url, max_queue=queue_size)
 
 
+def _check_numbers(args) -> None:
+    for flag, value in (("--watch-s", args.watch_s), ("--event-wait-ms", args.event_wait_ms),
+                        ("--batch-wait-ms", args.batch_wait_ms)):
+        if not value >= 0:  # also refuses nan
+            raise UserError(f"{flag} {value:g} is negative: give 0 or more seconds/milliseconds")
+    for flag, value in (("--max-batch", args.max_batch), ("--queue-size", args.queue_size)):
+        if value < 1:
+            raise UserError(f"{flag} {value} is below 1: give a positive number")
+
+
 def cmd_serve(args) -> None:
+    _check_numbers(args)
     _check_port(args.host, args.port)
     publisher = _publisher(args.redis, args.queue_size)
     import torch
     import uvicorn
 
     from gpu_jobs.serve.app import Server, ServeSettings, create_app
-    from gpu_jobs.serve.model import ModelNotServable, load_served_model
+    from gpu_jobs.serve.model import ModelNotServable, ModelSource
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    source = ModelSource(args.model, args.root, backend=args.engine)
     try:
-        served = load_served_model(args.model, args.root, backend=args.engine)
+        served = source.load()
     except ModelNotServable as exc:
         if publisher is not None:
             publisher.close(0.1)
         raise UserError(str(exc)) from None
     settings = ServeSettings(retention_hours=args.retention_hours, max_batch=args.max_batch,
-                             batch_wait_ms=args.batch_wait_ms)
-    server = Server(served, publisher, settings)
+                             batch_wait_ms=args.batch_wait_ms, event_wait_ms=args.event_wait_ms,
+                             watch_s=args.watch_s)
+    server = Server(served, publisher, settings, source=source)
+    watch = (f"; watching models/{served.name}/CURRENT every {args.watch_s:g} s" if server.models.watching else "")
     print(f"rlmill: serving {served.name} version {served.version} ({args.engine}) on "
-          f"http://{args.host}:{args.port}/v1", flush=True)
+          f"http://{args.host}:{args.port}/v1{watch}", flush=True)
     try:
         uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
     finally:
-        server.close()
-        served.close()
+        server.close()  # closes the engines of the served version and of any still retiring
 
 
 def _die_after_commit(result) -> None:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over one served model.
+"""The OpenAI-compatible HTTP API (FastAPI) over one served model, swapped when CURRENT moves.
 
     server = Server(load_served_model(None), publisher=EventPublisher(url))
     uvicorn.run(create_app(server), host="127.0.0.1", port=8000)
@@ -8,16 +8,21 @@
 
 Endpoints: POST /v1/chat/completions and /v1/completions (non-streaming, and `stream: true` as
 server-sent events ending `data: [DONE]`), GET /v1/models, POST /v1/feedback, GET /health, and
-GET /metrics (Prometheus text: requests, generate calls, events published and dropped).
-Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, one line each:
-bad sampling parameters 400, an unknown model 404; for feedback, a malformed body 422 naming
-the field, an unknown answer 404, an answer older than the retention window 410.
+GET /metrics (Prometheus text: requests, generate calls, events logged, buffered and dropped,
+swaps). Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, one line
+each: bad sampling parameters 400, an unknown model 404; for feedback, a malformed body 422
+naming the field, an unknown answer 404, an answer older than the retention window 410.
+
+A request holds the generation (version) that was current when it arrived, from tokenizing its
+prompt to publishing its event (swap.py): a hot swap never cuts it, and its event names the
+version that answered. Its response goes out once its event is in the broker, or after
+`event_wait_ms` (the event stays queued, counted as buffered; broker.py); the header
+`X-Rlmill-Event` says which: logged, buffered, dropped (queue full) or off (no broker).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +36,11 @@ from gpu_jobs.serve.batching import Batcher
 from gpu_jobs.serve.events import answer_event, feedback_event
 from gpu_jobs.serve.protocol import (ChatRequest, CompletionRequest, FeedbackRequest, ParamError, chat_response,
                                      completion_response, make_choices, refused_param, sampling_of, stream_chunks)
+from gpu_jobs.serve.swap import Generation, HotSwap
 
 __all__ = ["Server", "ServeSettings", "create_app"]
 
-log = logging.getLogger("rlmill.serve")
+EVENT_HEADER = "X-Rlmill-Event"
 
 
 @dataclass(frozen=True)
@@ -43,30 +49,42 @@ class ServeSettings:
     max_batch: int = 16  # requests per engine.generate call at most
     batch_wait_ms: float = 5.0  # how long the batcher collects requests after the first
     answer_index_size: int = 200_000  # recent answer ids kept for feedback checks
+    event_wait_ms: float = 250.0  # how long a response waits for its event's XADD (0: never waits)
+    watch_s: float = 0.0  # how often CURRENT is read for a hot swap (0: never; needs a source)
 
 
 class Server:
-    """The served model, its batcher, the recent-answer index and the event publisher (or None)."""
+    """The served model (swapped when CURRENT moves), the recent-answer index and the event
+    publisher (or None). It owns `served`: its engine is closed when retired or at close()."""
 
-    def __init__(self, served: Any, publisher: Any = None, settings: ServeSettings = ServeSettings()):
-        self.served, self.publisher, self.settings = served, publisher, settings
-        self.batcher = Batcher(served.engine, max_batch=settings.max_batch, max_wait_s=settings.batch_wait_ms / 1000)
+    def __init__(self, served: Any, publisher: Any = None, settings: ServeSettings = ServeSettings(),
+                 source: Any = None):
+        self.publisher, self.settings = publisher, settings
+        self.models = HotSwap(served, self._batcher, source=source, watch_s=settings.watch_s)
         self.answers = AnswerIndex(settings.answer_index_size)
         self.counts = {"answers": 0, "feedback": 0, "events_not_logged": 0}
 
-    @property
-    def fingerprint(self) -> str:
-        return f"{self.served.name}@{self.served.version}"
+    def _batcher(self, engine: Any) -> Batcher:
+        return Batcher(engine, max_batch=self.settings.max_batch, max_wait_s=self.settings.batch_wait_ms / 1000)
 
-    def publish(self, event: dict) -> bool:
+    @property
+    def served(self) -> Any:
+        """The version new requests get."""
+        return self.models.current.served
+
+    async def publish(self, event: dict) -> str:
+        """Hand `event` to the broker: "logged", "buffered", "dropped", or "off" (no broker)."""
         if self.publisher is None:
             self.counts["events_not_logged"] += 1
-            return False
-        return self.publisher.publish(event)
+            return "off"
+        return await self.publisher.publish_async(event, self.settings.event_wait_ms / 1000)
 
     def metrics(self) -> dict[str, float]:
         out = {f"rlmill_serve_{k}_total": v for k, v in self.counts.items()}
-        out.update({f"rlmill_serve_batcher_{k}_total": v for k, v in self.batcher.stats().items()})
+        s = self.served
+        out[f'rlmill_serve_info{{model="{s.name}",version="{s.version}"}}'] = 1
+        for k, v in self.models.stats().items():
+            out[f"rlmill_serve_{k}" if k in ("in_flight", "retiring") else f"rlmill_serve_{k}_total"] = v
         if self.publisher is not None:
             stats = self.publisher.stats()
             out["rlmill_serve_events_queued"] = stats.pop("queued")
@@ -74,7 +92,7 @@ class Server:
         return out
 
     def close(self) -> None:
-        self.batcher.close()
+        self.models.close()
         if self.publisher is not None:
             self.publisher.close()
 
@@ -96,7 +114,7 @@ def _validation_line(exc: RequestValidationError) -> tuple[str | None, str]:
 
 
 def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="rlmill serve", version=server.served.version)
+    app = FastAPI(title="rlmill serve")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -125,61 +143,67 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         prompt = req.single_prompt()
-        ids = prompt if isinstance(prompt, list) else server.served.tokenizer.encode(prompt, add_special_tokens=False)
-        return await _answer(server, "completion", req, prompt, list(ids))
+        with server.models.lease() as gen:
+            ids = prompt if isinstance(prompt, list) else gen.served.tokenizer.encode(prompt, add_special_tokens=False)
+            return await _answer(server, gen, "completion", req, prompt, list(ids))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         from gpu_jobs.data import render_prompt
 
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return await _answer(server, "chat", req, messages, render_prompt(messages, server.served.tokenizer))
+        with server.models.lease() as gen:
+            ids = render_prompt(messages, gen.served.tokenizer)
+            return await _answer(server, gen, "chat", req, messages, ids)
 
     @app.post("/v1/feedback")
     async def feedback(req: FeedbackRequest):
-        return _feedback(server, req)
+        return await _feedback(server, req)
 
     return app
 
 
-def _check_request(server: Server, req: Any, prompt_ids: list[int]) -> JSONResponse | None:
-    if req.model is not None and req.model != server.served.name:
-        return _error(404, f"the model {req.model!r} does not exist: this server serves {server.served.name!r}",
+def _check_request(served: Any, req: Any, prompt_ids: list[int]) -> JSONResponse | None:
+    if req.model is not None and req.model != served.name:
+        return _error(404, f"the model {req.model!r} does not exist: this server serves {served.name!r}",
                       "model", "not_found_error")
     if (refused := refused_param(req)) is not None:
         raise refused
-    limit = server.served.max_context
+    limit = served.max_context
     if len(prompt_ids) + req.max_new_tokens() > limit:
         return _error(400, f"this model's maximum context length is {limit} tokens; the prompt has "
                            f"{len(prompt_ids)} and max_tokens asks for {req.max_new_tokens()} more", "max_tokens")
     return None
 
 
-async def _answer(server: Server, kind: str, req: Any, prompt: Any, prompt_ids: list[int]):
-    if (refusal := _check_request(server, req, prompt_ids)) is not None:
+async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: Any, prompt_ids: list[int]):
+    """Generate on `gen` (held by the caller), publish the event, then answer."""
+    s = gen.served
+    if (refusal := _check_request(s, req, prompt_ids)) is not None:
         return refusal
     started, created = time.monotonic(), time.time()
-    sampling = sampling_of(req)
-    rows = await asyncio.wrap_future(server.batcher.submit([prompt_ids], req.n, sampling))
-    s = server.served
+    rows = await asyncio.wrap_future(gen.batcher.submit([prompt_ids], req.n, sampling_of(req)))
     choices = make_choices(rows, s.tokenizer, req.stop)
     answer_id = new_answer_id("chatcmpl" if kind == "chat" else "cmpl")
     server.answers.add(KnownAnswer(answer_id, created, s.name, s.version, len(choices)))
     server.counts["answers"] += 1
     settings = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                 "max_tokens": req.max_new_tokens(), "n": req.n, "seed": req.seed, "stop": req.stop}
-    server.publish(answer_event(
+    logged = await server.publish(answer_event(
         answer_id, endpoint="chat.completions" if kind == "chat" else "completions", model=s.name,
         version=s.version, created=created, latency_s=time.monotonic() - started, prompt=prompt,
         prompt_ids=prompt_ids, choices=choices, sampling=settings, user=req.user, session_id=req.session_id))
-    args = (answer_id, int(created), s.name, server.fingerprint, prompt_ids, choices)
-    if req.stream:
+    args = (answer_id, int(created), s.name, f"{s.name}@{s.version}", prompt_ids, choices)
+    headers = {EVENT_HEADER: logged}
+    if req.stream:  # the chunks are cut from the finished answer: nothing left for the engine to do
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream_chunks(kind, *args, s.tokenizer, usage), media_type="text/event-stream")
-    return chat_response(*args) if kind == "chat" else completion_response(*args)
+        return StreamingResponse(stream_chunks(kind, *args, s.tokenizer, usage), media_type="text/event-stream",
+                                 headers=headers)
+    body = chat_response(*args) if kind == "chat" else completion_response(*args)
+    return JSONResponse(body, headers=headers)
 
 
-def _feedback(server: Server, req: FeedbackRequest):
+async def _feedback(server: Server, req: FeedbackRequest):
     window_s = server.settings.retention_hours * 3600
     known = server.answers.get(req.answer_id)
     created = known.created if known else id_time(req.answer_id)
@@ -201,5 +225,6 @@ def _feedback(server: Server, req: FeedbackRequest):
                            preferred_over_index=req.preferred_over_index, text=req.text, user=req.user,
                            session_id=req.session_id)
     server.counts["feedback"] += 1
-    logged = server.publish(event)
-    return {"id": event["event_id"], "object": "feedback", "answer_id": req.answer_id, "logged": logged}
+    logged = await server.publish(event)
+    return JSONResponse({"id": event["event_id"], "object": "feedback", "answer_id": req.answer_id,
+                         "logged": logged in ("logged", "buffered")}, headers={EVENT_HEADER: logged})

@@ -1,24 +1,35 @@
 """Redis Streams between serving and storage: the publisher side.
 
     publisher = EventPublisher("redis://127.0.0.1:6379/0", max_queue=10_000)
-    publisher.publish(event)       # never blocks: queued, or dropped and counted
-    publisher.stats()              # {'queued': 0, 'published': 1, 'dropped': 0, 'send_errors': 0}
+    status = await publisher.publish_async(event, wait_s=0.25)   # "logged" | "buffered" | "dropped"
+    publisher.publish(event)       # never waits: "buffered" (queued) or "dropped"
+    publisher.stats()              # {'queued': 0, 'published': 1, 'logged': 1, 'buffered': 0, 'dropped': 0, ...}
     publisher.close()
 
-Answering never waits for the broker: `publish` puts the event on a bounded in-process queue and a
-publisher thread XADDs it. When the broker is slow or down, the thread keeps the event it holds
-and retries it (so nothing taken off the queue is lost), the queue fills, and what no longer fits
-is dropped: counted (`dropped`, served on /metrics) and logged, the first time and every
-DROP_LOG_EVERY-th after. A retried XADD whose first reply was lost can add an event twice; the
-consumer lands each event id once.
+An answer's response waits until its event is in the broker (`publish_async`): when the broker is
+up, an HTTP 200 means the event was XADDed, so a serve process SIGKILLed right after answering
+loses no answered request (tests/serve/test_hot_swap.py kills one). The wait is bounded: when the
+broker is slow (no XADD within `wait_s`) or known to be down (the last XADD failed), the event
+stays on a bounded in-process queue and the answer goes out anyway, counted as `buffered`: the
+publisher thread sends it when the broker is back. While the broker is down the thread keeps the
+events it holds and retries them (nothing taken off the queue is lost), the queue fills, and what
+no longer fits is dropped: counted (`dropped`, served on /metrics) and logged, the first time and
+every DROP_LOG_EVERY-th after. So every answered request is in the stream, or counted as buffered
+(lost only if the process dies before the broker comes back), or counted as dropped.
+
+The thread sends what has queued up in one pipeline (up to BATCH events), so a busy server pays
+one round trip per batch, not per event. A retried XADD whose first reply was lost can add an
+event twice; the consumer lands each event id once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 
 from gpu_jobs.serve.events import encode
 
@@ -30,6 +41,7 @@ STREAM = "rlmill:events"
 GROUP = "rlmill-feedback"
 DROP_LOG_EVERY = 1000
 RETRY_S = 0.5
+BATCH = 256  # events per pipelined XADD round trip at most
 
 
 class BrokerUnreachable(ConnectionError):
@@ -52,24 +64,30 @@ def connect(url: str, timeout_s: float = 2.0, check: bool = True):
 
 
 class EventPublisher:
-    """A bounded queue and one thread XADDing to `stream` (approximately capped at `maxlen`)."""
+    """A bounded queue and one thread XADDing to `stream` (approximately capped at `maxlen`).
+
+    Each queued event carries a Future: True once it is XADDed, False when the first XADD of it
+    failed (the thread keeps retrying it; a waiter stops waiting and counts it as buffered)."""
 
     def __init__(self, url: str, *, stream: str = STREAM, max_queue: int = 10_000, maxlen: int | None = None,
                  timeout_s: float = 2.0):
         self.url, self.stream, self.maxlen = url, stream, maxlen
         self._client = connect(url, timeout_s, check=False)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._counts = {"published": 0, "dropped": 0, "send_errors": 0}
+        self._counts = {"published": 0, "logged": 0, "buffered": 0, "dropped": 0, "send_errors": 0}
         self._lock = threading.Lock()
+        self._down = False  # the last XADD failed: answers do not wait for the broker meanwhile
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlmill-event-publisher", daemon=True)
         self._thread.start()
 
-    def publish(self, event: dict) -> bool:
-        """Queue `event` for the broker; False (and counted) when the queue is full."""
+    def submit(self, event: dict) -> Future | None:
+        """Queue `event`; its Future (see the class docstring), or None when the queue is full
+        (the event is dropped, counted and logged)."""
+        sent: Future = Future()
         try:
-            self._queue.put_nowait(event)
-            return True
+            self._queue.put_nowait((event, sent))
+            return sent
         except queue.Full:
             with self._lock:
                 self._counts["dropped"] += 1
@@ -77,42 +95,83 @@ class EventPublisher:
             if dropped == 1 or dropped % DROP_LOG_EVERY == 0:
                 log.warning("event queue full (%d events waiting for the broker at %s): dropped %d event(s) "
                             "so far", self._queue.maxsize, self.url, dropped)
-            return False
+            return None
+
+    def publish(self, event: dict) -> str:
+        """Queue `event` without waiting: "buffered", or "dropped" when the queue is full."""
+        return self._settle(self.submit(event) is not None, None)
+
+    async def publish_async(self, event: dict, wait_s: float) -> str:
+        """Queue `event` and wait (at most `wait_s`, not at all while the broker is down) until it
+        is XADDed: "logged"; else "buffered" (still queued, sent later) or "dropped"."""
+        sent = self.submit(event)
+        if sent is None:
+            return "dropped"
+        if wait_s <= 0 or self._down:
+            return self._settle(True, None)
+        try:
+            ok = await asyncio.wait_for(asyncio.wrap_future(sent), wait_s)
+        except asyncio.TimeoutError:  # a slow broker: the event stays queued
+            ok = None
+        return self._settle(True, ok)
+
+    def _settle(self, queued: bool, xadded: bool | None) -> str:
+        status = "dropped" if not queued else "logged" if xadded else "buffered"
+        if status != "dropped":
+            with self._lock:
+                self._counts[status] += 1
+        return status
 
     def stats(self) -> dict[str, int]:
+        """queued now; published (XADDed), logged (answered after the XADD), buffered (answered
+        before it), dropped (queue full, or not sent at close), send_errors (failed XADDs)."""
         with self._lock:
             return {"queued": self._queue.qsize(), **self._counts}
 
     def _run(self) -> None:
         while not self._closing.is_set() or not self._queue.empty():
             try:
-                event = self._queue.get(timeout=0.1)
+                batch = [self._queue.get(timeout=0.1)]
             except queue.Empty:
                 continue
+            while len(batch) < BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                self._send(event)
+                self._send(batch)
             finally:
-                self._queue.task_done()
+                for _ in batch:
+                    self._queue.task_done()
 
-    def _send(self, event: dict) -> None:
-        """XADD until it succeeds or the publisher closes; the event is not lost meanwhile."""
-        fields = encode(event)
+    def _send(self, batch: list[tuple[dict, Future]]) -> None:
+        """XADD the batch until it succeeds or the publisher closes; no event is lost meanwhile."""
+        fields = [encode(event) for event, _ in batch]
         while True:
             try:
-                self._client.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
+                pipe = self._client.pipeline(transaction=False)
+                for f in fields:
+                    pipe.xadd(self.stream, f, maxlen=self.maxlen, approximate=True)
+                pipe.execute()
                 with self._lock:
-                    self._counts["published"] += 1
+                    self._counts["published"] += len(batch)
+                if self._down:
+                    log.warning("event broker %s is back: sending what was queued", self.url)
+                self._down = False
+                _resolve(batch, True)
                 return
             except Exception as exc:  # redis.ConnectionError, TimeoutError, ... : the broker's problem
                 with self._lock:
                     self._counts["send_errors"] += 1
-                    first = self._counts["send_errors"] == 1
-                if first:
+                if not self._down:
                     log.warning("event broker %s: %s; retrying every %.1f s, queueing meanwhile", self.url,
                                 " ".join(str(exc).split()), RETRY_S)
+                self._down = True
+                _resolve(batch, False)  # waiting answers go out now, counted as buffered
                 if self._closing.wait(RETRY_S):
                     with self._lock:
-                        self._counts["dropped"] += 1
+                        self._counts["dropped"] += len(batch)
                     return
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -134,3 +193,9 @@ class EventPublisher:
             with self._lock:
                 self._counts["dropped"] += left
             log.warning("event publisher closed with %d event(s) not sent to %s: counted as dropped", left, self.url)
+
+
+def _resolve(batch: list[tuple[dict, Future]], xadded: bool) -> None:
+    for _, sent in batch:
+        if not sent.done():
+            sent.set_result(xadded)

@@ -3,6 +3,10 @@
     served = load_served_model("arith", root="s3://bucket/rl", backend="hf")   # models/arith/CURRENT
     served = load_served_model(None)                                            # the built-in model
     served.name, served.version, served.engine, served.tokenizer, served.max_context
+
+    source = ModelSource("arith", "s3://bucket/rl")     # what hot swap (swap.py) watches and loads
+    source.current_version()                            # 'v8': what CURRENT points to now
+    served = source.load("v8")                          # that version, whatever CURRENT says by then
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelNotServable", "ServedModel", "load_served_model", "registered_models"]
+__all__ = ["ModelNotServable", "ModelSource", "ServedModel", "load_served_model", "registered_models"]
 
 BUILTIN = "builtin"
 
@@ -48,45 +52,75 @@ def registered_models(root: str, storage=None) -> list[str]:
     return [n for n in names if fs.exists(f"{path.rstrip('/')}/{n}/CURRENT")]
 
 
-def resolve_served(name: str | None, root: str | None, storage=None) -> tuple[str, str, str]:
-    """(name, version, model path or URL) of what to serve; ModelNotServable when there is none."""
-    if name is None or name == BUILTIN:
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a served model's versions come from: a registered model under `root`, or the
+    built-in model (name None or "builtin", one version, nothing to watch)."""
+
+    name: str | None
+    root: str | None = None
+    backend: str = "hf"
+    options: Any = None  # a gpu_jobs.rollout RolloutEngineConfig; None = its defaults
+    storage: Any = None
+
+    @property
+    def builtin(self) -> bool:
+        return self.name is None or self.name == BUILTIN
+
+    def _layout(self):
+        from storage import ModelLayout
+        from storage.errors import InvalidNameError
+
+        if self.root is None:
+            raise ModelNotServable(f"--model {self.name} needs --root, the storage root its promoted versions "
+                                   "live under")
+        try:
+            return ModelLayout(self.root, self.name, self.storage)
+        except InvalidNameError as exc:
+            raise ModelNotServable(str(exc)) from None
+
+    def current_version(self) -> str | None:
+        """What models/<name>/CURRENT points to now (None when it is missing); the built-in
+        model's one version."""
+        return self.resolve()[1] if self.builtin else self._layout().current_version()
+
+    def resolve(self, version: str | None = None) -> tuple[str, str, str]:
+        """(name, version, model path or URL) of `version`, or of the promoted one when None;
+        ModelNotServable when there is none."""
+        if self.builtin:
+            from gpu_jobs.models import resolve_model_path
+
+            path = resolve_model_path(BUILTIN)
+            return BUILTIN, os.path.basename(path.rstrip("/")), path
+        layout = self._layout()
+        version = version or layout.current_version()
+        if version is None:
+            known = ", ".join(registered_models(self.root, self.storage)) or "none"
+            raise ModelNotServable(f"no promoted model {self.name!r} under {self.root} (models/{self.name}/CURRENT "
+                                   f"is missing; registered models there: {known}): the nightly flow promotes one, "
+                                   "or serve the built-in model by leaving out --model")
+        return self.name, version, layout.version(version)
+
+    def load(self, version: str | None = None) -> ServedModel:
+        """Resolve, download if remote, and build the rollout engine and tokenizer (seconds to
+        minutes). Raises whatever a broken version folder raises (OSError, ValueError, ...)."""
+        from transformers import AutoTokenizer
+
         from gpu_jobs.models import resolve_model_path
+        from gpu_jobs.rollout import RolloutEngineConfig
+        from gpu_jobs.rollout.data_parallel import build_rollout_engine
 
-        path = resolve_model_path(BUILTIN)
-        return BUILTIN, os.path.basename(path.rstrip("/")), path
-    if root is None:
-        raise ModelNotServable(f"--model {name} needs --root, the storage root its promoted versions live under")
-    from storage import ModelLayout
-    from storage.errors import InvalidNameError
-
-    try:
-        layout = ModelLayout(root, name, storage)
-    except InvalidNameError as exc:
-        raise ModelNotServable(str(exc)) from None
-    version = layout.current_version()
-    if version is None:
-        known = ", ".join(registered_models(root, storage)) or "none"
-        raise ModelNotServable(f"no promoted model {name!r} under {root} (models/{name}/CURRENT is missing; "
-                               f"registered models there: {known}): the nightly flow promotes one, or serve the "
-                               "built-in model by leaving out --model")
-    return name, version, layout.version(version)
+        name, version, where = self.resolve(version)
+        path = resolve_model_path(where, self.storage)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        engine = build_rollout_engine(self.backend, path, self.options or RolloutEngineConfig(), storage=self.storage)
+        return ServedModel(name, version, path, tokenizer, engine, _max_context(path, tokenizer))
 
 
 def load_served_model(name: str | None, root: str | None = None, *, backend: str = "hf",
                       options: Any = None, storage=None) -> ServedModel:
-    """Resolve, download if remote, and build the rollout engine and tokenizer (seconds to minutes)."""
-    from transformers import AutoTokenizer
-
-    from gpu_jobs.models import resolve_model_path
-    from gpu_jobs.rollout import RolloutEngineConfig
-    from gpu_jobs.rollout.data_parallel import build_rollout_engine
-
-    name, version, where = resolve_served(name, root, storage)
-    path = resolve_model_path(where, storage)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = build_rollout_engine(backend, path, options or RolloutEngineConfig(), storage=storage)
-    return ServedModel(name, version, path, tokenizer, engine, _max_context(path, tokenizer))
+    """The promoted version of `name` (the built-in model when None), loaded (see ModelSource.load)."""
+    return ModelSource(name, root, backend, options, storage).load()
 
 
 def _max_context(path: str, tokenizer) -> int:

@@ -32,12 +32,15 @@ def _sse(text: str) -> list:
 
 
 def test_completions_and_chat_over_http(served, redis_url, run_app):
-    server = Server(served, EventPublisher(redis_url))
+    # a wait far longer than any XADD: every answer below goes out after its event is in redis
+    server = Server(served, EventPublisher(redis_url), ServeSettings(event_wait_ms=60_000))
     with run_app(server) as base, httpx.Client(base_url=base, timeout=60) as http:
         models = http.get("/v1/models").json()
         assert models["data"][0]["id"] == "builtin" and models["data"][0]["version"] == served.version
-        r = http.post("/v1/completions", json={"model": "builtin", "prompt": "12+34=", "max_tokens": 4,
-                                               "temperature": 0}).json()
+        first = http.post("/v1/completions", json={"model": "builtin", "prompt": "12+34=", "max_tokens": 4,
+                                                   "temperature": 0})
+        assert first.headers["x-rlmill-event"] == "logged"
+        r = first.json()
         assert r["id"].startswith("cmpl-") and r["object"] == "text_completion"
         assert r["choices"][0]["text"] == "46" and r["choices"][0]["finish_reason"] == "stop"  # the model adds
         assert r["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}  # "46" + EOS
@@ -59,7 +62,8 @@ def test_completions_and_chat_over_http(served, redis_url, run_app):
             "max_tokens"
         assert http.post("/v1/completions", json={"model": "gpt-4", "prompt": "1+1="}).status_code == 404
     server.close()
-    assert server.publisher.stats()["published"] == 5 and server.publisher.stats()["dropped"] == 0
+    stats = server.publisher.stats()
+    assert stats["published"] == stats["logged"] == 5 and stats["dropped"] == stats["buffered"] == 0, stats
 
 
 def test_concurrent_requests_are_batched(served, run_app):
@@ -75,7 +79,7 @@ def test_concurrent_requests_are_batched(served, run_app):
             t.start()
         for t in threads:
             t.join()
-    stats = server.batcher.stats()
+    stats = {k.removeprefix("batcher_"): v for k, v in server.models.stats().items() if k.startswith("batcher_")}
     server.close()
     assert len(results) == 8 and all(r["object"] == "text_completion" for r in results.values())
     assert len({r["id"] for r in results.values()}) == 8
@@ -91,6 +95,7 @@ def test_feedback_checks(served):
     answer = client.post("/v1/chat/completions", json=CHAT).json()["id"]
     ok = client.post("/v1/feedback", json={"answer_id": answer, "thumbs": "up", "user": "u1"})
     assert ok.status_code == 200 and ok.json()["answer_id"] == answer and ok.json()["logged"] is False
+    assert ok.headers["x-rlmill-event"] == "off"
     unknown = client.post("/v1/feedback", json={"answer_id": new_answer_id("chatcmpl"), "score": 1})
     assert unknown.status_code == 404 and "no answer" in unknown.json()["error"]["message"]
     for body, field in (({"answer_id": answer, "score": 1.5}, "score"), ({"answer_id": answer, "thumbs": "meh"}, "thumbs"),
@@ -174,18 +179,23 @@ def test_broker_down_serve_answers_and_counts_drops(served, caplog):
     from tests.servers import free_port
 
     publisher = EventPublisher(f"redis://127.0.0.1:{free_port()}/0", max_queue=2, timeout_s=0.2)
-    server = Server(served, publisher)
+    # the first answer waits for its first XADD to fail (no timing involved), the others see the broker down
+    server = Server(served, publisher, ServeSettings(event_wait_ms=60_000))
     client = TestClient(create_app(server))
+    status = []
     for i in range(6):
         r = client.post("/v1/completions", json={"prompt": f"{i}+1=", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200
+        status.append(r.headers["x-rlmill-event"])
     metrics = dict(line.split() for line in client.get("/metrics").text.splitlines())
     # one event held by the publisher thread (retrying), two queued, the other three dropped and counted
+    assert status == ["buffered"] * 3 + ["dropped"] * 3, status
     assert metrics["rlmill_serve_events_dropped_total"] == "3" and metrics["rlmill_serve_events_queued"] == "2"
+    assert metrics["rlmill_serve_events_buffered_total"] == "3" and metrics["rlmill_serve_events_logged_total"] == "0"
     assert int(metrics["rlmill_serve_events_send_errors_total"]) >= 1
     assert any("dropped 1 event" in rec.getMessage() for rec in caplog.records)
     publisher.close(0.5)
-    server.batcher.close()
+    server.models.close()
     assert publisher.stats()["dropped"] == 6  # closing with the broker still down: none of them was sent
 
 

@@ -118,12 +118,12 @@ start() {
     url
     return 0
   fi
-  init_once
   port="${PGPORT:-$(cat "$DIR/port" 2>/dev/null || true)}"
   if [ -z "$port" ] || { [ -z "${PGPORT:-}" ] && port_in_use "$port"; }; then
     port="$(free_port)"  # no port asked for and the last one is taken (or there was none)
   fi
   port_in_use "$port" && die "port $port on 127.0.0.1 is in use (another PostgreSQL?): set PGPORT to a free port, or unset it to pick one"
+  init_once
   echo "$port" >"$DIR/port"
   # Unix sockets off: the cluster is reached on 127.0.0.1 only, and a socket path under a long
   # temporary folder can pass the 107-byte limit.

@@ -10,6 +10,14 @@ local Prefect (server, deployments, process workers) started the way `make serve
     with LocalPrefect(work, pool="rlmill-test") as prefect:     # server started, healthy
         prefect.deploy(); prefect.start_worker()
         flow_run_id = prefect.trigger("rl-training/manual", {"iterations": 1})
+    with LocalPrefect(work, pool="rlmill-test", db="postgres") as prefect:   # the same on PostgreSQL
+        prefect.postgres.sql("select count(*) from flow_run")           # [['0']]
+    with postgres_server() as pg:                                    # scripts/postgres_local.sh's cluster
+        env = {"PREFECT_API_DATABASE_CONNECTION_URL": pg.url}
+
+RLMILL_TEST_PREFECT_DB=postgres puts every LocalPrefect that is not given `db` on PostgreSQL (the
+deployment tests, benchmarks/async_pools.py, the chaos scenarios):
+    RLMILL_TEST_PREFECT_DB=postgres .venv/bin/python -m pytest -q tests/deployments/test_async_pools.py
 
 Lives in tests/, not in the product packages; it needs `moto[server]` installed. Benchmarks import
 it as `tests.servers` (they run as `python -m benchmarks...` from the repository root).
@@ -24,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -33,11 +42,13 @@ from zoneinfo import ZoneInfo
 from gpu_jobs.train.ranks.dist import free_port
 from storage import StorageConfig
 
-__all__ = ["LocalPrefect", "MotoServer", "PrefectServer", "free_port", "nightly_timezone", "start_moto_server",
-           "stop_group", "stop_process", "wait_for_api"]
+__all__ = ["LocalPrefect", "MotoServer", "PostgresCluster", "PrefectServer", "free_port", "nightly_timezone",
+           "postgres_missing", "postgres_server", "start_moto_server", "stop_group", "stop_process", "wait_for_api"]
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT_LOCAL = REPO / "scripts" / "prefect_local.sh"  # what `make server`, `make deploy`, `make worker` run
+POSTGRES_LOCAL = REPO / "scripts" / "postgres_local.sh"  # what `make server DB=postgres` starts first
+PREFECT_DATABASES = ("sqlite", "postgres")  # scripts/prefect_local.sh's RLMILL_PREFECT_DB
 
 MOTO_KEY = "rlmill-test-key"
 MOTO_SECRET = "rlmill-test-secret"
@@ -181,6 +192,76 @@ class MotoServer:
         return f"s3://{name}"
 
 
+def postgres_missing() -> str | None:
+    """Why no PostgreSQL cluster can start here (scripts/postgres_local.sh's one `rlmill:` line:
+    not installed, no account to run it as), or None when one can."""
+    done = subprocess.run(["bash", str(POSTGRES_LOCAL), "check"], capture_output=True, text=True, timeout=60)
+    return None if done.returncode == 0 else (done.stderr.strip() or f"postgres_local.sh check: exit {done.returncode}")
+
+
+class PostgresCluster:
+    """scripts/postgres_local.sh's throwaway PostgreSQL in `folder` on `port` (default: a fresh
+    folder under the system's temporary folder, a free port). The default folder is not under
+    pytest's tmp_path: as root the cluster runs as the `postgres` account, and pytest's folders
+    (/tmp/pytest-of-root, mode 700) are closed to it.
+
+    Example:
+        >>> pg = PostgresCluster().start()  # doctest: +SKIP
+        >>> pg.sql("select current_database()")  # doctest: +SKIP
+        [['prefect']]
+        >>> pg.stop(); pg.remove()  # doctest: +SKIP
+    """
+
+    def __init__(self, folder: str | os.PathLike | None = None, port: int | None = None):
+        self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="rlmill-pg-"))
+        self.port = port or free_port()
+        self.env = {"RLMILL_PG_DIR": str(self.folder), "PGPORT": str(self.port)}  # what the script reads
+        self.url = ""  # postgresql+asyncpg://...: PREFECT_API_DATABASE_CONNECTION_URL, once started
+
+    def script(self, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """`scripts/postgres_local.sh ARGS` for this cluster (plus `env`); raises with its stderr
+        when it fails and `check`."""
+        done = subprocess.run(["bash", str(POSTGRES_LOCAL), *args], env={**os.environ, **self.env, **(env or {})},
+                              capture_output=True, text=True, timeout=180)
+        if check and done.returncode:
+            raise RuntimeError(f"postgres_local.sh {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+        return done
+
+    def start(self) -> "PostgresCluster":
+        """Initialise (once) and start it; idempotent. Sets `url`."""
+        self.url = self.script("start").stdout.strip()
+        return self
+
+    def sql(self, query: str) -> list[list[str]]:
+        """Rows of `query` in the cluster's `prefect` database, each a list of column texts."""
+        out = self.script("psql", "-At", "-F", "\t", "-v", "ON_ERROR_STOP=1", "-c", query).stdout
+        return [line.split("\t") for line in out.splitlines()]
+
+    def stop(self) -> None:
+        """Stop it by its PID file (the script: fast shutdown, immediate after 30 s)."""
+        self.script("stop")
+
+    def remove(self, keep_log: Path | None = None) -> None:
+        """Delete its folder (stopped first), copying its server log to `keep_log` first when given."""
+        log = self.folder / "postgres.log"
+        if keep_log is not None and log.exists():
+            shutil.copyfile(log, keep_log)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def postgres_server(folder: str | os.PathLike | None = None, port: int | None = None):
+    """A started PostgresCluster for the life of a `with` block; stopped, and its folder removed
+    when this made it, at the end."""
+    cluster = PostgresCluster(folder, port)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        if folder is None:
+            cluster.remove()
+
+
 @contextlib.contextmanager
 def module_prefect_api():
     """Prefect's test harness (a fresh API server and database) for one test module; yields its
@@ -271,19 +352,28 @@ class PrefectServer:
 
 class LocalPrefect:
     """A real local Prefect started the way `make server`, `make deploy` and `make worker` do
-    (scripts/prefect_local.sh): a server on a free port with its own PREFECT_HOME (SQLite) under
-    `work`, the deployments on work pool `pool`, process workers. Every process it starts is in a
+    (scripts/prefect_local.sh): a server on a free port with its own PREFECT_HOME under `work`,
+    the deployments on work pool `pool`, process workers. Every process it starts is in a
     session of its own and stopped by PID (`close`: SIGTERM, SIGKILL after a grace: a process
     worker may ignore SIGTERM). `env` is the environment of every child (and of a flow process
     that should use this server); `env=None` starts from this process's.
+
+    `db` is the server's database, as `make server DB=...` takes it: "sqlite" (in PREFECT_HOME)
+    or "postgres" (a throwaway PostgresCluster on a free port, `self.postgres`, started by the
+    server script like `make server DB=postgres` does, stopped and removed by `close`); None
+    reads RLMILL_TEST_PREFECT_DB, default sqlite.
 
     Used by the deployment tests (tests/deployments/conftest.py), the two work pools of
     benchmarks/async_pools.py and the chaos scenarios on a local Prefect (benchmarks/chaos/orchestrator.py).
     """
 
-    def __init__(self, work: str | os.PathLike, pool: str, env: dict[str, str] | None = None):
+    def __init__(self, work: str | os.PathLike, pool: str, env: dict[str, str] | None = None, db: str | None = None):
         from gpu_jobs.train.ranks.dist import child_env
 
+        self.db = db or os.environ.get("RLMILL_TEST_PREFECT_DB") or "sqlite"
+        if self.db not in PREFECT_DATABASES:
+            raise ValueError(f"rlmill: LocalPrefect db={self.db!r} (or RLMILL_TEST_PREFECT_DB) is not one of "
+                             f"{', '.join(PREFECT_DATABASES)}")
         self.work, self.pool = Path(work), pool
         self.work.mkdir(parents=True, exist_ok=True)
         port = free_port()
@@ -301,6 +391,9 @@ class LocalPrefect:
             "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
         for key in ("PREFECT_PROFILE", "PREFECT_UI_API_URL"):
             self.env.pop(key, None)
+        # Only the server's process learns where its database is (the script starts PostgreSQL).
+        self.postgres = PostgresCluster() if self.db == "postgres" else None
+        self.server_env = {"RLMILL_PREFECT_DB": self.db, **(self.postgres.env if self.postgres else {})}
         self.procs: list[subprocess.Popen] = []
         self.logs: dict[int, Path] = {}  # pid -> its log
         self.server: subprocess.Popen | None = None  # the server last started
@@ -309,7 +402,9 @@ class LocalPrefect:
         """`scripts/prefect_local.sh server|worker` (a worker polls `pool`, default this one's),
         logging to <work>/<what>-<n>.log."""
         log = self.work / f"{what}-{len(self.procs)}.log"
-        env = {**self.env, "RLMILL_WORK_POOL": pool or self.pool}
+        env = {**self.env, "RLMILL_WORK_POOL": pool or self.pool, **(self.server_env if what == "server" else {})}
+        if what == "server" and self.postgres is not None:
+            env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)  # a developer's own: not this server's
         with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(["bash", str(PREFECT_LOCAL), what], cwd=REPO, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -365,6 +460,11 @@ class LocalPrefect:
     def close(self, grace: float = 15.0) -> None:
         for proc in reversed(self.procs):
             stop_group(proc, grace=grace)
+        if self.postgres is not None:  # after the server, its only client; its log stays in `work`
+            try:
+                self.postgres.stop()
+            finally:
+                self.postgres.remove(keep_log=self.work / "postgres.log")
 
     def __enter__(self) -> "LocalPrefect":
         try:

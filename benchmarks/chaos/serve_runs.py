@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import shutil
@@ -488,15 +489,34 @@ def serve_kill(chaos: Chaos, fault: str, before: int = 50, after: int = 50, conc
             client.wait_answers(before, START_S, "before the kill")
             in_flight, at_kill = client.in_flight, client.count()
             s.serve.kill()
-            s.serve.start()
+            t_kill, tries = time.monotonic(), restart_on_same_port(s.serve)
+            restarted = time.monotonic() - t_kill
             client.wait_answers(client.count() + after, START_S, "after serve restarted")
         finally:
             client.stop()
         s.drain()
         audit = audit_answers(s.root, client.ids, int(s.serve.metrics().get("rlmill_serve_events_dropped_total", 0)))
+    port = (f"restarted on the same port at once" if tries == 1 else
+            f"restarted on the same port after {tries} tries, {restarted:.0f} s (serve refused the port while "
+            "the killed server's connections were in TIME_WAIT)")
     what = (f"serve SIGKILLed after {at_kill} answers with {in_flight} request(s) in flight "
-            f"({sum(client.errors.values())} client errors), restarted on the same port")
+            f"({sum(client.errors.values())} client errors); {port}")
     return _row(fault, what, audit, in_flight > 0)
+
+
+def restart_on_same_port(serve: ServeProcess, delay_s: float = 1.0) -> int:
+    """Start `serve` again as a supervisor would (systemd Restart=on-failure, RestartSec=1): again
+    after `delay_s` while it refuses its port; returns the tries it took."""
+    t0 = time.monotonic()
+    for tries in itertools.count(1):
+        try:
+            serve.start()
+            return tries
+        except RuntimeError as exc:
+            if "cannot listen" not in str(exc) or time.monotonic() - t0 > START_S:
+                raise
+            time.sleep(delay_s)
+    raise AssertionError("unreachable")
 
 
 def s3_down(chaos: Chaos, fault: str, outage_s: float = 40.0, before: int = 40, after: int = 40,

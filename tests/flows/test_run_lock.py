@@ -98,3 +98,48 @@ def test_a_child_that_inherited_the_lock_is_named_not_mistaken_for_the_dead_hold
         except RunLockedError:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+def test_a_holder_killed_without_an_error_is_reported_with_its_memory(tmp_path, monkeypatch, caplog):
+    """The kernel's OOM killer leaves no Python error: the next start says how much memory the dead
+    holder (and its child processes) had, from the record its heartbeat kept."""
+    monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path))
+    code = ("import json, os, signal, time; from flows.run_lock import RunLock\n"
+            "lock = RunLock('/data', 'r'); lock.acquire(); ballast = b'x' * (300 << 20)\n"
+            "deadline = time.monotonic() + 60\n"
+            "while json.loads(open(lock.path).read() or '{}').get('peak_rss', 0) < (300 << 20):\n"
+            "    assert time.monotonic() < deadline, 'no heartbeat recorded the ballast in 60 s'\n"
+            "    time.sleep(0.02)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    env = {"RLMILL_LOCK_DIR": str(tmp_path), "RLMILL_LOCK_HEARTBEAT_S": "0.05", "PATH": ""}
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == -9
+    with caplog.at_level("WARNING", logger="rlmill"):
+        with RunLock("/data", "r") as lock:
+            assert lock.stale["peak_rss"] >= 300 << 20 and lock.stale["mem_total"] > 0
+    (line,) = [r.getMessage() for r in caplog.records if "stale lock" in r.getMessage()]
+    assert "with no error; last seen " in line and " GB resident (it and its child processes" in line, line
+
+
+def test_the_memory_words_name_a_likely_oom_kill():
+    from flows.run_lock import _memory_words
+
+    gb = 2**30
+    tight = {"seen": 0, "rss": 22 * gb, "peak_rss": 23 * gb, "mem_available": gb // 2, "mem_total": 24 * gb}
+    assert "likely killed by the kernel for lack of memory" in _memory_words(tight)
+    roomy = {**tight, "rss": 2 * gb, "peak_rss": 3 * gb, "mem_available": 20 * gb}
+    assert "2.0 GB resident" in _memory_words(roomy) and "likely killed" not in _memory_words(roomy)
+    assert _memory_words({"pid": 1}) == ""  # a record from before the heartbeat existed
+
+
+def test_resident_memory_counts_the_child_processes():
+    from flows.run_lock import tree_resident_bytes
+
+    before = tree_resident_bytes()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = b'x' * (200 << 20); print('ready', flush=True); "
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert tree_resident_bytes() - before >= 200 << 20
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)

@@ -25,11 +25,12 @@ event twice; the consumer lands each event id once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from gpu_jobs.serve.events import encode
 
@@ -74,7 +75,8 @@ class EventPublisher:
         self.url, self.stream, self.maxlen = url, stream, maxlen
         self._client = connect(url, timeout_s, check=False)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._counts = {"published": 0, "logged": 0, "buffered": 0, "dropped": 0, "send_errors": 0}
+        self._counts = {"published": 0, "logged": 0, "buffered": 0, "dropped": 0, "send_errors": 0,
+                        "wait_seconds": 0.0}
         self._lock = threading.Lock()
         self._down = False  # the last XADD failed: answers do not wait for the broker meanwhile
         self._closing = threading.Event()
@@ -109,10 +111,13 @@ class EventPublisher:
             return "dropped"
         if wait_s <= 0 or self._down:
             return self._settle(True, None)
-        try:
-            ok = await asyncio.wait_for(asyncio.wrap_future(sent), wait_s)
-        except asyncio.TimeoutError:  # a slow broker: the event stays queued
-            ok = None
+        started = time.perf_counter()
+        # asyncio.wait, not wait_for: a timeout must not cancel `sent` (the event stays queued)
+        waiter = asyncio.wrap_future(sent)
+        done, _ = await asyncio.wait({waiter}, timeout=wait_s)
+        ok = waiter.result() if done else None  # None: a slow broker
+        with self._lock:
+            self._counts["wait_seconds"] += time.perf_counter() - started
         return self._settle(True, ok)
 
     def _settle(self, queued: bool, xadded: bool | None) -> str:
@@ -124,7 +129,8 @@ class EventPublisher:
 
     def stats(self) -> dict[str, int]:
         """queued now; published (XADDed), logged (answered after the XADD), buffered (answered
-        before it), dropped (queue full, or not sent at close), send_errors (failed XADDs)."""
+        before it), dropped (queue full, or not sent at close), send_errors (failed XADDs), and
+        wait_seconds: what answers spent waiting for their XADD, in all (the latency logging adds)."""
         with self._lock:
             return {"queued": self._queue.qsize(), **self._counts}
 
@@ -197,5 +203,5 @@ class EventPublisher:
 
 def _resolve(batch: list[tuple[dict, Future]], xadded: bool) -> None:
     for _, sent in batch:
-        if not sent.done():
+        with contextlib.suppress(InvalidStateError):  # already resolved (a retry), or cancelled
             sent.set_result(xadded)

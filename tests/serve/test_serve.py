@@ -236,3 +236,28 @@ def test_serve_a_promoted_model_and_the_cli_user_errors(tmp_path, redis_url):
     dead = f"redis://127.0.0.1:{free_port()}/0"
     assert "does not answer" in line("serve", "--port", "0", "--redis", dead)
     assert "does not answer" in line("feedback", "consume", "--root", str(tmp_path), "--redis", dead)
+
+
+def test_a_slow_broker_buffers_and_sends_later(redis_url):
+    """A broker that does not answer within the wait (a stopped redis-server): the answer goes out
+    counted as buffered, and the event reaches the stream once the broker answers again."""
+    import asyncio
+    import signal
+
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    pid = int(client.info("server")["process_id"])
+    publisher = EventPublisher(redis_url, timeout_s=60)  # slow, not failing: no send error
+    event = feedback_event(new_answer_id("cmpl"), model="builtin", version="v", thumbs="up")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        status = asyncio.run(publisher.publish_async(event, wait_s=0.2))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert status == "buffered"
+    assert publisher.flush(60), "gave up after 60 s waiting for the buffered event to be sent"
+    stats = publisher.stats()
+    assert (stats["buffered"], stats["logged"], stats["published"], stats["send_errors"]) == (1, 0, 1, 0), stats
+    assert [json.loads(f[b"event"])["event_id"] for _, f in client.xrange(STREAM)] == [event["event_id"]]
+    publisher.close()

@@ -51,7 +51,7 @@ from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.cli_serve import DEFAULT_REDIS
 from flows.reporting import artifact_key
-from gpu_jobs.serve.broker import GROUP, STREAM, BrokerUnreachable
+from gpu_jobs.serve.broker import GROUP, STREAM, BrokerUnreachable, connect
 from gpu_jobs.serve.consumer import (FEEDBACK_DIR, QUARANTINE_DIR, QUARANTINE_KIND, ConsumeResult, GroupLag, Segment,
                                      consume, group_lag)
 
@@ -211,6 +211,10 @@ def check_inputs(root: Any, redis_url: Any, window_s: Any, consumer: Any) -> str
     return None
 
 
+def _unreachable(exc: BrokerUnreachable) -> str:
+    return f"{exc}; in a deployment run: -p redis_url=<its URL>"
+
+
 def _failed(line: str):
     from prefect.states import Failed
 
@@ -232,6 +236,10 @@ def rl_feedback(root: str = ".rlmill", redis_url: str = DEFAULT_REDIS, window_s:
     """
     if (line := check_inputs(root, redis_url, window_s, consumer)) is not None:
         return _failed(line)
+    try:  # a broker that is not there at all is said at once; the tasks' retries are for blips
+        connect(redis_url)
+    except BrokerUnreachable as exc:
+        return _failed(_unreachable(exc))
     from storage import join
 
     quarantine_dir = join(root, FEEDBACK_DIR, QUARANTINE_DIR)
@@ -241,7 +249,7 @@ def rl_feedback(root: str = ".rlmill", redis_url: str = DEFAULT_REDIS, window_s:
             result, segments = drain(root, redis_url, stream, group, consumer, float(window_s))
             after = read_lag(redis_url, stream, group)
         except BrokerUnreachable as exc:
-            return _failed(f"{exc}; in a deployment run: -p redis_url=<its URL>")
+            return _failed(_unreachable(exc))
         _artifacts(result, before, after, segments, quarantine_dir)
     get_run_logger().info("%d event(s) read: %d answers and %d feedback committed in %d segment(s), %d duplicate(s) "
                           "skipped, %d quarantined; %s still waiting", result.read, result.answers, result.feedback,

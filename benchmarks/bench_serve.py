@@ -83,7 +83,7 @@ def register_model(name: str, root: Path) -> tuple[str, ...]:
     return ("--model", name, "--root", str(root))
 
 
-def feedback_latency(serve: ServeProcess, root: Path, model: str, answer_ids: list[str], n: int, rate: float,
+def feedback_latency(base: str, root: Path, model: str, answer_ids: list[str], n: int, rate: float,
                      load: int, max_tokens: int) -> tuple[list[float], list[str]]:
     """Post `n` feedbacks at `rate`/s (with `load` concurrent completions going on); seconds from
     each POST to the mtime of the first committed manifest listing its event id, and the answer
@@ -91,9 +91,9 @@ def feedback_latency(serve: ServeProcess, root: Path, model: str, answer_ids: li
     import httpx
 
     posted: dict[str, float] = {}
-    client = Client(serve.base, load, max_tokens, seed=7).start() if load else None
+    client = Client(base, load, max_tokens, seed=7).start() if load else None
     try:
-        with httpx.Client(base_url=serve.base, timeout=60) as http:
+        with httpx.Client(base_url=base, timeout=60) as http:
             for i in range(n):
                 t = time.time()
                 r = http.post("/v1/feedback", json={"answer_id": answer_ids[i % len(answer_ids)],
@@ -151,7 +151,7 @@ def run(args, work: Path) -> str:
                         answered += got["ids"]
                     print(f"  c={c:<3} logging {mode:3s} run {r + 1}: {rps[(c, mode)][-1]:.1f} req/s, "
                           f"p50 {statistics.median(got['latencies']) * 1000:.0f} ms", file=sys.stderr, flush=True)
-        fb, more = feedback_latency(on, root, model, answered, args.feedbacks, args.feedback_rate,
+        fb, more = feedback_latency(on.base, root, model, answered, args.feedbacks, args.feedback_rate,
                                     args.feedback_load, args.max_tokens)
         answered += more
         wait_until("serve's publisher to send every event", lambda: published_all(on), 120, on, step=0.2)

@@ -3,11 +3,15 @@ what users say about its answers, from the broker into storage and into training
 
     rlmill serve                                            # the built-in model on 127.0.0.1:8000
     rlmill serve --model arith --root s3://bucket/rl --engine vllm --port 8000 --redis redis://127.0.0.1:6379/0
+    rlmill serve --model arith --root s3://bucket/rl --watch-s 5 --event-wait-ms 250   # the defaults
     rlmill feedback consume --root s3://bucket/rl --redis redis://127.0.0.1:6379/0 [--follow]
     rlmill feedback dataset --root s3://bucket/rl --model arith --out s3://bucket/data/arith-feedback.parquet
 
 The work is gpu_jobs/serve/; this module parses, checks what a user can get wrong (a model not
-registered, a port in use, the broker not reachable: one `rlmill: ...` line each), and starts it.
+registered, a port in use, the broker not reachable, a negative wait: one `rlmill: ...` line each),
+and starts it. While it serves, models/<name>/CURRENT is read every --watch-s seconds and a newly
+promoted version is swapped in (gpu_jobs/serve/swap.py); an answer goes out once its event is in
+the broker, or after --event-wait-ms with the event still queued (gpu_jobs/serve/broker.py).
 """
 
 from __future__ import annotations

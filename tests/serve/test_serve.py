@@ -233,6 +233,8 @@ def test_serve_a_promoted_model_and_the_cli_user_errors(tmp_path, redis_url):
         assert "cannot listen on 127.0.0.1" in line("serve", "--port", str(taken.getsockname()[1]))
     from tests.servers import free_port
 
+    assert "--watch-s -1 is negative" in line("serve", "--watch-s", "-1", "--port", "0")
+    assert "--event-wait-ms nan is negative" in line("serve", "--event-wait-ms", "nan", "--port", "0")
     dead = f"redis://127.0.0.1:{free_port()}/0"
     assert "does not answer" in line("serve", "--port", "0", "--redis", dead)
     assert "does not answer" in line("feedback", "consume", "--root", str(tmp_path), "--redis", dead)

@@ -137,6 +137,9 @@ class HotSwap:
 
     def swap(self, served: Any) -> None:
         """Serve `served` from now on; the old generation closes once its requests are done."""
+        if self._stop.is_set():  # loaded while the server was closing: nobody will ask it anything
+            served.close()
+            return
         new = Generation(served, self._make_batcher(served.engine))
         with self._lock:
             old, self._current = self._current, new

@@ -183,13 +183,20 @@ def _print_summary(summary: dict) -> None:
     width = 41
     print()
     print(f"{'run':<{width}} {summary['run_id']}")
-    print(f"{SUMMARY_LABEL + ', before RL':<{width}} {100 * before:6.1f} %")
+    if before is None:
+        print(f"{SUMMARY_LABEL + ', before RL':<{width}} not measured (trainer.val_before_train=false)")
+    else:
+        print(f"{SUMMARY_LABEL + ', before RL':<{width}} {100 * before:6.1f} %")
     print(f"{SUMMARY_LABEL + ', after RL':<{width}} {100 * after:6.1f} %")
-    print(f"{'change':<{width}} {100 * (after - before):+6.1f} points")
+    if before is not None:
+        print(f"{'change':<{width}} {100 * (after - before):+6.1f} points")
     print(f"{'iterations':<{width}} {summary['iterations']}")
-    for k, elapsed, acc in summary.get("val_curve", [])[1:]:
+    for k, elapsed, acc in summary.get("val_curve", []):
+        if k == 0:
+            continue
         label = f"  after iteration {k} ({elapsed:.0f} s training)"
-        print(f"{label:<{width}} {100 * acc:6.1f} %  ({100 * (acc - before):+.1f})")
+        change = "" if before is None else f"  ({100 * (acc - before):+.1f})"
+        print(f"{label:<{width}} {100 * acc:6.1f} %{change}")
     print(f"{'training wall time (s)':<{width}} {summary['train seconds (this process)']}")
     print(f"{'curves':<{width}} {summary['curves']}")
 

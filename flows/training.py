@@ -278,9 +278,11 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
     tb = MetricLoggers(cfg.run_id, local_tb_dir(cfg.root, cfg.run_id) if cfg.trainer.tensorboard else None,
                        cfg.trainer.loggers, frozen_config(cfg))
     try:
-        acc_before = float(guard("validation before training", _validation_metrics, calls, 0)["val/acc"])
+        acc_before = (float(guard("validation before training", _validation_metrics, calls, 0)["val/acc"])
+                      if cfg.trainer.val_before_train else None)  # None: trainer.val_before_train=false
         progress = guard("the progress artifact", Progress, cfg.run_id, total, done)
-        t_train, val_s, val_curve = time.perf_counter(), 0.0, [(0, 0.0, acc_before)]
+        t_train, val_s = time.perf_counter(), 0.0
+        val_curve = [] if acc_before is None else [(0, 0.0, acc_before)]
         for k in range(done + 1, total + 1):
             metrics = guard(f"iteration {k}", _iteration_subflow, calls, k)
             if _val_due(cfg, k):

@@ -277,8 +277,7 @@ def _trainer_reward_rules() -> dict[str, Rule]:
                                    "<root>/runs/<run_id> (trainer.experiment_name)"),
         t + "critic_warmup": Rule("-> critic.critic_warmup (0: the actor trains from iteration 1, rlmill's "
                                   "default)", lambda v: {} if v == 0 else {"critic.critic_warmup": v}, ("critic.critic_warmup",)),
-        t + "val_before_train": accept("rlmill validates before the first iteration", lambda v: v is True,
-                                       "rlmill always validates before training (its before/after table)"),
+        t + "val_before_train": rename("trainer.val_before_train"),
         t + "resume_mode": accept("a named run resumes where it stopped", lambda v: v == "auto",
                                   "only 'auto' is supported: a new trainer.experiment_name starts a new run"),
         t + "balance_batch": accept("balances tokens across data-parallel ranks in verl: speed only "

@@ -138,6 +138,9 @@ class RolloutStageConfig(_Section):
 class LoopConfig(_Section):
     total_iterations: int = Field(40, ge=1, description="RL iterations in the run (verl total_training_steps).")
     val_every: int = Field(10, ge=0, description="Validate every this many iterations (0 = only before and after).")
+    val_before_train: bool = Field(True, description="Validate before the first iteration (verl's "
+                                   "trainer.val_before_train); false skips that pass (minutes on a real model), and "
+                                   "the run's summary then has no 'before' score.")
     checkpoint_every: int = Field(10, ge=1, description="Write policy weights + trainer state every this many iterations.")
     placement: Literal["colocated", "remote"] = Field(
         "colocated", description="Where GPU stages run. 'colocated': in the flow process with warm roles. "

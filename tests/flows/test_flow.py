@@ -100,8 +100,13 @@ def test_a_stage_that_fails_once_is_retried_and_the_run_completes(prefect_api, t
         return real(run, roles, k, *inputs)
 
     monkeypatch.setattr(stages.reward, "compute", flaky)
-    summary = rl_training(config=str(example_path), overrides=tiny(str(tmp_path / "r"), "run_id=flaky"), iterations=1)
+    # verl's key for skipping the validation before training rides along (a run of its own costs ~15 s).
+    summary = rl_training(config=str(example_path), iterations=1,
+                          overrides=tiny(str(tmp_path / "r"), "run_id=flaky", "trainer.val_before_train=False"))
     assert calls == [1, 1] and summary["iterations"] == 1
+    validations = sorted(p.parent.parent.name for p in (tmp_path / "r" / "runs" / "flaky").rglob("validate/_MANIFEST.json"))
+    assert validations == ["1"] and summary["val/acc before"] is None, validations
+    assert [k for k, *_ in summary["val_curve"]] == [1], summary["val_curve"]
 
 
 def _declare_toy_stage():

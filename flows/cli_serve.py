@@ -69,6 +69,9 @@ def add_serve_parsers(sub) -> None:
 
 def _check_port(host: str, port: int) -> None:
     with socket.socket() as s:
+        # As uvicorn binds: with SO_REUSEADDR a killed server's TIME_WAIT connections do not make
+        # its restart refuse its own port (~60 s), while a live listener still does.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:

@@ -504,7 +504,7 @@ def serve_kill(chaos: Chaos, fault: str, before: int = 50, after: int = 50, conc
             f"restarted on the same port after {tries} tries, {restarted:.0f} s (serve refused the port while "
             "the killed server's connections were in TIME_WAIT)")
     what = (f"serve SIGKILLed after {at_kill} answers with {in_flight} request(s) in flight "
-            f"({sum(client.errors.values())} client errors); {port}")
+            f"(client errors: {', '.join(f'{n} {k}' for k, n in client.errors.most_common(3))}); {port}")
     return _row(fault, what, audit, in_flight > 0)
 
 

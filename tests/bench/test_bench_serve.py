@@ -69,6 +69,7 @@ def test_load_feedback_latency_and_audit_on_a_real_broker(tmp_path):
         table = bench_serve.report(args, [2], lat, {(2, "on"): [30.0], (2, "off"): [10.0]},
                                    {(2, "on"): 0, (2, "off"): 0}, fb, audit)
         assert "| 2 | on |" in table and "| 0.500 |" in table  # p50 on/off: half the made-up 'off' latency
+        assert bench_serve.ratio_cell(2, 1.0, {(2, "on"): [1.0, 3.0], (2, "off"): [2.0, 2.0]}) == "1.000 (0.50-1.50)"
         assert ">= 20 req/s with logging on: 30.0 (met)" in table and "logging adds <= 10% to p50: worst -50.0% (met)" \
             in table
     finally:

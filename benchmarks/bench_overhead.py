@@ -8,7 +8,9 @@ The same GRPO iterations (built-in model and task, same seeds) three ways, side 
   stages  the stage functions (gpu_jobs.stages) called directly: adds Parquet commits with
           manifests, the great-expectations gate, reads back by URI;
   flow    the rl-training Prefect flow (one subflow per iteration, tasks, artifacts) on an
-          ephemeral Prefect API: adds Prefect's own cost (~0.3 s per iteration on 2 cores; README).
+          ephemeral Prefect API: adds Prefect's own cost (~0.3 s per iteration on 2 cores; README);
+  flow-sqlite, flow-postgres (--databases)  the same flow against a real `prefect server`
+          (tests.servers.LocalPrefect, what `make server [DB=postgres]` starts) on that database.
 A batch `PxT` is P prompts whose responses are forced to exactly T tokens (rollout.ignore_eos):
 iterations of several seconds, where a fixed per-iteration cost should vanish.
 Per-iteration wall time is the median over iterations 2..N (the first warms caches) of
@@ -19,6 +21,7 @@ numbers depend on the machine and its load; the ratios within one run are what t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -120,12 +123,22 @@ def flow_loop(root: str, batch: int, iterations: int, run_id: str, response_toke
     return [(b - a).total_seconds() for a, b in zip(starts, starts[1:])]
 
 
+def server_flow_loop(api_url: str, *args) -> list[float]:
+    """flow_loop against the Prefect server at `api_url`."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        return flow_loop(*args)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--batches", default="16,64,256,256x64",
                    help="prompts per iteration (x 8 samples); PxT forces responses of exactly T tokens")
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating the order")
+    p.add_argument("--databases", default="sqlite,postgres",
+                   help="also run the flow against a prefect server on each of these databases ('' for none)")
     args = p.parse_args(argv)
     import torch
 
@@ -133,8 +146,15 @@ def main(argv: list[str] | None = None) -> None:
     from flows.config import load_run_config
 
     rows = []
-    modes = ("memory", "stages", "flow")
-    with tempfile.TemporaryDirectory() as tmp:
+    databases = [d for d in args.databases.split(",") if d]
+    modes = ("memory", "stages", "flow", *(f"flow-{d}" for d in databases))
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
+        from tests.servers import LocalPrefect
+
+        apis = {}
+        for db in databases:  # one server per database for the whole benchmark, as a user keeps one
+            prefect = servers.enter_context(LocalPrefect(Path(tmp) / f"prefect-{db}", "bench", db=db))  # started
+            apis[f"flow-{db}"] = prefect.api
         for batch, tokens in (parse_batch(b) for b in args.batches.split(",")):
             times: dict[str, list[float]] = {m: [] for m in modes}
             for r in range(args.repeats):
@@ -142,9 +162,10 @@ def main(argv: list[str] | None = None) -> None:
                 for mode in modes if r % 2 == 0 else modes[::-1]:
                     root, run_id = f"{tmp}/{mode}-{batch}x{tokens}-{r}", f"bench-{mode}-{batch}x{tokens}-{r}"
                     cfg = load_run_config(EXAMPLE, overrides(root, batch, args.iterations, run_id, tokens))
+                    flow_args = (root, batch, args.iterations, run_id, tokens)
                     t = {"memory": lambda: memory_loop(cfg, args.iterations),
                          "stages": lambda: stage_loop(cfg, args.iterations),
-                         "flow": lambda: flow_loop(root, batch, args.iterations, run_id, tokens)}[mode]()
+                         "flow": lambda: flow_loop(*flow_args)}.get(mode, lambda: server_flow_loop(apis[mode], *flow_args))()
                     times[mode] += t[1:]
                     print(f"  batch {batch:4d}x{tokens or '-':<3} {mode:7s} run {r + 1}: {statistics.median(t[1:]):.2f} s/iteration",
                           file=sys.stderr, flush=True)
@@ -162,6 +183,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{storage:>12.2f}s {prefect:>8.2f}s {storage / m['flow']:>12.1%} {(m['flow'] - m['memory']) / m['flow']:>11.1%}")
     print("storage+gate = stages - memory (what rlmill adds: commits, manifests, GX gate, reads);"
           " prefect = flow - stages; shares are of the flow's iteration time.")
+    if databases:
+        print("\nthe flow against a prefect server, per database (prefect = flow - stages, per iteration)")
+        print(f"{'prompts':>7} {'resp tok':>8} {'ephemeral s':>12}" + "".join(f" {d + ' s':>12} {d + ' prefect':>16}"
+                                                                         for d in databases))
+        for batch, tokens, m in rows:
+            print(f"{batch:>7} {tokens or '<=6':>8} {m['flow']:>12.2f}" + "".join(
+                f" {m['flow-' + d]:>12.2f} {m['flow-' + d] - m['stages']:>15.2f}s" for d in databases))
 
 
 if __name__ == "__main__":

@@ -30,13 +30,14 @@ from __future__ import annotations
 import datetime as dt
 import io
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gpu_jobs.serve.answers import id_time
-from gpu_jobs.serve.broker import GROUP, STREAM, connect
+from gpu_jobs.serve.broker import GROUP, STREAM, BrokerUnreachable, connect
 from gpu_jobs.serve.events import answers_table, check_event, decode, feedback_table, quarantine_table
 
 __all__ = ["FEEDBACK_DIR", "QUARANTINE_DIR", "QUARANTINE_KIND", "SEGMENT_KIND", "ConsumeResult", "GroupLag",
@@ -75,7 +76,7 @@ class ConsumeResult:
     quarantined: int = 0
     reasons: dict[str, int] = field(default_factory=dict)  # quarantine reason -> count
     segments: list[str] = field(default_factory=list)  # manifest URIs committed
-    stopped_early: bool = False  # max_s ran out with entries possibly still waiting
+    stopped_early: bool = False  # max_s ran out (or stop was set) with entries possibly still waiting
 
 
 def hour_of(ts: float) -> str:
@@ -304,42 +305,90 @@ def _entries(response) -> list[tuple[str, Any]]:
 def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GROUP, consumer: str = "consumer-1",
             batch: int = 500, follow: bool = False, block_ms: int = 1000, max_s: float | None = None, storage=None,
             after_commit: Callable[[ConsumeResult], None] | None = None,
-            on_segment: Callable[[Segment], None] | None = None) -> ConsumeResult:
+            on_segment: Callable[[Segment], None] | None = None, stop: threading.Event | None = None) -> ConsumeResult:
     """Read the stream with consumer group `group` as `consumer`, commit segments, ack; see the
     module docstring. Without `follow`, returns once nothing new is waiting. `max_s` (with or
     without `follow`): read no new batch after that many seconds, so a drain under steady traffic
     ends (`stopped_early`); the batch in hand is committed and acked first. `on_segment` runs
     for each segment right after its commit; `after_commit` after each batch committed and
-    before its XACK (tests kill the process there)."""
+    before its XACK (tests kill the process there). Setting `stop` ends a following consumer
+    like `max_s` does, after the batch in hand (a broker outage's wait included).
+
+    Following, a broker that goes away is waited out (one line when it goes, one when it is
+    back); a drain (no `follow`) raises BrokerUnreachable instead."""
     from storage.layout import check_root
 
     if max_s is not None and not max_s > 0:
         raise ValueError(f"max_s={max_s!r}: give a positive number of seconds, or None for no bound")
+    import redis
+
     client = connect(redis_url)
     check_root(root)
     _ensure_group(client, stream, group)
     index, result, cursor = _CommittedIds(storage), ConsumeResult(), "0"  # own pending entries first
     deadline = None if max_s is None else time.monotonic() + max_s
+    outage = _Outage(redis_url)
     while True:
         block = block_ms if (cursor == ">" and follow) else None
         if block is not None and deadline is not None:  # never wait past the bound for new entries
             block = max(1, min(block, int(1000 * (deadline - time.monotonic()))))  # 0 would block forever
-        entries = _entries(client.xreadgroup(group, consumer, {stream: cursor}, count=batch, block=block))
-        if entries:
-            _Round(root, index, result, storage, on_segment).run(entries)
-            if after_commit is not None:
-                after_commit(result)
-            client.xack(stream, group, *[sid for sid, _ in entries])
-            result.read += len(entries)
-        elif cursor == "0":  # own pending entries done: new ones next
-            cursor = ">"
+        try:
+            if outage.since is not None:  # back from an outage: the group may be new, pending first
+                _ensure_group(client, stream, group)
+            entries = _entries(client.xreadgroup(group, consumer, {stream: cursor}, count=batch, block=block))
+            if entries:
+                _Round(root, index, result, storage, on_segment).run(entries)
+                if after_commit is not None:
+                    after_commit(result)
+                client.xack(stream, group, *[sid for sid, _ in entries])
+                result.read += len(entries)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if not follow:
+                raise BrokerUnreachable(f"the event broker at {redis_url} went away mid-drain "
+                                        f"({' '.join(str(exc).split())}): what was committed stays committed; "
+                                        "run the consumer again once the broker is back") from None
+            # Following: wait it out. Entries read and not acked are redelivered (pending first)
+            # and the committed-ids index skips what a round already committed.
+            outage.wait(exc, stop)
+            cursor = "0"
+            if (deadline is not None and time.monotonic() >= deadline) or (stop is not None and stop.is_set()):
+                result.stopped_early = True
+                return result
             continue
-        elif not follow:
-            return result
+        outage.over()
+        if not entries:
+            if cursor == "0":  # own pending entries done: new ones next
+                cursor = ">"
+                continue
+            if not follow:
+                return result
         # Checked after a read, never before the first: a bound smaller than one read still drains a batch.
-        if deadline is not None and time.monotonic() >= deadline:
+        if (deadline is not None and time.monotonic() >= deadline) or (stop is not None and stop.is_set()):
             result.stopped_early = True
             return result
+
+
+class _Outage:
+    """A following consumer's broker outage: one line when it starts and one when it ends, and a
+    wait between tries that doubles from RETRY_S up to MAX_RETRY_S."""
+
+    RETRY_S, MAX_RETRY_S = 0.5, 5.0
+
+    def __init__(self, url: str):
+        self.url, self.since, self.delay = url, None, self.RETRY_S
+
+    def wait(self, exc: BaseException, stop: threading.Event | None = None) -> None:
+        if self.since is None:
+            self.since, self.delay = time.monotonic(), self.RETRY_S
+            log.warning("rlmill: the event broker at %s went away (%s): retrying (committed segments are kept, "
+                        "unacknowledged entries come back)", self.url, " ".join(str(exc).split()))
+        (stop or threading.Event()).wait(self.delay)
+        self.delay = min(self.MAX_RETRY_S, 2 * self.delay)
+
+    def over(self) -> None:
+        if self.since is not None:
+            log.warning("rlmill: the event broker at %s is back after %.0f s", self.url, time.monotonic() - self.since)
+            self.since = None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """A real local Prefect for the deployment tests: server, deployments, process worker.
 
 Everything is started by tests.servers.LocalPrefect through scripts/prefect_local.sh (what
-`make server/deploy/worker` run), with its own PREFECT_HOME (SQLite database) in a temporary
-folder and a free port, and stopped by PID at the end of the session (SIGTERM to its process
+`make server/deploy/worker` run), with its own PREFECT_HOME and PostgreSQL cluster
+(tests.servers.postgres_server; RLMILL_TEST_PREFECT_DB=sqlite for SQLite) in a temporary folder
+and a free port, and stopped by PID at the end of the session (SIGTERM to its process
 group, SIGKILL after 15 s: a process worker may ignore SIGTERM).
 
     .venv/bin/python -m pytest -q tests/deployments
@@ -38,7 +39,9 @@ TINY = ["data.train_batch_size=8", "rollout.n=4", "data.val_size=50", "actor.ppo
 def local_prefect(tmp_path_factory):
     """The session's local Prefect (tests.servers.LocalPrefect): its own PREFECT_HOME, a free
     port, pool POOL; every process it started is stopped at the end of the session."""
-    prefect = LocalPrefect(tmp_path_factory.mktemp("prefect"), POOL)
+    # PostgreSQL, as production Prefect runs (README); RLMILL_TEST_PREFECT_DB=sqlite for SQLite, whose
+    # "database is locked" errors under this load once made a remote stage run twice.
+    prefect = LocalPrefect(tmp_path_factory.mktemp("prefect"), POOL, db=os.environ.get("RLMILL_TEST_PREFECT_DB") or "postgres")
     try:
         yield prefect
     finally:

@@ -205,3 +205,73 @@ def test_schedule_on_and_off(capsys):
             main(["schedule", "on", "--deployment", "rl-feedback/nope"])
     finally:
         _api(lambda c: c.delete_deployment(deployment_id))
+
+
+def test_a_following_consumer_waits_out_a_broker_restart(tmp_path, caplog):
+    """`consume(follow=True)` (rlmill feedback consume --follow) outlives its broker: SIGKILLed after
+    the first segment committed and started again on the same port and data (appendfsync always),
+    the consumer says so, retries, and commits what arrives after it once, nothing twice."""
+    import shutil
+    import subprocess
+    import threading
+
+    import redis
+
+    from tests.servers import free_port, stop_process
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed: bash scripts/ensure_test_tools.sh installs it")
+    port, data = free_port(), tmp_path / "redis"
+    data.mkdir()
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+                                 "--appendfsync", "always", "--dir", str(data)], stdout=subprocess.DEVNULL)
+        client, deadline = redis.Redis.from_url(url), time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                return proc
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start in 30 s"
+                time.sleep(0.05)
+
+    broker = start()
+    first_segment, done, root, results = threading.Event(), threading.Event(), str(tmp_path / "root"), []
+    follower = threading.Thread(target=lambda: results.append(consume(
+        root, url, follow=True, block_ms=100, on_segment=lambda s: first_segment.set(), stop=done)), daemon=True)
+    try:
+        before = [_answer() for _ in range(3)]
+        _xadd(redis.Redis.from_url(url), *before)
+        with caplog.at_level("WARNING", logger="rlmill.feedback"):
+            follower.start()
+            assert first_segment.wait(60), "the consumer committed no segment in 60 s"
+            broker.kill()
+            broker.wait()
+            deadline = time.monotonic() + 30
+            while not any("went away" in r.getMessage() for r in caplog.records):  # it noticed, and waits
+                assert time.monotonic() < deadline, "the consumer never said the broker went away"
+                time.sleep(0.05)
+            broker = start()
+            after = [_answer() for _ in range(2)]
+            _xadd(redis.Redis.from_url(url), *after)
+            from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifests
+
+            wanted, deadline = {e["event_id"] for e in before + after}, time.monotonic() + 60
+            while True:
+                ids = [i for m in segment_manifests(f"{root}/{FEEDBACK_DIR}/arith") for i in m.extra["event_ids"]]
+                if set(ids) >= wanted:
+                    break
+                assert time.monotonic() < deadline, f"committed {len(ids)} of {len(wanted)} events in 60 s"
+                time.sleep(0.1)
+            assert sorted(ids) == sorted(wanted)  # each once
+            while not any("is back after" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "the consumer never said the broker was back"
+                time.sleep(0.05)
+    finally:
+        done.set()
+        follower.join(30)
+        stop_process(broker)
+    assert results and results[0].answers == 5 and results[0].stopped_early

@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run serve test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-memory bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
+.PHONY: venv help run serve test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -86,6 +86,11 @@ bench-memory: venv
 
 bench-overhead: venv
 	$(PY) -m benchmarks.bench_overhead
+
+# rlmill serve under a local load generator: req/s and p50/p99 with logging on and off, and
+# feedback-to-committed latency (ARGS="--model smollm2" for the real model).
+bench-serve: venv
+	$(PY) -m benchmarks.bench_serve $(ARGS)
 
 bench-e2e: venv
 	@bash scripts/ensure_venv.sh bench

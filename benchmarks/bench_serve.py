@@ -31,7 +31,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from benchmarks.chaos.serve_runs import (Client, Proc, RedisServer, ServeProcess, audit_answers, consumer,
+from benchmarks.chaos.serve_stack import (Client, Proc, RedisServer, ServeProcess, audit_answers, consumer,
                                          published_all, stream_drained, wait_until)
 
 GOAL_RPS, GOAL_LOG_COST, GOAL_FEEDBACK_P99_S = 20.0, 0.10, 10.0

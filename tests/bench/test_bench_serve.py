@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from benchmarks import bench_serve
-from benchmarks.chaos.serve_runs import RedisServer, audit_answers, stream_drained, wait_until
+from benchmarks.chaos.serve_stack import RedisServer, audit_answers, stream_drained, wait_until
 
 
 def test_percentile_is_nearest_rank():

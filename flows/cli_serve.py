@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 
 from flows.reporting import UserError
 
@@ -59,6 +60,8 @@ def add_serve_parsers(sub) -> None:
     consume.add_argument("--redis", default=DEFAULT_REDIS, help=f"event broker URL (default {DEFAULT_REDIS})")
     consume.add_argument("--consumer", default="consumer-1", help="this consumer's name in the consumer group")
     consume.add_argument("--follow", action="store_true", help="keep reading (default: drain what is there, exit)")
+    consume.add_argument("--linger-ms", type=float, default=1000.0,
+                         help="with --follow: how long a batch waits for more events before its commit (default 1000)")
     consume.set_defaults(fn=cmd_feedback_consume)
     dataset = fsub.add_parser("dataset", help="answers joined with their feedback as a verl-format Parquet file")
     dataset.add_argument("--root", required=True)
@@ -113,6 +116,11 @@ def cmd_serve(args) -> None:
     from gpu_jobs.serve.model import ModelNotServable, ModelSource
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # The batcher thread runs the model's Python generate loop; the event loop and the event
+    # publisher each need the GIL for a moment per answer. At Python's default 5 ms switch
+    # interval every such hand-off can wait 5 ms (logging measured +37% p50 at 4 clients on the
+    # built-in model); 1 ms keeps the hand-offs short.
+    sys.setswitchinterval(0.001)
     source = ModelSource(args.model, args.root, backend=args.engine)
     try:
         served = source.load()
@@ -142,9 +150,12 @@ def cmd_feedback_consume(args) -> None:
     from gpu_jobs.serve.broker import BrokerUnreachable
     from gpu_jobs.serve.consumer import consume
 
+    if not args.linger_ms >= 0:  # NaN too
+        raise UserError(f"--linger-ms {args.linger_ms:g} is negative: give the milliseconds a batch may wait, or 0")
     hook = _die_after_commit if os.environ.get("RLMILL_FAILPOINT") == FAILPOINT_AFTER_COMMIT else None
     try:
-        r = consume(args.root, args.redis, consumer=args.consumer, follow=args.follow, after_commit=hook)
+        r = consume(args.root, args.redis, consumer=args.consumer, follow=args.follow, after_commit=hook,
+                    linger_s=args.linger_ms / 1000)
     except BrokerUnreachable as exc:
         raise UserError(str(exc)) from None
     reasons = "".join(f"; {n} {why}" for why, n in sorted(r.reasons.items()))

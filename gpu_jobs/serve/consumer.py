@@ -305,7 +305,8 @@ def _entries(response) -> list[tuple[str, Any]]:
 def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GROUP, consumer: str = "consumer-1",
             batch: int = 500, follow: bool = False, block_ms: int = 1000, max_s: float | None = None, storage=None,
             after_commit: Callable[[ConsumeResult], None] | None = None,
-            on_segment: Callable[[Segment], None] | None = None, stop: threading.Event | None = None) -> ConsumeResult:
+            on_segment: Callable[[Segment], None] | None = None, stop: threading.Event | None = None,
+            linger_s: float = 1.0) -> ConsumeResult:
     """Read the stream with consumer group `group` as `consumer`, commit segments, ack; see the
     module docstring. Without `follow`, returns once nothing new is waiting. `max_s` (with or
     without `follow`): read no new batch after that many seconds, so a drain under steady traffic
@@ -315,7 +316,10 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
     like `max_s` does, after the batch in hand (a broker outage's wait included).
 
     Following, a broker that goes away is waited out (one line when it goes, one when it is
-    back); a drain (no `follow`) raises BrokerUnreachable instead."""
+    back); a drain (no `follow`) raises BrokerUnreachable instead. Following, a batch waits up to
+    `linger_s` for more entries (until `batch` of them) before it is committed: a steady trickle
+    of events makes one segment a second, not one per event (whose Parquet writes and manifest
+    would take CPU from the server answering on the same machine)."""
     from storage.layout import check_root
 
     if max_s is not None and not max_s > 0:
@@ -336,6 +340,8 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
             if outage.since is not None:  # back from an outage: the group may be new, pending first
                 _ensure_group(client, stream, group)
             entries = _entries(client.xreadgroup(group, consumer, {stream: cursor}, count=batch, block=block))
+            if entries and follow and cursor == ">" and linger_s > 0:
+                entries += _linger(client, group, consumer, stream, batch - len(entries), linger_s, deadline)
             if entries:
                 _Round(root, index, result, storage, on_segment).run(entries)
                 if after_commit is not None:
@@ -366,6 +372,20 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
         if (deadline is not None and time.monotonic() >= deadline) or (stop is not None and stop.is_set()):
             result.stopped_early = True
             return result
+
+
+def _linger(client, group: str, consumer: str, stream: str, room: int, linger_s: float,
+            deadline: float | None) -> list[tuple[str, Any]]:
+    """Up to `room` more new entries, read for at most `linger_s` (and not past `deadline`)."""
+    more: list[tuple[str, Any]] = []
+    until = time.monotonic() + linger_s if deadline is None else min(deadline, time.monotonic() + linger_s)
+    while len(more) < room and (left := until - time.monotonic()) > 0.001:
+        got = _entries(client.xreadgroup(group, consumer, {stream: ">"}, count=room - len(more),
+                                         block=max(1, int(1000 * left))))
+        if not got:
+            break
+        more += got
+    return more
 
 
 class _Outage:

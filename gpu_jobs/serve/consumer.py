@@ -8,9 +8,9 @@
 Layout: <root>/feedback/<model>/<yyyy-mm-dd-hh>/segment-<first event id>/ holds answers-*.parquet
 (one row per choice) and feedback-*.parquet, published by a `_MANIFEST.json` (kind
 "feedback-segment") that also lists the segment's event ids and answer ids. The hour is the
-event's `created` time in UTC. Events the quality gate refuses (events.check_event, and feedback
-for an answer never logged) go, whole and with the reason, to
-<root>/feedback/_quarantine/<yyyy-mm-dd-hh>/segment-<first event id>/: counted, never dropped.
+event's `created` time in UTC. Events the quality gate refuses (great-expectations over
+events.gate_columns, as for rollouts; and feedback for an answer never logged) go, whole and with
+the reason, to <root>/feedback/_quarantine/<yyyy-mm-dd-hh>/segment-<first event id>/: counted, never dropped.
 
 Exactly once: a consumer group (XREADGROUP) delivers each entry; it is XACKed only after its
 segment committed. A consumer that dies between commit and ack gets the same entries again (its
@@ -38,7 +38,8 @@ from typing import Any, Callable
 
 from gpu_jobs.serve.answers import id_time
 from gpu_jobs.serve.broker import GROUP, STREAM, BrokerUnreachable, connect
-from gpu_jobs.serve.events import answers_table, check_event, decode, feedback_table, quarantine_table
+from gpu_jobs.serve.events import (answers_table, check_event, decode, feedback_table, gate_columns,
+                                   gate_expectations, quarantine_table)
 
 __all__ = ["FEEDBACK_DIR", "QUARANTINE_DIR", "QUARANTINE_KIND", "SEGMENT_KIND", "ConsumeResult", "GroupLag",
            "Segment", "consume", "group_lag", "hour_of", "segment_manifests"]
@@ -171,9 +172,10 @@ class _Round:
         good: dict[tuple[str, str], list[dict]] = {}
         seen: set[str] = set()
         round_answers = set()
-        for sid, e in entries:
-            if (reason := check_event(e)) is not None:
-                self.quarantine.append((sid, e, reason))
+        refused = gate(entries)
+        for i, (sid, e) in enumerate(entries):
+            if i in refused:
+                self.quarantine.append((sid, e, refused[i]))
             elif e["event_id"] in seen:
                 self.result.duplicates += 1
             else:
@@ -257,6 +259,23 @@ class _Round:
             for kind, n in reasons.items():
                 self.result.reasons[kind] = self.result.reasons.get(kind, 0) + n
             self._committed(Segment(uri, QUARANTINE_KIND, None, hour, quarantined=len(fresh), reasons=reasons))
+
+
+def gate(entries: list[tuple[str, Any]]) -> dict[int, str]:
+    """The stream's quality gate (great-expectations, storage.quality.run_gate, as for rollouts)
+    over one batch of entries: {row: reason} for the events it refuses. The reason is the check's
+    own words (events.check_event), or the failed expectations where that has none."""
+    import pandas as pd
+
+    from storage.quality import run_gate
+
+    events = [e for _, e in entries]
+    df = pd.DataFrame({"stream_id": [sid for sid, _ in entries]})
+    result = run_gate("feedback-events", df, gate_columns(events), gate_expectations, on_failure="quarantine")
+    if result.passed:
+        return {}
+    return {int(row): check_event(events[int(row)]) or "failed " + ", ".join(failed)
+            for row, failed in zip(result.quarantined["dq_row"], result.quarantined["dq_failures"])}
 
 
 def _reason_kind(reason: str) -> str:

@@ -26,7 +26,8 @@ import pyarrow as pa
 from gpu_jobs.serve.answers import new_event_id
 
 __all__ = ["ANSWER_SCHEMA", "FEEDBACK_SCHEMA", "QUARANTINE_SCHEMA", "answer_event", "feedback_event",
-           "check_event", "encode", "decode", "answers_table", "feedback_table", "quarantine_table"]
+           "check_event", "event_problem", "gate_columns", "gate_expectations", "encode", "decode", "answers_table",
+           "feedback_table", "quarantine_table"]
 
 ANSWER_SCHEMA = pa.schema([
     ("event_id", pa.string()), ("answer_id", pa.string()), ("index", pa.int32()), ("endpoint", pa.string()),
@@ -86,17 +87,21 @@ def decode(fields: dict) -> Any:
         return {"unparsed": raw}
 
 
-def check_event(e: Any) -> str | None:
-    """Why the event cannot be stored as data (the quarantine reason), or None when it can.
-    Feedback for an answer never logged is the consumer's check: it needs the stored answers."""
+def _check_kind(e: Any) -> str | None:
     if not isinstance(e, dict):
         return f"not an event object ({type(e).__name__})"
     kind = e.get("kind")
-    if kind not in ("answer", "feedback"):
-        return f"unknown kind {kind!r} (answer or feedback)"
+    return None if kind in ("answer", "feedback") else f"unknown kind {kind!r} (answer or feedback)"
+
+
+def _check_ids(e: dict) -> str | None:
     for key in ("event_id", "answer_id", "model", "version"):
         if not isinstance(e.get(key), str) or not e[key]:
             return f"no {key.replace('_', ' ')}"
+    return None
+
+
+def _check_model(e: dict) -> str | None:
     from storage import check_name
     from storage.errors import InvalidNameError
 
@@ -104,10 +109,62 @@ def check_event(e: Any) -> str | None:
         check_name(e["model"], "model name")
     except InvalidNameError as exc:
         return str(exc)
+    return None
+
+
+def _check_created(e: dict) -> str | None:
     created = e.get("created")
     if not isinstance(created, (int, float)) or not math.isfinite(created) or created <= 0:
         return f"no valid created timestamp ({created!r})"
-    return _check_answer(e) if kind == "answer" else _check_feedback(e)
+    return None
+
+
+def _check_body(e: dict) -> str | None:
+    return _check_answer(e) if e["kind"] == "answer" else _check_feedback(e)
+
+
+# The stream gate's checks, in order (each assumes the ones before it passed); one dq_<name>_ok
+# column each in the great-expectations gate (gate_columns).
+CHECKS = (("kind", _check_kind), ("ids", _check_ids), ("model", _check_model), ("created", _check_created),
+          ("body", _check_body))
+
+
+def event_problem(e: Any) -> tuple[str, str] | None:
+    """(check name, reason) of the first check the event fails, or None."""
+    for name, check in CHECKS:
+        if (reason := check(e)) is not None:
+            return name, reason
+    return None
+
+
+def check_event(e: Any) -> str | None:
+    """Why the event cannot be stored as data (the quarantine reason), or None when it can.
+    Feedback for an answer never logged is the consumer's check: it needs the stored answers."""
+    problem = event_problem(e)
+    return None if problem is None else problem[1]
+
+
+def gate_columns(events: list[Any]) -> dict[str, list]:
+    """The derived columns the stream's great-expectations gate checks, one row per event:
+    dq_<check>_ok (True, False for the first check that failed, None for the checks after it,
+    which did not run) and dq_score (a feedback's score, None without one)."""
+    cols: dict[str, list] = {f"dq_{name}_ok": [] for name, _ in CHECKS}
+    cols["dq_score"] = []
+    for e in events:
+        failed = event_problem(e)
+        failed_at = len(CHECKS) if failed is None else [n for n, _ in CHECKS].index(failed[0])
+        for i, (name, _) in enumerate(CHECKS):
+            cols[f"dq_{name}_ok"].append(True if i < failed_at else False if i == failed_at else None)
+        score = e.get("score") if isinstance(e, dict) else None
+        cols["dq_score"].append(float(score) if isinstance(score, (int, float)) and not isinstance(score, bool)
+                                else None)
+    return cols
+
+
+def gate_expectations(gxe) -> list:
+    """Every check passed (nulls, the checks that did not run, are not counted), scores in [0, 1]."""
+    return [*(gxe.ExpectColumnValuesToBeInSet(column=f"dq_{name}_ok", value_set=[True]) for name, _ in CHECKS),
+            gxe.ExpectColumnValuesToBeBetween(column="dq_score", min_value=0.0, max_value=1.0)]
 
 
 def _check_answer(e: dict) -> str | None:

@@ -275,3 +275,24 @@ def test_a_following_consumer_waits_out_a_broker_restart(tmp_path, caplog):
         follower.join(30)
         stop_process(broker)
     assert results and results[0].answers == 5 and results[0].stopped_early
+
+
+def test_the_stream_gate_is_great_expectations_over_each_check():
+    """One batch with good and bad events: the gate (storage.quality.run_gate) refuses exactly the
+    bad ones, each with its check's own reason; the derived columns say which check failed."""
+    from gpu_jobs.serve.consumer import gate
+    from gpu_jobs.serve.events import gate_columns
+
+    good = _answer()
+    fb = feedback_event(good["answer_id"], model="arith", version="v1", score=0.5)
+    bad = [{**fb, "event_id": new_answer_id("evt"), "score": 2.0}, {**good, "version": ""}, {"kind": "vote"},
+           {**_answer(), "model": "../escape"}, ["not", "an", "event"]]
+    entries = [(f"{i}-0", e) for i, e in enumerate([good, fb, *bad])]
+    refused = gate(entries)
+    assert sorted(refused) == [2, 3, 4, 5, 6]
+    assert refused[2] == "score 2.0 is outside [0, 1]" and refused[3] == "no version"
+    assert refused[4].startswith("unknown kind 'vote'") and refused[6] == "not an event object (list)"
+    cols = gate_columns([e for _, e in entries])
+    assert cols["dq_body_ok"][:3] == [True, True, False] and cols["dq_score"][2] == 2.0
+    assert cols["dq_ids_ok"][3] is False and cols["dq_model_ok"][3] is None  # not run after a failure
+    assert gate(entries[:2]) == {}

@@ -127,8 +127,15 @@ def server_flow_loop(api_url: str, *args) -> list[float]:
     """flow_loop against the Prefect server at `api_url`."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
     with temporary_settings(updates={PREFECT_API_URL: api_url}):
-        return flow_loop(*args)
+        try:
+            return flow_loop(*args)
+        finally:  # the workers are bound to this server: send what they hold before it goes away
+            EventsWorker.drain_all()
+            APILogWorker.drain_all()
 
 
 def main(argv: list[str] | None = None) -> None:

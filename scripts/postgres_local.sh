@@ -54,6 +54,10 @@ find_user() {
     runuser="$(PATH="$PATH:/usr/sbin:/sbin" command -v runuser)" \
       || die "runuser is missing (it starts PostgreSQL as '$PG_USER'): apt-get install util-linux"
     AS=("$runuser" -u "$PG_USER" --)
+    # A library the caller preloads (vLLM's CPU setup preloads torch's libgomp from the virtual
+    # environment, which may sit in a folder closed to that account) cannot be opened by it, and
+    # ld.so would print an error on every command it runs: PostgreSQL needs none.
+    unset LD_PRELOAD
   fi
 }
 

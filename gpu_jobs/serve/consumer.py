@@ -12,6 +12,12 @@ event's `created` time in UTC. Events the quality gate refuses (great-expectatio
 events.gate_columns, as for rollouts; and feedback for an answer never logged) go, whole and with
 the reason, to <root>/feedback/_quarantine/<yyyy-mm-dd-hh>/segment-<first event id>/: counted, never dropped.
 
+Following (`follow`): a batch waits up to `linger_s` for more entries (until `batch` of them)
+before it is committed, so a steady trickle of events makes one segment a second, not one per
+event (whose Parquet writes and manifest would take CPU from the server answering on the same
+machine); a broker that goes away is waited out (one line when it goes, one when it is back). A
+drain (no `follow`) raises BrokerUnreachable instead.
+
 Exactly once: a consumer group (XREADGROUP) delivers each entry; it is XACKed only after its
 segment committed. A consumer that dies between commit and ack gets the same entries again (its
 pending list is read first, with id 0). Before writing, each event id is looked up in the
@@ -331,20 +337,14 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
     without `follow`): read no new batch after that many seconds, so a drain under steady traffic
     ends (`stopped_early`); the batch in hand is committed and acked first. `on_segment` runs
     for each segment right after its commit; `after_commit` after each batch committed and
-    before its XACK (tests kill the process there). Setting `stop` ends a following consumer
-    like `max_s` does, after the batch in hand (a broker outage's wait included).
+    before its XACK (tests kill the process there). `stop`, once set, ends a following consumer
+    as `max_s` does. Following, a batch lingers `linger_s`, and outages are waited out (above)."""
+    import redis
 
-    Following, a broker that goes away is waited out (one line when it goes, one when it is
-    back); a drain (no `follow`) raises BrokerUnreachable instead. Following, a batch waits up to
-    `linger_s` for more entries (until `batch` of them) before it is committed: a steady trickle
-    of events makes one segment a second, not one per event (whose Parquet writes and manifest
-    would take CPU from the server answering on the same machine)."""
     from storage.layout import check_root
 
     if max_s is not None and not max_s > 0:
         raise ValueError(f"max_s={max_s!r}: give a positive number of seconds, or None for no bound")
-    import redis
-
     client = connect(redis_url)
     check_root(root)
     _ensure_group(client, stream, group)
@@ -352,15 +352,11 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
     deadline = None if max_s is None else time.monotonic() + max_s
     outage = _Outage(redis_url)
     while True:
-        block = block_ms if (cursor == ">" and follow) else None
-        if block is not None and deadline is not None:  # never wait past the bound for new entries
-            block = max(1, min(block, int(1000 * (deadline - time.monotonic()))))  # 0 would block forever
         try:
             if outage.since is not None:  # back from an outage: the group may be new, pending first
                 _ensure_group(client, stream, group)
-            entries = _entries(client.xreadgroup(group, consumer, {stream: cursor}, count=batch, block=block))
-            if entries and follow and cursor == ">" and linger_s > 0:
-                entries += _linger(client, group, consumer, stream, batch - len(entries), linger_s, deadline)
+            entries = _read_batch(client, group, consumer, stream, cursor, batch, block_ms if follow else None,
+                                  linger_s if follow else 0.0, deadline)
             if entries:
                 _Round(root, index, result, storage, on_segment).run(entries)
                 if after_commit is not None:
@@ -376,7 +372,7 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
             # and the committed-ids index skips what a round already committed.
             outage.wait(exc, stop)
             cursor = "0"
-            if (deadline is not None and time.monotonic() >= deadline) or (stop is not None and stop.is_set()):
+            if _ended(deadline, stop):
                 result.stopped_early = True
                 return result
             continue
@@ -388,9 +384,28 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
             if not follow:
                 return result
         # Checked after a read, never before the first: a bound smaller than one read still drains a batch.
-        if (deadline is not None and time.monotonic() >= deadline) or (stop is not None and stop.is_set()):
+        if _ended(deadline, stop):
             result.stopped_early = True
             return result
+
+
+def _read_batch(client, group: str, consumer: str, stream: str, cursor: str, batch: int, block_ms: int | None,
+                linger_s: float, deadline: float | None) -> list[tuple[str, Any]]:
+    """Up to `batch` entries from `cursor` ("0": own pending ones, ">": new ones). New entries are
+    waited for up to `block_ms` (None: not at all), never past `deadline`, and then for up to
+    `linger_s` more (_linger)."""
+    block = None
+    if cursor == ">" and block_ms is not None:  # never past the bound, and never 0 (forever)
+        block = block_ms if deadline is None else max(1, min(block_ms, int(1000 * (deadline - time.monotonic()))))
+    entries = _entries(client.xreadgroup(group, consumer, {stream: cursor}, count=batch, block=block))
+    if entries and cursor == ">" and linger_s > 0:
+        entries += _linger(client, group, consumer, stream, batch - len(entries), linger_s, deadline)
+    return entries
+
+
+def _ended(deadline: float | None, stop: threading.Event | None) -> bool:
+    """The bound ran out or `stop` was set."""
+    return (deadline is not None and time.monotonic() >= deadline) or (stop is not None and stop.is_set())
 
 
 def _linger(client, group: str, consumer: str, stream: str, room: int, linger_s: float,

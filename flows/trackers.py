@@ -10,12 +10,17 @@ a summary (JSON) and the reward/accuracy curves (PNG), then the tracker run's fi
 (FAILED when the run failed). A resumed rlmill run continues its tracker run: W&B by id (the
 rlmill run id), MLflow by the tag `rlmill.run_id`. Where they log is the trackers' own business:
 MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME, WANDB_MODE / WANDB_DIR / WANDB_PROJECT.
-Tested for real (an `mlflow server`, W&B offline files) in tests/flows/test_trackers.py.
+
+No tracker run is left RUNNING: when one tracker fails to open, those already opened are ended
+FAILED (`abort`) before the error surfaces; `finish_trackers` ends every tracker even when one
+of them raises. Tested for real (an `mlflow server`, W&B offline files) in
+tests/flows/test_trackers.py; the MLflow web UI's run page in tests/flows/test_mlflow_ui.py.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -23,7 +28,10 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["MLFLOW_RUN_TAG", "MlflowTracker", "Tracker", "WandbTracker", "flat_params", "mlflow_name", "open_trackers"]
+__all__ = ["MLFLOW_RUN_TAG", "MlflowTracker", "Tracker", "TrackerError", "WandbTracker", "finish_trackers",
+           "flat_params", "mlflow_name", "open_trackers"]
+
+log = logging.getLogger(__name__)
 
 PROJECT = "rlmill"  # the MLflow experiment and W&B project when their environment names none
 MLFLOW_RUN_TAG = "rlmill.run_id"  # how a resumed run finds its MLflow run again
@@ -32,13 +40,61 @@ MLFLOW_RUN_TAG = "rlmill.run_id"  # how a resumed run finds its MLflow run again
 class Tracker(Protocol):
     def log(self, k: int, scalars: dict[str, float]) -> None: ...
 
-    def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes) -> None: ...
+    def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes) -> None:
+        """The report, then the run's final status; the status is set even when the report fails."""
+
+    def abort(self, reason: str) -> None:
+        """End the run FAILED with no report: the rlmill run stops before it began."""
+
+
+class TrackerError(RuntimeError):
+    """A tracker run that could not be opened or ended; the message names which and why."""
 
 
 def open_trackers(run_id: str, names: list[str], config: dict[str, Any]) -> list[Tracker]:
-    """The trackers `names` (trainer.loggers) asks for, each with its run started or resumed."""
-    kinds = {"mlflow": MlflowTracker, "wandb": WandbTracker}
-    return [kinds[name](run_id, config) for name in names]
+    """The trackers `names` (trainer.loggers) asks for, each with its run started or resumed.
+    If one fails to open, the ones opened before it are ended FAILED first: otherwise a team's
+    MLflow would show a run RUNNING forever for an rlmill run that never started."""
+    opened: list[Tracker] = []
+    for name in names:
+        try:
+            opened.append(TRACKERS[name](run_id, config))
+        except Exception as exc:
+            reason = f"the {name} run of {run_id} did not open: {type(exc).__name__}: {exc}"
+            ended = _each(opened, lambda tracker: tracker.abort(reason))
+            raise TrackerError(f"rlmill: trainer.loggers: {reason}"
+                               + (f" (ended FAILED: {', '.join(ended)})" if ended else "")) from exc
+    return opened
+
+
+def finish_trackers(trackers: list[Tracker], failed: bool, summary: dict[str, Any], curves_png: bytes) -> None:
+    """Finish every tracker, even after one raised (each would otherwise stay RUNNING). With the
+    run failed, a tracker that cannot be told is a warning: the run's own error is the one to
+    surface. With the run finished, the first tracker error is raised once all were tried."""
+    errors: list[str] = []
+    _each(trackers, lambda tracker: tracker.finish(failed, summary, curves_png), errors)
+    if errors and not failed:
+        raise TrackerError(f"rlmill: trainer.loggers: could not end {'; '.join(errors)}")
+    for error in errors:
+        log.warning("rlmill: trainer.loggers: could not end %s", error)
+
+
+def _each(trackers: list[Tracker], call, errors: list[str] | None = None) -> list[str]:
+    """call(tracker) for every tracker; the names of those it worked for. Failures go to `errors`
+    ("<name> run: <error>"), or to the log when it is None."""
+    done = []
+    for tracker in trackers:
+        name = TRACKER_NAMES[type(tracker)]
+        try:
+            call(tracker)
+            done.append(name)
+        except Exception as exc:
+            error = f"the {name} run: {type(exc).__name__}: {exc}"
+            if errors is None:
+                log.warning("rlmill: trainer.loggers: could not end %s", error)
+            else:
+                errors.append(error)
+    return done
 
 
 def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -92,7 +148,11 @@ class MlflowTracker:
         self.id = self.client.create_run(experiment, run_name=run_id, tags={MLFLOW_RUN_TAG: run_id}).info.run_id
         from mlflow.entities import Param
 
-        self.client.log_batch(self.id, params=[Param(k, v) for k, v in flat_params(config).items()])
+        try:
+            self.client.log_batch(self.id, params=[Param(k, v) for k, v in flat_params(config).items()])
+        except Exception as exc:  # the run exists now: it must not stay RUNNING
+            self.abort(f"its params were refused: {exc}")
+            raise
 
     def _experiment_id(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
@@ -105,13 +165,21 @@ class MlflowTracker:
         self.client.log_batch(self.id, metrics=[Metric(mlflow_name(m), v, now, k) for m, v in scalars.items()])
 
     def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes) -> None:
-        self.client.log_text(self.id, json.dumps(summary, indent=1, sort_keys=True, default=str),
-                             "rlmill/summary.json")
-        with tempfile.TemporaryDirectory(prefix="rlmill-mlflow-") as tmp:
-            png = Path(tmp) / "curves.png"
-            png.write_bytes(curves_png)
-            self.client.log_artifact(self.id, str(png), "rlmill")
+        try:
+            self.client.log_text(self.id, json.dumps(summary, indent=1, sort_keys=True, default=str),
+                                 "rlmill/summary.json")
+            with tempfile.TemporaryDirectory(prefix="rlmill-mlflow-") as tmp:
+                png = Path(tmp) / "curves.png"
+                png.write_bytes(curves_png)
+                self.client.log_artifact(self.id, str(png), "rlmill")
+        except Exception:  # no report, but the run still ends, and FAILED: its report is missing
+            self.client.set_terminated(self.id, "FAILED")
+            raise
         self.client.set_terminated(self.id, "FAILED" if failed else "FINISHED")
+
+    def abort(self, reason: str) -> None:
+        self.client.log_text(self.id, reason + "\n", "rlmill/aborted.txt")
+        self.client.set_terminated(self.id, "FAILED")
 
 
 class WandbTracker:
@@ -131,6 +199,19 @@ class WandbTracker:
     def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes) -> None:
         # Files in run.dir are the run's files: uploaded with it (offline: by `wandb sync`).
         files = Path(self.run.dir)
-        (files / "rlmill-summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
-        (files / "curves.png").write_bytes(curves_png)
+        try:
+            (files / "rlmill-summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
+            (files / "curves.png").write_bytes(curves_png)
+        except Exception:  # no report, but the run still ends, and failed: its report is missing
+            self.run.finish(exit_code=1)
+            raise
         self.run.finish(exit_code=1 if failed else 0)
+
+    def abort(self, reason: str) -> None:
+        self.run.summary["rlmill/aborted"] = reason
+        self.run.finish(exit_code=1)
+
+
+# trainer.loggers' names (flows.config checks them) -> their trackers, and back for messages.
+TRACKERS: dict[str, type] = {"mlflow": MlflowTracker, "wandb": WandbTracker}
+TRACKER_NAMES = {kind: name for name, kind in TRACKERS.items()}

@@ -1,7 +1,9 @@
 """trainer.loggers for real: a tiny rlmill run logs to a real `mlflow server` (SQLite store, local
 artifacts) and to Weights & Biases offline files, then resumes into the same tracker runs; a
-failing run ends its tracker runs FAILED. Everything is read back through MLflow's client and
-from the .wandb file W&B wrote (its protobuf records). No mocks.
+failing run ends its tracker runs FAILED, and so does a tracker that fails to open or to finish
+(no tracker run is left RUNNING). Everything is read back through MLflow's client and from the
+.wandb file W&B wrote (its protobuf records). No mocks. The server here is the client
+environment's (mlflow-skinny: no web UI); the UI's run page is checked in test_mlflow_ui.py.
 
     .venv/bin/python -m pytest -q tests/flows/test_trackers.py
 """
@@ -9,17 +11,15 @@ from the .wandb file W&B wrote (its protobuf records). No mocks.
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import struct
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port, stop_group
+from tests.flows.mlflow_server import mlflow_runs as runs_tagged
+from tests.flows.mlflow_server import mlflow_server as start_mlflow_server
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
@@ -27,42 +27,13 @@ mlflow = pytest.importorskip("mlflow", reason="the test extra installs it: bash 
 wandb = pytest.importorskip("wandb", reason="the test extra installs it: bash scripts/ensure_venv.sh test")
 
 RUN = "trk"
-CHROMIUM = "/usr/bin/chromium"
-
-
-# ------------------------------------------------------------------------------------- MLflow server
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
-    """Until `url` answers 200; raises naming what it waited for, with the server's log."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            if urllib.request.urlopen(url, timeout=2).status == 200:
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"mlflow server: {url} did not answer 200 within {timeout:.0f} s "
-                       f"(exit code {proc.poll()}):\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """`mlflow server` on a free port: SQLite store and artifacts in a temp folder; its URL."""
-    where = tmp_path_factory.mktemp("mlflow")
-    url, log = f"http://127.0.0.1:{free_port()}", where / "server.log"
-    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
-           "--backend-store-uri", f"sqlite:///{where}/mlflow.db", "--artifacts-destination", str(where / "artifacts"),
-           "--workers", "1"]
-    # The job runner wants `huey` (not in mlflow-skinny) and is not needed for tracking.
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        wait_healthy(f"{url}/health", proc, log)
+    """The client environment's `mlflow server` on a free port; its URL."""
+    with start_mlflow_server(Path(sys.executable).parent / "mlflow", tmp_path_factory.mktemp("mlflow")) as url:
         yield url
-    finally:
-        stop_group(proc)
 
 
 # ------------------------------------------------------------------------------------- the runs
@@ -93,9 +64,7 @@ def runs(tracker_env, tmp_path_factory, example_path, tiny):
 
 
 def mlflow_runs(url: str, run_id: str = RUN):
-    client = mlflow.MlflowClient(url)
-    experiment = client.get_experiment_by_name("rlmill")
-    return client, client.search_runs([experiment.experiment_id], f"tags.`rlmill.run_id` = '{run_id}'")
+    return runs_tagged(url, run_id)
 
 
 def test_mlflow_has_one_run_with_the_config_metrics_by_iteration_and_the_report(runs, mlflow_server, tmp_path):
@@ -202,24 +171,52 @@ def test_a_failing_run_ends_its_tracker_runs_failed(mlflow_server, tracker_env, 
     assert wandb_folder(folder)["exit"] == 1
 
 
-# ------------------------------------------------------------------------------------- MLflow UI
-def test_mlflow_ui_run_page_shows_the_run_and_its_metric(runs, mlflow_server, tmp_path):
-    """Headless Chromium on the run page. The UI ships only in the full `mlflow` wheel, which
-    cannot join this environment today (pyproject.toml, the test extra): skipped without it."""
-    import mlflow.server
+# ------------------------------------------------------------------------------------- no run left RUNNING
+def test_a_tracker_that_fails_to_open_ends_those_opened_before_it_failed(mlflow_server, tracker_env, tmp_path,
+                                                                      example_path, tiny, monkeypatch):
+    """W&B refuses its mode (a real settings error, raised by wandb.init) after MLflow's run
+    started: the run stops with one error naming W&B, and MLflow's run is FAILED, not RUNNING.
+    W&B reads its environment once per process (wandb.setup), so its state is torn down around
+    the changed mode, and the rest of the module gets the offline mode back."""
+    from flows.trackers import TrackerError
+    from flows.training import rl_training
 
-    if not (Path(mlflow.server.__file__).parent / "js" / "build" / "index.html").exists():
-        pytest.skip("this MLflow has no web UI (mlflow-skinny): the full mlflow 3.17.2 pins pyarrow<26")
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is absent: apt-get install -y chromium to check the UI")
-    client, (run,) = mlflow_runs(mlflow_server)
-    page = f"{mlflow_server}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
-    dom = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=20000", "--dump-dom", page],
-        capture_output=True, text=True, timeout=120).stdout
-    assert RUN in dom and "critic/score/mean" in dom, dom[-3000:]
+    overrides = tiny(str(tmp_path / "root"), "run_id=trk-open", "trainer.logger=[console,mlflow,wandb]")
+    wandb.teardown()
+    monkeypatch.setenv("WANDB_MODE", "no-such-mode")
+    try:
+        with pytest.raises(TrackerError, match=r"^rlmill: trainer.loggers: the wandb run of trk-open did not open: "
+                                               r"(?s:.*)no-such-mode(?s:.*) \(ended FAILED: mlflow\)$"):
+            rl_training(config=str(example_path), overrides=overrides, iterations=1)
+    finally:
+        monkeypatch.undo()
+        wandb.teardown()
+    client, found = mlflow_runs(mlflow_server, "trk-open")
+    assert [r.info.status for r in found] == ["FAILED"]
+    note = Path(client.download_artifacts(found[0].info.run_id, "rlmill/aborted.txt", str(tmp_path))).read_text()
+    assert "the wandb run of trk-open did not open" in note
+
+
+def test_every_tracker_ends_when_one_cannot_finish(mlflow_server, tracker_env, tmp_path):
+    """W&B's run folder is gone when the run ends (a real FileNotFoundError from its finish),
+    and W&B comes first: MLflow's run still gets its report and FINISHED, W&B's run still ends
+    (exit code 1: its report is missing), and the error names W&B."""
+    from flows.trackers import TrackerError, finish_trackers, open_trackers
+
+    trackers = open_trackers("trk-finish", ["wandb", "mlflow"], {"run_id": "trk-finish"})
+    for tracker in trackers:
+        tracker.log(1, {"critic/score/mean": 0.5})
+    shutil.rmtree(trackers[0].run.dir)
+    with pytest.raises(TrackerError, match=r"could not end the wandb run: FileNotFoundError"):
+        finish_trackers(trackers, failed=False, summary={"status": "finished"}, curves_png=b"\x89PNG")
+    client, (run,) = mlflow_runs(mlflow_server, "trk-finish")
+    assert run.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "rlmill")} == {"rlmill/summary.json",
+                                                                                  "rlmill/curves.png"}
+    (folder,) = tracker_env.glob("offline-run-*-trk-finish")
+    exits = [r.exit.exit_code for r in wandb_records(next(folder.glob("run-*.wandb")))
+             if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]
 
 
 # ------------------------------------------------------------------------------------- not installed

@@ -16,12 +16,14 @@ import html
 import json
 import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.flows.mlflow_server import ensure_full_server, mlflow_runs, mlflow_server
+from tests.flows.mlflow_server import ENSURE_SERVER, ensure_full_server, mlflow_runs, mlflow_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
@@ -89,3 +91,51 @@ def test_the_ui_run_page_shows_the_run_its_metric_and_params(ui_run, full_server
     assert "MLflow" in text, f"chromium did not render {page} (exit code {done.returncode}):\n{done.stderr[-2000:]}"
     for shown in (f" {RUN} ", " critic/score/mean ", " rollout.n ", " Finished "):
         assert f"|{shown}|" in text, f"the run page does not show {shown.strip()!r}:\n{text[:4000]}"
+
+
+# ------------------------------------------------------------------------------------- the build script
+def ensure(cache: Path, version: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "RLMILL_CACHE_DIR": str(cache), "RLMILL_MLFLOW_VERSION": version}
+    return subprocess.Popen(["bash", str(ENSURE_SERVER)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True, **kw)
+
+
+def test_a_built_server_is_reused_at_once(full_server):
+    """The environment the fixture built (or found): the next call builds nothing, says nothing
+    and prints the same `mlflow`."""
+    done = subprocess.run(["bash", str(ENSURE_SERVER)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.strip() == ensure_full_server() and Path(done.stdout.strip()).name == "mlflow"
+
+
+def test_a_failed_build_leaves_nothing_to_reuse(tmp_path):
+    """A version the registry does not have: one `rlmill:` line naming it and the fix; the
+    leftovers of an earlier killed build (a temporary folder, a destination without its UI
+    check) are gone, and nothing is at the destination."""
+    tools = tmp_path / "tools"
+    (tools / ".mlflow-999.0.0.build.killed").mkdir(parents=True)
+    (tools / "mlflow-999.0.0" / "bin").mkdir(parents=True)
+    proc = ensure(tmp_path, "999.0.0")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and out == "", err
+    assert "rlmill: could not install mlflow==999.0.0" in err and "RLMILL_MLFLOW_VERSION" in err, err
+    assert sorted(p.name for p in tools.iterdir()) == [".mlflow-999.0.0.lock"]
+
+
+def test_a_build_killed_midway_is_not_at_the_destination(tmp_path):
+    """SIGKILL (no trap runs) while the packages install: only the temporary folder remains,
+    which the next build removes (test above); the destination does not exist."""
+    import selectors
+
+    proc = ensure(tmp_path, "3.17.2")
+    seen, deadline = "", time.monotonic() + 180
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stderr, selectors.EVENT_READ)
+        while "[2/3]" not in seen:
+            assert time.monotonic() < deadline and proc.poll() is None, f"no '[2/3]' (install) line:\n{seen}"
+            if sel.select(timeout=1):  # os.read: a buffered readline could hold the line back
+                seen += os.read(proc.stderr.fileno(), 65536).decode()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    names = sorted(p.name for p in (tmp_path / "tools").iterdir())
+    assert names[0].startswith(".mlflow-3.17.2.build.") and names[1:] == [".mlflow-3.17.2.lock"], names

@@ -9,7 +9,9 @@ as flattened params; every iteration's scalar metrics with the iteration as the 
 a summary (JSON) and the reward/accuracy curves (PNG), then the tracker run's final status
 (FAILED when the run failed). A resumed rlmill run continues its tracker run: W&B by id (the
 rlmill run id), MLflow by the tag `rlmill.run_id`. Where they log is the trackers' own business:
-MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME, WANDB_MODE / WANDB_DIR / WANDB_PROJECT.
+MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME, WANDB_MODE / WANDB_DIR / WANDB_PROJECT. rlmill's
+environment has MLflow's client only (mlflow-skinny); a tracking server with its web UI, in an
+environment of its own: `"$(bash scripts/ensure_mlflow_server.sh | tail -1)" server ...`.
 
 No tracker run is left RUNNING: when one tracker fails to open, those already opened are ended
 FAILED (`abort`) before the error surfaces; `finish_trackers` ends every tracker even when one
@@ -26,7 +28,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 __all__ = ["MLFLOW_RUN_TAG", "MlflowTracker", "Tracker", "TrackerError", "WandbTracker", "finish_trackers",
            "flat_params", "mlflow_name", "open_trackers"]
@@ -38,6 +40,8 @@ MLFLOW_RUN_TAG = "rlmill.run_id"  # how a resumed run finds its MLflow run again
 
 
 class Tracker(Protocol):
+    settings: str  # where its settings live: named by the error when its run does not open
+
     def log(self, k: int, scalars: dict[str, float]) -> None: ...
 
     def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes) -> None:
@@ -61,40 +65,39 @@ def open_trackers(run_id: str, names: list[str], config: dict[str, Any]) -> list
             opened.append(TRACKERS[name](run_id, config))
         except Exception as exc:
             reason = f"the {name} run of {run_id} did not open: {type(exc).__name__}: {exc}"
-            ended = _each(opened, lambda tracker: tracker.abort(reason))
+            ended, errors = _each(opened, lambda tracker: tracker.abort(reason))
+            for error in errors:
+                log.warning("rlmill: trainer.loggers: could not end %s", error)
             raise TrackerError(f"rlmill: trainer.loggers: {reason}"
-                               + (f" (ended FAILED: {', '.join(ended)})" if ended else "")) from exc
+                               + (f" (ended FAILED: {', '.join(ended)})" if ended else "")
+                               + f"; fix: check {TRACKERS[name].settings}, or leave {name} out of trainer.loggers"
+                               ) from exc
     return opened
 
 
 def finish_trackers(trackers: list[Tracker], failed: bool, summary: dict[str, Any], curves_png: bytes) -> None:
     """Finish every tracker, even after one raised (each would otherwise stay RUNNING). With the
     run failed, a tracker that cannot be told is a warning: the run's own error is the one to
-    surface. With the run finished, the first tracker error is raised once all were tried."""
-    errors: list[str] = []
-    _each(trackers, lambda tracker: tracker.finish(failed, summary, curves_png), errors)
+    surface. With the run finished, the trackers' errors are raised once all were tried."""
+    _, errors = _each(trackers, lambda tracker: tracker.finish(failed, summary, curves_png))
     if errors and not failed:
         raise TrackerError(f"rlmill: trainer.loggers: could not end {'; '.join(errors)}")
     for error in errors:
         log.warning("rlmill: trainer.loggers: could not end %s", error)
 
 
-def _each(trackers: list[Tracker], call, errors: list[str] | None = None) -> list[str]:
-    """call(tracker) for every tracker; the names of those it worked for. Failures go to `errors`
-    ("<name> run: <error>"), or to the log when it is None."""
-    done = []
+def _each(trackers: list[Tracker], call: Callable[[Tracker], None]) -> tuple[list[str], list[str]]:
+    """call(tracker) for every tracker, whatever the others raise: (the names of the trackers it
+    worked for, "the <name> run: <error>" for the others)."""
+    done, errors = [], []
     for tracker in trackers:
         name = TRACKER_NAMES[type(tracker)]
         try:
             call(tracker)
             done.append(name)
         except Exception as exc:
-            error = f"the {name} run: {type(exc).__name__}: {exc}"
-            if errors is None:
-                log.warning("rlmill: trainer.loggers: could not end %s", error)
-            else:
-                errors.append(error)
-    return done
+            errors.append(f"the {name} run: {type(exc).__name__}: {exc}")
+    return done, errors
 
 
 def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -132,6 +135,8 @@ class MlflowTracker:
         t.log(1, {"critic/score/mean": 0.25})
         t.finish(failed=False, summary={"val/acc after": 0.5}, curves_png=png_bytes)
     """
+
+    settings = "MLFLOW_TRACKING_URI (is its server up?) and MLFLOW_EXPERIMENT_NAME"
 
     def __init__(self, run_id: str, config: dict[str, Any]):
         from mlflow import MlflowClient
@@ -186,6 +191,8 @@ class WandbTracker:
     """One W&B run per rlmill run, its id the rlmill run id (resume="allow" continues it). With
     WANDB_MODE=offline it writes `wandb/offline-run-*/run-<id>.wandb` under WANDB_DIR, for
     `wandb sync` later; every resumed process writes one more such folder with the same id."""
+
+    settings = "WANDB_MODE, WANDB_DIR, WANDB_PROJECT (and `wandb login` when online)"
 
     def __init__(self, run_id: str, config: dict[str, Any]):
         import wandb

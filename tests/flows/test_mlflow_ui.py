@@ -48,8 +48,8 @@ def ui_run(full_server, tmp_path_factory, example_path, tiny):
     root = tmp_path_factory.mktemp("mlflow-ui-run") / "root"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", full_server)
-        rl_training(config=str(example_path), overrides=tiny(str(root), f"run_id={RUN}", "trainer.logger=[console,mlflow]"),
-                    iterations=2)
+        overrides = tiny(str(root), f"run_id={RUN}", "trainer.logger=[console,mlflow]")
+        rl_training(config=str(example_path), overrides=overrides, iterations=2)
     return root
 
 
@@ -70,7 +70,8 @@ def test_the_full_server_holds_the_config_metrics_by_iteration_and_the_report(ui
     assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2]
     assert {a.path for a in client.list_artifacts(run.info.run_id, "rlmill")} == {"rlmill/summary.json",
                                                                                   "rlmill/curves.png"}
-    summary = json.loads(Path(client.download_artifacts(run.info.run_id, "rlmill/summary.json", str(tmp_path))).read_text())
+    summary = Path(client.download_artifacts(run.info.run_id, "rlmill/summary.json", str(tmp_path)))
+    summary = json.loads(summary.read_text())
     assert summary["status"] == "finished" and summary["iterations logged"] == [1, 2]
 
 

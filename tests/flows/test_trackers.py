@@ -186,7 +186,8 @@ def test_a_tracker_that_fails_to_open_ends_those_opened_before_it_failed(mlflow_
     monkeypatch.setenv("WANDB_MODE", "no-such-mode")
     try:
         with pytest.raises(TrackerError, match=r"^rlmill: trainer.loggers: the wandb run of trk-open did not open: "
-                                               r"(?s:.*)no-such-mode(?s:.*) \(ended FAILED: mlflow\)$"):
+                                               r"(?s:.*)no-such-mode(?s:.*) \(ended FAILED: mlflow\); fix: check WANDB_MODE, "
+                                               r".*or leave wandb out of trainer.loggers$"):
             rl_training(config=str(example_path), overrides=overrides, iterations=1)
     finally:
         monkeypatch.undo()

@@ -9,7 +9,8 @@ What the test changes, and why (ADJUSTED below; each command is matched by STEPS
 command that matches nothing fails the test until it is classified):
 - runs are tiny (tests/tiny.py, 1 iteration; deployment runs get the same through their
   `overrides`, `iterations` and `eval_size` parameters, which the README's own commands use);
-- ports 4200 and 5555 become free ports, /tmp/rl and /tmp/rlmill-* the test's own folder;
+- ports 4200, 5555 and 5000 (MLflow's) become free ports, /tmp/rl and /tmp/rlmill-* the test's
+  own folder;
 - `make X` runs X's recipe (`make -n X`) without its `venv` step: the copy shares this
   checkout's .venv instead of building its own;
 - `s3://my-bucket` (the user's own bucket) is a bucket of that name on a local S3 (moto);
@@ -28,7 +29,9 @@ import os
 import re
 import shlex
 import signal
+import sqlite3
 import subprocess
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -43,7 +46,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.prefect, pytest.mar
 
 README = (REPO / "README.md").read_text()
 SECTION = README.split("\n## Running it for real\n", 1)[1].split("\n## Reference\n", 1)[0]
-WHOLE_BLOCKS = ("readme-s3-demo", "readme-multi-rank")  # scripts that only make sense run whole
+WHOLE_BLOCKS = ("readme-s3-demo", "readme-multi-rank", "readme-mlflow")  # scripts that only make sense run whole
 ADJUSTED = {
     "tiny runs": "tests/tiny.py overrides and 1 iteration: the walk must fit in make test's budget",
     "ports": "4200/5555 may be taken on a shared machine: free ports instead",
@@ -53,6 +56,7 @@ ADJUSTED = {
     "smollm2": "downloads packages from PyPI: checked here, run by tests/test_smollm2_setup.py",
     "serve ports": "8000 (serve) and 6379 (redis) become free ports, through make's SERVE_PORT and REDIS_PORT",
     "answer id": "the feedback's chatcmpl-... is the id the README's completion answered with",
+    "mlflow": "MLflow's port 5000 becomes a free port and its run is tiny (tests/tiny.py, 1 iteration)",
 }
 
 
@@ -78,6 +82,11 @@ def readme_steps(section: str = SECTION) -> list[Step]:
 
 
 # --------------------------------------------------------------------------------------- the walk
+def _read_from_start(file) -> str:
+    file.seek(0)
+    return file.read().decode(errors="replace")
+
+
 @dataclass
 class Walk:
     clone: Path
@@ -97,17 +106,26 @@ class Walk:
                 .replace("127.0.0.1:6379", f"127.0.0.1:{self.env['REDIS_PORT']}"))
 
     def sh(self, command: str, env: dict[str, str] | None = None, timeout: float = 400) -> str:
-        """Run a command as the user's shell would; it must succeed without a traceback."""
+        """Run a command as the user's shell would; it must succeed without a traceback. Its
+        output goes to files, not pipes: a server it left running in the background (as the
+        README's MLflow block does) would hold a pipe open, and the command would never end."""
         start = time.monotonic()
-        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", command], cwd=self.clone, env=env or self.env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # anything the command left running (a demo's server)
+        with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
+            proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", command], cwd=self.clone,
+                                    env=env or self.env, stdout=out_file, stderr=err_file, start_new_session=True)
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # anything the command left running (a demo's server)
+                proc.wait()
+            stdout, stderr = (_read_from_start(f) for f in (out_file, err_file))
         out = stdout + stderr
         self.log.append(f"{time.monotonic() - start:6.1f} s  {command.splitlines()[0][:110]}")
+        assert not timed_out, f"`{command}` did not finish within {timeout:.0f} s:\n{out[-5000:]}"
         assert proc.returncode == 0, f"`{command}` failed ({proc.returncode}):\n{out[-5000:]}"
         assert "Traceback" not in out, f"`{command}` printed a traceback:\n{out[-5000:]}"
         return stdout
@@ -266,6 +284,27 @@ def _multi_rank(walk: Walk, step: Step) -> None:
     assert update_gap(two_ranks, the_run, init) < REORDER_REL
 
 
+def _mlflow(walk: Walk, step: Step) -> None:
+    """The MLflow block whole: the full server (built once per machine) in the background, a tiny
+    run logging to it (ADJUSTED['mlflow']); the server's store, mlflow.db in the clone, then holds
+    that run: named and tagged with the id `rlmill train` printed, finished, metrics at step 1."""
+    tiny = shlex.join([*TINY, "trainer.total_iterations=1"])  # before the README's overrides: they win
+    script, n = re.subn(r"rlmill train --config \S+", lambda m: f"{m.group(0)} {tiny}", step.text)
+    assert n == 1, f"one `rlmill train --config` expected in the MLflow block:\n{step.text}"
+    out = walk.sh(re.sub(r"\b5000\b", str(free_port()), script), timeout=600)  # a first build: ~50 s
+    walk.runs.append(run_id := re.search(r"^rlmill: new run (\S+);", out, re.M).group(1))
+    db = walk.clone / "mlflow.db"
+    assert db.is_file(), f"the MLflow block left no {db.name} in {walk.clone}"
+    with contextlib.closing(sqlite3.connect(db)) as store:
+        runs = store.execute("SELECT r.run_uuid, r.name, r.status FROM runs r JOIN experiments e "
+                             "ON r.experiment_id = e.experiment_id WHERE e.name = 'rlmill'").fetchall()
+        assert [r[1:] for r in runs] == [(run_id, "FINISHED")], runs
+        tags = dict(store.execute("SELECT key, value FROM tags WHERE run_uuid = ?", runs[0][:1]))
+        steps = [s for (s,) in store.execute("SELECT step FROM metrics WHERE run_uuid = ? "
+                                             "AND key = 'critic/score/mean'", runs[0][:1])]
+    assert tags.get("rlmill.run_id") == run_id and steps == [1], (tags, steps)
+
+
 def _plain(walk: Walk, step: Step) -> None:
     walk.sh(step.text)
 
@@ -294,6 +333,7 @@ def _feedback_cli(walk: Walk, step: Step) -> None:
 STEPS = [
     (r"^\(.*moto_server", _s3_demo),
     (r"^RUN=.*torchrun", _multi_rank),
+    (r"^mlflow=.*ensure_mlflow_server\.sh.*rlmill train ", _mlflow),
     (r"^make smollm2$", _smollm2),
     (r"^make (server|worker|serve)$", _background_make),
     (r"^make deploy$", _make),

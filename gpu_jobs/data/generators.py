@@ -4,7 +4,8 @@
     >>> train_url, test_url = make_dataset("arith", "/tmp/data/arith", train_size=512, test_size=64, seed=0)
 
 Generators are registered by name (`dataset_names()` lists them): "arith" (the built-in 2-digit
-addition task), "gsm_symbolic" (reasoning-gym's GSM8K-style word problems), "arith_tools"
+addition task), "times" (times tables up to 12 x 12 in words, the real-model task SmolLM2-135M
+learns on CPU), "gsm_symbolic" (reasoning-gym's GSM8K-style word problems), "arith_tools"
 (gpu_jobs/data/tool_tasks.py) and "rg:<task>" for any other reasoning-gym task. A reasoning-gym row keeps the generated entry as a JSON string in
 `extra_info["rg_entry"]`, which is what the reward needs to call that task's `score_answer`.
 """
@@ -24,10 +25,12 @@ from storage import join
 from storage.datasets import write_prompts
 
 ARITH_SOURCE = "rlmill/arith"
+TIMES_SOURCE = "rlmill/times"
 RG_SOURCE_PREFIX = "reasoning_gym/"
 
 __all__ = ["ARITH_SOURCE", "RG_SOURCE_PREFIX", "GENERATORS", "register_generator", "get_generator", "make_dataset",
-           "dataset_names", "arith_pairs", "arith_row"]
+           "dataset_names", "arith_pairs", "arith_row", "TIMES_SOURCE", "TIMES_MAX_HELD_OUT", "times_facts",
+           "held_out_size"]
 
 
 def _json_safe(value: Any) -> Any:
@@ -118,6 +121,75 @@ def _arith_splits(train_size: int, test_size: int, seed: int):
     return train, test
 
 
+# Times tables: "What is 7 times 8? Answer with only the number." SmolLM2-135M-Instruct answers
+# a third of them greedily and two thirds within 4 samples at temperature 0.8 (it often explains
+# instead of answering), which is the headroom GRPO needs. A fact and its mirror (7 x 8, 8 x 7)
+# always land in the same split, so a held-out fact was never trained on in either order.
+TIMES_RANGE = range(2, 13)
+TIMES_PROMPT = "What is {a} times {b}? Answer with only the number."
+
+
+def times_facts(seed: int) -> list[tuple[int, int]]:
+    """The 66 unordered facts a <= b of TIMES_RANGE, in a seeded random order."""
+    facts = [(a, b) for a in TIMES_RANGE for b in TIMES_RANGE if a <= b]
+    return [facts[int(k)] for k in np.random.default_rng(seed).permutation(len(facts))]
+
+
+def times_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
+    """One times-table row; the ground truth is str(a * b), scored on the response's last number."""
+    return {
+        "data_source": TIMES_SOURCE,
+        "prompt": [{"role": "user", "content": TIMES_PROMPT.format(a=a, b=b)}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+        "extra_info": {"split": split, "index": index, "a": a, "b": b},
+    }
+
+
+def _times_prompts(facts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return [pair for a, b in facts for pair in ([(a, b)] if a == b else [(a, b), (b, a)])]
+
+
+def _times_splits(train_size: int, test_size: int, seed: int):
+    """Test takes whole facts from the front of the seeded order until it has `test_size`
+    prompts (one more when the last fact has a mirror); train is the rest, repeated in order
+    when `train_size` asks for more than the 121 - test prompts there are."""
+    facts, test_pairs = times_facts(seed), []
+    while facts and len(test_pairs) < test_size:
+        test_pairs += _times_prompts([facts.pop(0)])
+    train_pairs = _times_prompts(facts)
+    if test_size and len(test_pairs) < test_size or train_size and not train_pairs:
+        raise ValueError(f"times has {len(_times_prompts(times_facts(seed)))} prompts in all; "
+                         f"asked for {test_size} held out and {train_size} to train on")
+    train_pairs = [train_pairs[i % len(train_pairs)] for i in range(train_size)]
+    return ([times_row(a, b, "train", i) for i, (a, b) in enumerate(train_pairs)],
+            [times_row(a, b, "test", i) for i, (a, b) in enumerate(test_pairs)])
+
+
+@register_generator("times")
+def _times(split: str, size: int, seed: int) -> list[dict[str, Any]]:
+    # Standalone use: one split's prompts (make_dataset keeps the splits' facts apart).
+    train, test = _times_splits(size if split != "test" else 0, size if split == "test" else 0, seed)
+    return test if split == "test" else train
+
+
+TIMES_MAX_HELD_OUT = 60  # of its 121 prompts: the rest (and at least half the facts) are for training
+
+
+def held_out_size(name: str, val_size: int) -> int:
+    """Rows a run generates for `name`'s held-out split. At least 300, so that a later run with a
+    larger data.val_size, or the nightly evaluation, reads the same first rows; times has only
+    121 prompts in all, so it holds out exactly `val_size` (at most TIMES_MAX_HELD_OUT)."""
+    return val_size if name == "times" else max(val_size, 300)
+
+
+# Generators whose train and test splits must be drawn together, so no test problem is trained on.
+_SPLIT_GENERATORS: dict[str, Callable[[int, int, int], tuple[list, list]]] = {
+    "arith": lambda train_size, test_size, seed: _arith_splits(train_size, test_size, seed),
+    "times": _times_splits,
+}
+
+
 def _reasoning_gym_rows(task: str, split: str, size: int, seed: int) -> list[dict[str, Any]]:
     import reasoning_gym
 
@@ -156,8 +228,8 @@ def make_dataset(
     """
     if train_size < 0 or test_size < 0:
         raise ValueError("train_size and test_size must be >= 0")
-    if name == "arith":
-        train, test = _arith_splits(train_size, test_size, seed)
+    if name in _SPLIT_GENERATORS:
+        train, test = _SPLIT_GENERATORS[name](train_size, test_size, seed)
     else:
         gen = get_generator(name)
         train, test = gen("train", train_size, seed), gen("test", test_size, seed)

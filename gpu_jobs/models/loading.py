@@ -235,6 +235,15 @@ def smollm2_gguf() -> str:
     return found[0]
 
 
+def smollm2_available(cache_dir=None) -> bool:
+    """True when ensure_smollm2 can return a folder: converted once already, or the package is there."""
+    from gpu_jobs.models.build import default_cache_dir
+
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return (root / "smollm2-135m-instruct" / "config.json").exists() or \
+        importlib.util.find_spec(SMOLLM2_PACKAGE) is not None
+
+
 def ensure_smollm2(cache_dir=None) -> str:
     """A plain HF folder of SmolLM2-135M-Instruct, converted once from the package's GGUF.
 

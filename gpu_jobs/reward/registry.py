@@ -19,7 +19,7 @@ from typing import Any
 
 from gpu_jobs.registry import Registry
 
-from .rules import arith_score, gsm8k_score, math_score, reasoning_gym_score
+from .rules import arith_score, gsm8k_score, last_number_score, math_score, reasoning_gym_score
 
 __all__ = [
     "RewardFn",
@@ -91,6 +91,11 @@ def _gsm8k(data_source, solution_str, ground_truth, extra_info=None, method: str
 @register_reward_fn("rlmill/arith")
 def _arith(data_source, solution_str, ground_truth, extra_info=None, **_):
     return arith_score(solution_str, ground_truth)
+
+
+@register_reward_fn("rlmill/times")
+def _times(data_source, solution_str, ground_truth, extra_info=None, **_):
+    return last_number_score(solution_str, ground_truth)
 
 
 @register_reward_fn(

@@ -75,6 +75,17 @@ def arith_score(solution_str: str, ground_truth: str) -> float:
     return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
 
 
+_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 if the last number in the response (commas dropped) is the ground truth, else 0.0:
+    "7 x 8 = 56", "56" and "It is 56." score; "8 x 7 = 54" does not (the times-table task).
+    Unlike GSM8K's flexible extraction, a sentence's full stop is not part of the number."""
+    found = _LAST_NUMBER.findall(solution_str[-_GSM8K_CLIP_CHARS:])
+    return 1.0 if found and found[-1].replace(",", "") == str(ground_truth).strip() else 0.0
+
+
 # --------------------------------------------------------------------------------------------
 # Math with \boxed{} answers (verl utils/reward_score/math.py; Hendrycks et al. 2021, "MATH")
 # --------------------------------------------------------------------------------------------

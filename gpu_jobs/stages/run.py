@@ -21,6 +21,7 @@ from gpu_jobs.stages.config import RunConfig, config_from_run_json, frozen_confi
 from storage import ObjectExistsError, RunLayout, exists, join
 from storage.datasets import read_prompts
 from gpu_jobs.data import PromptSampler, make_dataset
+from gpu_jobs.data.generators import held_out_size
 
 log = logging.getLogger("rlmill")
 
@@ -176,10 +177,12 @@ def _datasets(cfg: RunConfig) -> tuple[list[str], list[str]]:
         return list(data.train_files), list(data.val_files or data.train_files)
     if data.generate is None:
         raise ValueError("data.train_files is empty and data.generate is null: name a dataset or files")
-    out = join(cfg.root, "datasets", f"{data.generate.replace(':', '-')}-seed{data.seed}-n{data.train_size}")
+    test_size = held_out_size(data.generate, data.val_size)
+    name = f"{data.generate.replace(':', '-')}-seed{data.seed}-n{data.train_size}"
+    out = join(cfg.root, "datasets", name if test_size == max(data.val_size, 300) else f"{name}-t{test_size}")
     train_url, test_url = join(out, "train.parquet"), join(out, "test.parquet")
     if not (exists(train_url, cfg.storage) and exists(test_url, cfg.storage)):
-        make_dataset(data.generate, out, train_size=data.train_size, test_size=max(data.val_size, 300),
+        make_dataset(data.generate, out, train_size=data.train_size, test_size=test_size,
                      seed=data.seed, storage=cfg.storage)
     return [train_url], list(data.val_files or [test_url])
 

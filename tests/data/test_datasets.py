@@ -187,3 +187,25 @@ def test_overlong_prompts_error_or_are_filtered_and_counted(tokenizer):
     cfg = DatasetConfig(max_prompt_length=5, overlong_prompts="filter")
     ids, kept, n_filtered = render_prompts(prompts, tokenizer, cfg)
     assert kept == [0, 2] and n_filtered == 1 and [len(x) for x in ids] == [4, 4]
+
+
+def test_times_holds_out_whole_facts_and_both_orders(tmp_path):
+    """The real-model task: a held-out fact (7 x 8) is never trained on, not even as 8 x 7."""
+    train_url, test_url = make_dataset("times", str(tmp_path / "t"), train_size=300, test_size=40, seed=3)
+    train, test = read_prompts(train_url), read_prompts(test_url)
+    facts = lambda df: {frozenset((e["a"], e["b"])) for e in df["extra_info"]}  # noqa: E731
+    assert len(test) in (40, 41) and len(train) == 300 and not facts(test) & facts(train)
+    assert len(facts(test)) + len(facts(train)) == 66  # every fact a <= b of 2..12 is in one split
+    row = test.iloc[0]
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    assert row["prompt"][0]["content"] == f"What is {a} times {b}? Answer with only the number."
+    assert row["reward_model"]["ground_truth"] == str(a * b) and row["data_source"] == "rlmill/times"
+    with pytest.raises(ValueError, match="121 prompts in all"):
+        make_dataset("times", str(tmp_path / "u"), train_size=10, test_size=200, seed=3)
+
+
+def test_a_times_run_config_refuses_a_held_out_set_it_cannot_hold():
+    from flows.config import ConfigError, load_run_config
+
+    with pytest.raises(ConfigError, match="holds out at most 60"):
+        load_run_config(None, ["data.generate=times", "data.val_size=100"])

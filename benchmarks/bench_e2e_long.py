@@ -1,8 +1,11 @@
-"""Workload presets, models and the update's FLOP/s for `make bench-e2e` (issue 14: long answers).
+"""Workload presets, tasks, models and the update's FLOP/s for `make bench-e2e` (issue 14: long
+answers; issue 24: a real model on a real task).
 
     .venv/bin/python -m benchmarks.bench_e2e --workload long128 --model 16m
+    .venv/bin/python -m benchmarks.bench_e2e --workload times --model smollm2 [--tokens 64]
 
-Workloads (prompts are always the built-in arith train rows, in rlmill's sampling order):
+Workloads (prompts: the task's train rows, in rlmill's sampling order; every workload but times uses
+the built-in arith task):
   arith    64 prompts x 8, answers of at most 6 tokens (EOS ends them), lr 1e-4: issue 7's workload,
            with the held-out accuracy phase;
   long128  16 prompts x 8, every response forced to exactly 128 tokens, lr 1e-5;
@@ -10,6 +13,12 @@ Workloads (prompts are always the built-in arith train rows, in rlmill's samplin
            506-token response), lr 1e-5: both models hold 512 positions, vLLM stops a response
            there while transformers `generate` would run past it, so a longer response would not
            be the same tokens on both sides (check_context refuses one).
+  times    8 prompts x 4, natural-length answers capped at 64 tokens (--tokens; issue 24 asks for
+           256, which costs ~4x the generation on 2 cores), temperature 0.8, lr 1e-5: the times-table
+           task (gpu_jobs/data/generators.py) that SmolLM2-135M-Instruct learns, from
+           examples/grpo_times_smollm2.yaml; reward and held-out score are the answer's last number
+           (gpu_jobs.reward.rules.last_number_score) on both sides; 40 held-out prompts (whole
+           facts, both orders; --heldout, at most 60: the held-out count decides the train split).
 Forcing: rlmill sets rollout.ignore_eos (keeps sampling past EOS; every token is trained); TRL
 cannot use ignore_eos, because its completion mask ends each completion at its first EOS, so it
 forbids EOS until the length is reached instead (transformers `min_new_tokens`, vLLM
@@ -19,8 +28,9 @@ distributions differ only in whether EOS may be drawn. A forced 128-character an
 full forward and backward (neither side skips zero-advantage groups), which is what is timed.
 There is no accuracy phase for these workloads.
 
-Models: `builtin` (the ~0.5M-parameter model rlmill ships) and `16m` (a random-init ~16M-parameter
-Qwen2, benchmarks.bench_rollout.make_16m_model, same character tokenizer).
+Models: `builtin` (the ~0.5M-parameter model rlmill ships), `16m` (a random-init ~16M-parameter
+Qwen2, benchmarks.bench_rollout.make_16m_model, same character tokenizer) and `smollm2`
+(SmolLM2-135M-Instruct, converted once by gpu_jobs.models.ensure_smollm2; `make smollm2`).
 
 Update FLOP/s: 6 x parameters x trained tokens / update seconds (forward 2 FLOPs per parameter per
 token, backward 4; attention's own FLOPs and the optimizer step are left out, so it slightly
@@ -34,23 +44,54 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 
 WORKLOADS = {  # Workload keyword arguments; steps/repeats are the defaults of --steps/--repeats
     "arith": dict(prompts=64, max_len=6, lr=1e-4, ignore_eos=False),
     "long128": dict(prompts=16, max_len=128, lr=1e-5, ignore_eos=True),
     "long512": dict(prompts=16, max_len=506, lr=1e-5, ignore_eos=True),  # + 6 prompt tokens = 512 positions
+    # examples/grpo_times_smollm2.yaml's batch, temperature and lr; 64 tokens: the cap for 2 cores
+    "times": dict(prompts=8, group=4, max_len=64, lr=1e-5, temperature=0.8, ignore_eos=False, task="times"),
 }
-RUNS = {"arith": (8, 3), "long128": (5, 2), "long512": (4, 2)}  # (steps, repeats) per run
-MODELS = ("builtin", "16m")
+RUNS = {"arith": (8, 3), "long128": (5, 2), "long512": (4, 2), "times": (4, 1)}  # (steps, repeats) per run
+MODELS = ("builtin", "16m", "smollm2")
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a workload's prompts, reward and held-out score come from (the same on both sides)."""
+
+    example: str  # the rlmill config under examples/ that the benchmark's overrides apply to
+    score: str  # a function (response text, ground truth) -> float in gpu_jobs.reward.rules
+    heldout: int  # held-out prompts evaluated by default
+    max_heldout: int | None = None  # the task holds out at most this many (None: no limit)
+    fixed_split: bool = False  # the held-out count decides the train rows: every run of a case uses one
+
+
+TASKS = {
+    "arith": Task("grpo_arith.yaml", "arith_score", heldout=300),
+    # 121 prompts in all; the example's 40 held out (gpu_jobs.data.generators.TIMES_MAX_HELD_OUT = 60)
+    "times": Task("grpo_times_smollm2.yaml", "last_number_score", heldout=40, max_heldout=60, fixed_split=True),
+}
+
+
+def task_score(task: str):
+    """The reward both sides score `task` with (and the shared held-out evaluation): rlmill's own
+    rule for the task's data_source, called by TRL's reward function too."""
+    from gpu_jobs.reward import rules
+
+    return getattr(rules, TASKS[task].score)
 # 512 forced tokens on the 16M model is ~2 min a step on 2 cores: named explicitly or not run.
 DEFAULT_CASES = (("arith", "builtin"), ("long128", "builtin"), ("long128", "16m"), ("long512", "builtin"))
-# The default rows of a forced-length workload: rlmill with both engines (on 2 cores vLLM's per-step
+# The default rows of a forced-length workload and of times: rlmill with both engines (on 2 cores vLLM's per-step
 # overhead loses to transformers `generate` on the 0.5M model and wins on the 16M one), TRL both ways.
 LONG_ROWS = ("rlmill-flow", "rlmill-vllm", "trl", "trl-vllm")
 # Issue 14's goals: rlmill row -> minimum train tok/s ratio to TRL; a workload not named is measured only.
 GOALS = {("arith", "builtin"): {"rlmill-flow": 1.0, "rlmill-vllm": 1.0, "rlmill-stages": 1.5},
          ("long128", "builtin"): {"rlmill-flow": 1.3, "rlmill-vllm": 1.3},
-         ("long128", "16m"): {"rlmill-flow": 1.2, "rlmill-vllm": 1.2}}
+         ("long128", "16m"): {"rlmill-flow": 1.2, "rlmill-vllm": 1.2},
+         # issue 24: the flow at 1.5x TRL's faster row on the real model
+         ("times", "smollm2"): {"rlmill-flow": 1.5, "rlmill-vllm": 1.5}}
 
 
 def pick_cases(workloads: str | None, models: str | None) -> list[tuple[str, str]]:
@@ -77,6 +118,10 @@ def model_folder(name: str) -> str:
         from benchmarks.bench_rollout import make_16m_model
 
         return make_16m_model(os.path.join(tempfile.gettempdir(), "rlmill-bench-16m"))
+    if name == "smollm2":
+        from gpu_jobs.models import ensure_smollm2
+
+        return ensure_smollm2()  # a clear error naming `make smollm2` when it is not converted yet
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
@@ -166,3 +211,61 @@ def trl_vllm_args(max_len: int, ignore_eos: bool) -> dict:
     return dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.5, vllm_enable_sleep_mode=False,
                 vllm_importance_sampling_correction=False,
                 generation_kwargs=trl_forcing(max_len, ignore_eos, use_vllm=True))
+
+
+# ------------------------------------------------------------------------------ data and reward, both sides
+def task_splits(cfg, folder: str):
+    """(train, held-out) DataFrames exactly as Run.open reads them for `cfg`: the same
+    generator, sizes and seed (held-out size as the run computes it: at least 300 for arith,
+    exactly data.val_size for times), so the rows equal those under the run's own root."""
+    from gpu_jobs.data import make_dataset
+    from gpu_jobs.data.generators import held_out_size
+    from storage.datasets import read_prompts
+
+    train_url, test_url = os.path.join(folder, "train.parquet"), os.path.join(folder, "test.parquet")
+    if not (os.path.exists(train_url) and os.path.exists(test_url)):  # written once per benchmark and task
+        make_dataset(cfg.data.generate, folder, train_size=cfg.data.train_size,
+                     test_size=held_out_size(cfg.data.generate, cfg.data.val_size), seed=cfg.data.seed)
+    return read_prompts(train_url), read_prompts(test_url)
+
+
+def prompt_text(messages, tokenizer) -> str:
+    """The prompt string rlmill's render_prompt tokenizes: the chat template with the generation prompt."""
+    from gpu_jobs.data.rendering import normalize_messages
+
+    return tokenizer.apply_chat_template(normalize_messages(messages), add_generation_prompt=True, tokenize=False)
+
+
+def trl_rows(cfg, train, tokenizer, steps: int) -> dict[str, list]:
+    """The prompts of rlmill iterations 1..steps, in order, as TRL dataset columns."""
+    from gpu_jobs.data import PromptSampler
+
+    sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
+    rows = [i for k in range(steps) for i in sampler.indices(k)]
+    prompts, truths = train["prompt"].tolist(), train["reward_model"].tolist()
+    return {"prompt": [prompt_text(prompts[i], tokenizer) for i in rows],
+            "ground_truth": [str(truths[i]["ground_truth"]) for i in rows]}
+
+
+def heldout_problems(test, tokenizer, n: int) -> list[tuple[str, str]]:
+    """The first `n` held-out rows as (prompt text, ground truth)."""
+    return [(prompt_text(m, tokenizer), str(r["ground_truth"]))
+            for m, r in zip(test["prompt"].tolist()[:n], test["reward_model"].tolist()[:n])]
+
+
+def trl_reward(score, tokenizer, gen_tokens: list, train_tokens: list):
+    """TRL's reward function: `score`(completion text, ground truth) per completion, rlmill's rule
+    for the task. It sees every completion of a generation batch, so it also counts the batch's
+    (generated, trained) tokens into the two lists, tokenizing the prompts the way TRL does
+    (processing_class(text=...))."""
+    from benchmarks.bench_e2e_report import token_counts
+
+    def reward(prompts, completions, completion_ids, ground_truth, **_):
+        gen, trained = token_counts([len(x) for x in tokenizer(text=prompts)["input_ids"]],
+                                    [len(c) for c in completion_ids])
+        gen_tokens.append(gen)
+        train_tokens.append(trained)
+        return [score(c, g) for c, g in zip(completions, ground_truth)]
+
+    reward.__name__ = f"{getattr(score, '__name__', 'score')}_reward"  # TRL labels its reward columns by name
+    return reward

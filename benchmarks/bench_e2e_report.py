@@ -1,6 +1,7 @@
 """What `make bench-e2e` measures and prints (benchmarks.bench_e2e runs the workloads): token
-counts, the shared greedy evaluation, step clocks and summaries; the tables (one line per row,
-ratios to TRL), the issue's goals, footnotes, and the update's achieved FLOP/s.
+counts, the shared greedy evaluation, step clocks and summaries, each run's peak resident memory;
+the tables (one line per row, ratios to TRL), the issue's goals, footnotes, and the update's
+achieved FLOP/s.
 
     .venv/bin/python -m benchmarks.bench_e2e --workload long128 --model 16m
 """
@@ -8,7 +9,10 @@ ratios to TRL), the issue's goals, footnotes, and the update's achieved FLOP/s.
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import subprocess
+import threading
 
 from benchmarks.bench_e2e_long import update_flops
 
@@ -19,13 +23,12 @@ def token_counts(prompt_lens, response_lens) -> tuple[int, int]:
     return gen, gen + sum(int(p) for p in prompt_lens)
 
 
-def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int, batch_size: int = 256) -> float:
-    """Share of `problems` (prompt text, answer) whose greedy answer scores 1 with arith_score.
-    Plain transformers `generate`: neither side's generation code."""
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int, score, batch_size: int = 256) -> float:
+    """Mean `score`(greedy answer, truth) over `problems` (prompt text, truth): the share answered
+    right for the 0/1 rules (arith_score, last_number_score). Plain transformers `generate`, left
+    padded: neither side's generation code."""
     import torch
     from transformers import GenerationConfig
-
-    from gpu_jobs.reward.rules import arith_score
 
     gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
@@ -33,19 +36,67 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int, batch_size:
     hits = 0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i:i + batch_size]
-        enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, padding_side="left",
+                        add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**enc, generation_config=gen_cfg)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        hits += sum(arith_score(t, truth) for t, (_, truth) in zip(texts, chunk))
+        hits += sum(score(t, truth) for t, (_, truth) in zip(texts, chunk))
     return hits / len(problems)
 
 
-def evaluate_folder(folder: str, tokenizer, problems, max_new_tokens: int) -> float:
+def evaluate_folder(folder: str, tokenizer, problems, max_new_tokens: int, score) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder)
-    return greedy_accuracy(model, tokenizer, problems, max_new_tokens)
+    return greedy_accuracy(model, tokenizer, problems, max_new_tokens, score)
+
+
+# ------------------------------------------------------------------------------ peak resident memory
+def tree_rss(pid: int) -> int:
+    """Resident bytes of process `pid` and all its descendants now (0 once it is gone). Shared
+    pages count once per process that maps them, so this is an upper bound of the tree's use."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:  # ended between the listing and the read
+            pass
+    return total
+
+
+def run_measured(cmd: list[str], *, cwd, stdout, every: float = 0.5) -> tuple[int, dict]:
+    """Run `cmd` to its end; (exit code, {"rss_peak", "rss_tree"} in bytes). rss_peak: the
+    kernel's maxrss of the child from wait4, i.e. the largest single process among the child
+    and the descendants it waited for (the worker itself, its vLLM engine core or Prefect's
+    ephemeral server, whichever peaked highest); exact. rss_tree: the highest sum of resident
+    sets over the whole tree, sampled every `every` seconds (a peak shorter than that can be missed)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT)
+    ended, highest = threading.Event(), [0]
+
+    def sample():
+        while not ended.wait(every):
+            highest[0] = max(highest[0], tree_rss(proc.pid))
+
+    sampler = threading.Thread(target=sample, name="rss-sampler", daemon=True)
+    sampler.start()
+    try:
+        # wait4, not Popen.wait: only it returns this child's own rusage (RUSAGE_CHILDREN of this
+        # process would be the maximum over every run so far).
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        ended.set()
+        sampler.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    peak = usage.ru_maxrss * 1024  # kilobytes on Linux
+    return proc.returncode, {"rss_peak": peak, "rss_tree": max(highest[0], peak)}
 
 
 def summarize(step_seconds, gen_tokens, train_tokens, skip: int = 1) -> dict:
@@ -75,10 +126,14 @@ def budget_steps(budget: float, s_step: float | None, margin: float) -> int:
 
 
 def median_summary(runs: list[dict], skip: int = 1) -> dict:
-    """Medians over runs of summarize(), and, when every run timed its updates, `update_s` (median
-    update seconds of the steps after `skip`) and `train_tokens` (mean trained tokens per step)."""
+    """Medians over runs of summarize(); the highest `rss_peak` and `rss_tree` of the runs that
+    measured them; and, when every run timed its updates, `update_s` (median update seconds of the
+    steps after `skip`) and `train_tokens` (mean trained tokens per step)."""
     per_run = [summarize(r["step_seconds"], r["gen_tokens"], r["train_tokens"], skip) for r in runs]
     out = {key: statistics.median(s[key] for s in per_run) for key in per_run[0]}
+    for key in ("rss_peak", "rss_tree"):
+        if any(key in r for r in runs):
+            out[key] = max(r[key] for r in runs if key in r)
     if all(r.get("update_seconds") for r in runs):
         kept = [slice(skip, None) if len(r["update_seconds"]) > skip else slice(None) for r in runs]
         out["update_s"] = statistics.median(statistics.median(r["update_seconds"][k]) for r, k in zip(runs, kept))
@@ -99,17 +154,22 @@ def format_table(results: dict[str, dict], acc_before: float | None) -> list[str
         a, b = r.get(key), trl.get(key)
         return "-" if a is None or not b else f"{a / b:.2f}x"
 
-    head = (f"{'row':<14}{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'acc before':>12}{'acc after':>11}"
-            f"{'steps':>7}{'train s':>9}  |{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'acc after':>11}")
-    lines = [f"{'':<85}|  rlmill / TRL", head]
+    def gb(v):
+        return "-" if v is None else f"{v / 2**30:.2f}"
+
+    head = (f"{'row':<14}{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'peak GB':>9}{'tree GB':>9}"
+            f"{'acc before':>12}{'acc after':>11}{'steps':>7}{'train s':>9}"
+            f"  |{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'peak GB':>9}{'acc after':>11}")
+    lines = [" " * head.index("|") + "|  rlmill / TRL", head]
     for row, r in results.items():
         acc = r.get("acc_after")
         lines.append(
             f"{row:<14}{num(r.get('s_step'), '.2f'):>8}{num(r.get('gen_tps'), ',.0f'):>11}"
-            f"{num(r.get('train_tps'), ',.0f'):>13}{'-' if acc_before is None else f'{100 * acc_before:.1f} %':>12}"
+            f"{num(r.get('train_tps'), ',.0f'):>13}{gb(r.get('rss_peak')):>9}{gb(r.get('rss_tree')):>9}"
+            f"{'-' if acc_before is None else f'{100 * acc_before:.1f} %':>12}"
             f"{('-' if acc is None else f'{100 * acc:.1f} %'):>11}{num(r.get('steps'), 'd'):>7}"
             f"{num(r.get('train_seconds'), '.1f'):>9}  |{ratio(r, 's_step'):>8}{ratio(r, 'gen_tps'):>11}"
-            f"{ratio(r, 'train_tps'):>13}{ratio(r, 'acc_after'):>11}")
+            f"{ratio(r, 'train_tps'):>13}{ratio(r, 'rss_peak'):>9}{ratio(r, 'acc_after'):>11}")
     return lines
 
 

@@ -1,15 +1,20 @@
 """`make bench-e2e`'s pure parts (configs, token counts, clocks, table), the shared evaluation, the
-prompts TRL gets, and one tiny real TRL run when TRL is installed.
+prompts TRL gets (arith and SmolLM2's times task), the reward on both sides, the per-run memory
+measure, and one tiny real TRL run when TRL is installed.
 
     .venv/bin/python -m pytest -q tests/bench/test_bench_e2e.py
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
 from benchmarks import bench_e2e as be
+from gpu_jobs.models.loading import smollm2_available
 
 torch.set_num_threads(1)  # 2 cores shared with other jobs
 
@@ -58,17 +63,20 @@ def test_first_crossing_starts_the_clock_after_the_first_step():
 
 
 def test_table_ratios_are_row_over_trl_and_missing_values_show_as_dashes():
+    gib = 2**30
     results = {"rlmill-flow": {"s_step": 1.0, "gen_tps": 300.0, "train_tps": 900.0, "acc_after": 0.5,
-                               "steps": 30, "train_seconds": 60.5},
+                               "steps": 30, "train_seconds": 60.5, "rss_peak": 3 * gib, "rss_tree": 3.5 * gib},
                "rlmill-vllm": {},
                "trl": {"s_step": 2.0, "gen_tps": 100.0, "train_tps": 600.0, "acc_after": 0.4,
-                       "steps": 15, "train_seconds": 61.0}}
+                       "steps": 15, "train_seconds": 61.0, "rss_peak": 6 * gib, "rss_tree": 6 * gib}}
     lines = be.format_table(results, 0.4)
     flow = lines[2].split()
-    assert flow[0] == "rlmill-flow" and flow[-4:] == ["0.50x", "3.00x", "1.50x", "1.25x"]
+    assert flow[0] == "rlmill-flow" and flow[-5:] == ["0.50x", "3.00x", "1.50x", "0.50x", "1.25x"]
+    assert flow[4:6] == ["3.00", "3.50"]  # peak GB, tree GB
     assert "50.0 %" in lines[2] and "40.0 %" in lines[2]
-    assert lines[3].split()[0] == "rlmill-vllm" and lines[3].count("-") >= 10
-    assert lines[4].split()[-4:] == ["1.00x"] * 4
+    assert lines[0].index("|") == lines[1].index("|") == lines[2].index("|")  # the ratio columns line up
+    assert lines[3].split()[0] == "rlmill-vllm" and lines[3].count("-") >= 12
+    assert lines[4].split()[-5:] == ["1.00x"] * 5
     goals = be.goal_lines(results, {"rlmill-flow": 1.5, "rlmill-stages": 1.0})
     assert goals == ["  rlmill-flow: train tok/s 1.50x trl (goal >= 1.5x: met); acc after 50.0 % vs TRL 40.0 % (met)"]
 
@@ -77,14 +85,15 @@ def test_shared_evaluation_agrees_with_rlmill_engine_and_can_fail(builtin, tmp_p
     from gpu_jobs.models import greedy_exact_match
 
     _, model, tok = builtin
-    _, test = be.arith_splits(be.rlmill_config(be.Workload()), str(tmp_path / "data"))
+    _, test = be.task_splits(be.rlmill_config(be.Workload()), str(tmp_path / "data"))
     problems = be.heldout_problems(test, tok, 24)
     assert problems[0][0] == test["prompt"][0][0]["content"]  # "a+b=": the template adds nothing
-    acc = be.greedy_accuracy(model, tok, problems, max_new_tokens=6, batch_size=10)
+    score = be.task_score("arith")
+    acc = be.greedy_accuracy(model, tok, problems, 6, score, batch_size=10)
     # Plain `generate` and rlmill's own decode loop: two implementations, one greedy answer.
     assert acc == greedy_exact_match(model, tok, problems)
     assert 0.0 < acc < 1.0
-    assert be.greedy_accuracy(model, tok, [(p, "x" + t) for p, t in problems], max_new_tokens=6) == 0.0
+    assert be.greedy_accuracy(model, tok, [(p, "x" + t) for p, t in problems], 6, score) == 0.0
 
 
 def test_trl_gets_exactly_the_prompts_of_rlmill_iterations(builtin, tmp_path):
@@ -94,7 +103,7 @@ def test_trl_gets_exactly_the_prompts_of_rlmill_iterations(builtin, tmp_path):
     _, _, tok = builtin
     w = be.Workload(prompts=4)
     cfg = be.rlmill_config(w, str(tmp_path / "run"), "r")
-    train, _ = be.arith_splits(cfg, str(tmp_path / "data"))
+    train, _ = be.task_splits(cfg, str(tmp_path / "data"))
     rows = be.trl_rows(cfg, train, tok, steps=3)
     run = Run.open(cfg)  # what the rollout stage samples from, after the prompt gate
     expected = [run.train.iloc[i] for k in range(3) for i in run.sampler.indices(k)]
@@ -123,5 +132,96 @@ def test_trl_smoke_counts_tokens_and_stops_on_the_clock(builtin, tmp_path):
     # The trained weights are saved for the shared evaluation, and they moved.
     trained = AutoModelForCausalLM.from_pretrained(out["weights"]).state_dict()
     assert any(not torch.equal(v, start.state_dict()[k]) for k, v in trained.items())
-    problems = be.heldout_problems(be.arith_splits(be.rlmill_config(w), spec["data_dir"])[1], tok, 8)
-    assert be.evaluate_folder(out["weights"], tok, problems, 6) in {i / 8 for i in range(9)}
+    problems = be.heldout_problems(be.task_splits(be.rlmill_config(w), spec["data_dir"])[1], tok, 8)
+    assert be.evaluate_folder(out["weights"], tok, problems, 6, be.task_score("arith")) in {i / 8 for i in range(9)}
+
+
+# ------------------------------------------------------------------------------ times on SmolLM2 (issue 24)
+def test_times_workload_takes_the_example_batch_the_token_cap_and_a_fixed_held_out_count():
+    args = be.parse_args(["--workload", "times", "--model", "smollm2", "--tokens", "48"])
+    w = be.case_workload("times", "smollm2", args)
+    assert (w.task, w.prompts, w.group, w.max_len, w.lr, w.temperature) == ("times", 8, 4, 48, 1e-5, 0.8)
+    assert w.val_size == 40 and not w.ignore_eos  # the example's held-out count, for every run of the case
+    assert w.example.name == "grpo_times_smollm2.yaml"
+    assert be.case_workload("times", "smollm2", be.parse_args(["--workload", "times"])).max_len == 64
+    assert be.case_workload("arith", "builtin", be.parse_args([])).val_size is None  # arith: as before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "times", "--heldout", "61"], "times task holds out at most 60 prompts"),
+    (["--workload", "times", "--tokens", "0"], "--tokens must be >= 1"),
+    (["--model", "gpt5"], "unknown --model"),
+])
+def test_bad_flags_end_in_one_line_naming_the_fix(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        be.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_both_sides_score_times_answers_on_the_last_number():
+    from gpu_jobs.reward import default_compute_score
+
+    class Tok:  # counts prompt tokens as TRL's processing_class(text=...) would: one per word here
+        def __call__(self, text):
+            return {"input_ids": [p.split() for p in text]}
+
+    gen, trained = [], []
+    reward = be.trl_reward(be.task_score("times"), Tok(), gen, trained)
+    completions = ["7 x 8 = 56", "It is 54.", "56", "Fifty-six", "56.0"]
+    truths = ["56"] * len(completions)
+    scores = reward(prompts=["What is 7 times 8?"] * 5, completions=completions,
+                    completion_ids=[[1] * (i + 1) for i in range(5)], ground_truth=truths)
+    assert scores == [1.0, 0.0, 1.0, 0.0, 0.0]
+    # rlmill scores its rollouts by data_source: the same rule, the same scores.
+    assert scores == [default_compute_score("rlmill/times", c, t) for c, t in zip(completions, truths)]
+    assert (gen, trained) == ([15], [15 + 5 * 5])  # 1+2+3+4+5 generated; 5-word prompts
+    assert reward.__name__ == "last_number_score_reward"
+
+
+@pytest.mark.skipif(not smollm2_available(), reason="SmolLM2 is not converted here (make smollm2)")
+def test_trl_gets_the_times_prompts_of_rlmill_iterations_in_smollm2s_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    from gpu_jobs.data import render_prompt
+    from gpu_jobs.stages import Run
+
+    w = be.case_workload("times", "smollm2", be.parse_args(["--workload", "times"]))
+    cfg = be.rlmill_config(w, str(tmp_path / "run"), "r")
+    assert (cfg.data.generate, cfg.data.val_size, cfg.rollout.n, cfg.rollout.max_response_length) == ("times", 40, 4, 64)
+    assert (cfg.rollout.temperature, cfg.actor.lr, cfg.data.train_batch_size) == (0.8, 1e-5, 8)
+    tok = AutoTokenizer.from_pretrained(be.model_folder("smollm2"))
+    train, test = be.task_splits(cfg, str(tmp_path / "data"))
+    rows = be.trl_rows(cfg, train, tok, steps=3)
+    run = Run.open(cfg)  # what the flow samples and validates on
+    expected = [run.train.iloc[i] for k in range(3) for i in run.sampler.indices(k)]
+    assert rows["ground_truth"] == [r["reward_model"]["ground_truth"] for r in expected]
+    assert [tok(text=p)["input_ids"] for p in rows["prompt"]] == [render_prompt(r["prompt"], tok) for r in expected]
+    assert rows["prompt"][0].startswith("<|im_start|>system") and rows["prompt"][0].endswith("<|im_start|>assistant\n")
+    # The held-out prompts are the run's validation rows; none of their facts is trained on, in either order.
+    problems = be.heldout_problems(test, tok, 40)
+    assert [t for _, t in problems] == [r["reward_model"]["ground_truth"] for r in run.val.to_dict("records")]
+    held = {frozenset((x["a"], x["b"])) for x in test["extra_info"]}
+    assert len(test) == 40 and not held & {frozenset((x["a"], x["b"])) for x in train["extra_info"]}
+
+
+def test_run_measured_reports_the_exit_code_and_the_largest_process_of_the_tree(tmp_path):
+    # The child touches 64 MiB; the grandchild it waits for touches 256 MiB: the kernel's maxrss of
+    # the child covers it (the largest process of the tree), and the exit code comes through.
+    grandchild = "b = b'x' * (256 << 20)"
+    child = ("import subprocess, sys; a = b'x' * (64 << 20); "
+             f"subprocess.run([sys.executable, '-c', {grandchild!r}], check=True); sys.exit(3)")
+    with open(tmp_path / "log", "w") as log:
+        rc, memory = be.run_measured([sys.executable, "-c", child], cwd=tmp_path, stdout=log)
+    assert rc == 3
+    assert 256 << 20 <= memory["rss_peak"] < 2 << 30 and memory["rss_tree"] >= memory["rss_peak"]
+    assert be.median_summary([{"step_seconds": [1.0, 1.0], "gen_tokens": [1, 1], "train_tokens": [2, 2],
+                               "rss_peak": 5, "rss_tree": 9},
+                              {"step_seconds": [1.0, 1.0], "gen_tokens": [1, 1], "train_tokens": [2, 2],
+                               "rss_peak": 7, "rss_tree": 8}])["rss_peak"] == 7  # the highest run
+
+
+def test_tree_rss_counts_this_process_and_nothing_once_a_process_is_gone():
+    from benchmarks.bench_e2e_report import tree_rss
+
+    assert tree_rss(os.getpid()) > 50 << 20  # torch is loaded here
+    assert tree_rss(2**22 + 1) == 0  # above Linux's largest possible pid (PID_MAX_LIMIT): never a process

@@ -5,7 +5,8 @@
         [--lr X] [--mini-batches 1] [--threads 2] [--heldout N] [--rows rlmill-flow,rlmill-stages,rlmill-vllm,trl,trl-vllm]
     .venv/bin/python -m benchmarks.bench_e2e --workload times --model smollm2   # issue 24: the real model
 
-Without --workload/--model it runs arith/builtin, long128/builtin, long128/16m, long512/builtin
+Without --workload/--model it runs arith/builtin, long128/builtin, long128/16m, long512/builtin;
+--model smollm2 (or --workload times) alone runs times/smollm2
 (benchmarks/bench_e2e_long.py: the presets, how each side forces answers to length, the 16M model,
 the FLOP/s formula). One table per (workload, model); every row starts from the same checkpoint:
   rlmill-flow    the rl-training Prefect flow on an ephemeral Prefect API, as `rlmill train` runs it
@@ -444,7 +445,8 @@ def parse_args(argv):
     p.add_argument("--workload", default=None,
                    help=f"comma-separated subset of {','.join(WORKLOADS)} (benchmarks/bench_e2e_long.py); with "
                         "--model, every combination runs; neither: " + ", ".join(f"{w}/{m}" for w, m in DEFAULT_CASES))
-    p.add_argument("--model", default=None, help=f"comma-separated subset of {','.join(MODELS)} (default builtin)")
+    p.add_argument("--model", default=None, help=f"comma-separated subset of {','.join(MODELS)} (default builtin; "
+                   "times: smollm2; --model smollm2 alone runs times)")
     p.add_argument("--steps", type=int, default=None,
                    help="steps per throughput run, the first not timed (default per workload: "
                         + ", ".join(f"{w} {s}" for w, (s, _) in RUNS.items()) + ")")

@@ -77,7 +77,8 @@ def run_measured(cmd: list[str], *, cwd, stdout, every: float = 0.5) -> tuple[in
     kernel's maxrss of the child from wait4, i.e. the largest single process among the child
     and the descendants it waited for (the worker itself, its vLLM engine core or Prefect's
     ephemeral server, whichever peaked highest); exact. rss_tree: the highest sum of resident
-    sets over the whole tree, sampled every `every` seconds (a peak shorter than that can be missed)."""
+    sets over the whole tree (the ephemeral Prefect server is a process of its own), sampled every
+    `every` seconds, and never below rss_peak (a sample can miss a peak shorter than `every`)."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT)
     ended, highest = threading.Event(), [0]
 

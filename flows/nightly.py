@@ -135,7 +135,7 @@ def promote_version(src_url: str, models: ModelLayout, version: str) -> str:
     primitive: every file verified, index last, create-only), then point CURRENT at it.
     Safe to retry: a version already committed is not copied again."""
     dest = copy_checkpoint(src_url, models.version(version), models.storage)
-    models.promote(version)
+    models.promote(version, by="nightly")
     return dest
 
 

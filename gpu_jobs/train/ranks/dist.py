@@ -41,10 +41,15 @@ _PORT_CHOSEN_HERE = False
 
 
 def _fill_single_rank_env() -> None:
+    """What a one-rank world needs and no launcher set. A world of one may arrive partly filled:
+    a process started from one that ran a trainer inherits its RANK/WORLD_SIZE but not always its
+    MASTER_PORT (a live port is dropped so it cannot clash), and DeepSpeed then falls back to MPI
+    discovery (`No module named 'mpi4py'`). A launcher's world of several ranks is left alone."""
     global _PORT_CHOSEN_HERE
-    if "WORLD_SIZE" in os.environ:
+    if os.environ.setdefault("WORLD_SIZE", "1") != "1":
         return
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())

@@ -15,6 +15,7 @@ its next poll. S3 credentials come from the AWS_* environment variables, as for 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -206,12 +207,18 @@ def _user() -> str | None:
         return None
 
 
-def _storage_errors() -> tuple[type[BaseException], ...]:
-    # A root that cannot be read is the user's to fix (the messages say how); a damaged file is not.
+@contextlib.contextmanager
+def _storage_refusals():
+    """A root that cannot be read is the user's to fix (the messages say how): one rlmill: line.
+    A damaged file is not, and goes through as it is."""
     from storage.errors import (BucketNotFoundError, CredentialsError, InvalidNameError, StorageUnavailableError,
                                 UnsupportedURLError)
 
-    return BucketNotFoundError, CredentialsError, InvalidNameError, StorageUnavailableError, UnsupportedURLError
+    try:
+        yield
+    except (BucketNotFoundError, CredentialsError, InvalidNameError, StorageUnavailableError,
+            UnsupportedURLError) as exc:
+        raise UserError(str(exc)) from None
 
 
 def _move(layout, current: str | None, target: str, by: str, reason: str | None) -> None:
@@ -225,17 +232,15 @@ def _move(layout, current: str | None, target: str, by: str, reason: str | None)
 
 def cmd_models_promote(args) -> None:
     layout = _layout(args)
-    try:
+    with _storage_refusals():
         found, current = _registered(layout)
         _check_promotable(layout, found, args.version)
         _move(layout, current, args.version, "promote", args.reason)
-    except _storage_errors() as exc:
-        raise UserError(str(exc)) from None
 
 
 def cmd_models_rollback(args) -> None:
     layout = _layout(args)
-    try:
+    with _storage_refusals():
         found, current = _registered(layout)
         if current is None:
             raise UserError(f"model {layout.name!r} has no CURRENT version, so nothing to roll back: promote one "
@@ -247,18 +252,14 @@ def cmd_models_rollback(args) -> None:
                             f"--root {layout.root_url}` (committed versions: {', '.join(found.names) or 'none'})")
         _check_promotable(layout, found, target, "" if args.version else f"the version before {current}: ")
         _move(layout, current, target, "rollback", args.reason)
-    except _storage_errors() as exc:
-        raise UserError(str(exc)) from None
 
 
 def cmd_models_list(args) -> None:
     layout = _layout(args)
-    try:
+    with _storage_refusals():
         found, current = _registered(layout)
         history = layout.history()
         previous = layout.previous_version(history)
-    except _storage_errors() as exc:
-        raise UserError(str(exc)) from None
     if args.json:
         print(json.dumps({"model": layout.name, "root": layout.root_url, "current": current, "rollback_to": previous,
                           "versions": [{**asdict(v), "current": v.version == current} for v in found.committed],

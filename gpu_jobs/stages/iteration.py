@@ -168,16 +168,17 @@ def _score_metrics(prefix: str, scores: list[float]) -> dict[str, float]:
 
 # -------------------------------------------------------------------------------- log-probs, values
 def needs_logprobs(cfg: Any) -> bool:
-    return cfg.actor.recompute_old_logprobs or cfg.needs_ref
+    return cfg.old_logprobs_in_stage or cfg.needs_ref
 
 
 @stage("logprobs", needed=needs_logprobs, where="trainer")
 def logprobs(run: Run, roles: Roles, k: int, batch_uri: str) -> Output:
-    """Old-policy (when recomputed) and reference log-probs."""
+    """Old-policy (when recomputed and not taken from the update's own forward) and reference
+    log-probs."""
     table = read(run, batch_uri, ["uid", "prompt_ids", "response_ids"])
     cols: dict[str, Any] = {"uid": table.column("uid")}
     t0 = time.perf_counter()
-    if run.cfg.actor.recompute_old_logprobs:
+    if run.cfg.old_logprobs_in_stage:
         cols["old_logprobs"] = pa.array([x.tolist() for x in roles.trainer.compute_log_probs(table)], FLOAT_LIST)
     t1 = time.perf_counter()
     if run.cfg.needs_ref:
@@ -237,7 +238,7 @@ def _agreement(run: Run, roles: Roles, k: int, table: pa.Table) -> dict[str, flo
     if not len(table):
         return {}
     t0 = time.perf_counter()
-    if "old_logprobs" in table.column_names and cfg.actor.recompute_old_logprobs:
+    if "old_logprobs" in table.column_names and cfg.old_logprobs_in_stage:
         probe = table  # the logprobs stage already re-scored every row with these weights
         trainer_lp = probe.column("old_logprobs").to_pylist()
     else:
@@ -264,7 +265,7 @@ def _probed_by_the_update(run: Run, roles: Roles, k: int, table: pa.Table) -> bo
     trainer can (one process, ZeRO stage 0, no dropout), trains in this update (not a critic
     warm-up) and no logprobs stage already re-scored the batch."""
     cfg = run.cfg
-    recomputed = "old_logprobs" in table.column_names and cfg.actor.recompute_old_logprobs
+    recomputed = "old_logprobs" in table.column_names and cfg.old_logprobs_in_stage
     warming_critic = roles.critic is not None and k <= cfg.critic.critic_warmup
     return (cfg.agreement.in_update and len(table) > 0 and not recomputed and not warming_critic
             and roles.trainer.probes_in_update)

@@ -69,8 +69,9 @@ class Roles:
         from gpu_jobs.train import Critic, PolicyTrainer, RefModel
 
         cfg, tok = run.cfg, run.tokenizer
-        # The logprobs stage commits old_logprobs when asked to; the trainer must not redo it.
-        actor = cfg.actor.model_copy(update={"recompute_old_logprobs": False})
+        # The logprobs stage commits old_logprobs when asked to, and the trainer must not redo it;
+        # a single-step update takes them from its own forward instead (no logprobs stage).
+        actor = cfg.actor.model_copy(update={"recompute_old_logprobs": cfg.old_logprobs_from_update})
         ranks = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
         if self.trainer is not None:
             self.trainer.close()

@@ -86,6 +86,26 @@ def test_crash_between_checkpoint_and_manifest_does_not_apply_the_update_twice(t
     assert_bitwise_equal(weights(b), expected)
 
 
+@pytest.mark.parametrize("mini, in_stage", [(8, False), (4, True)])
+def test_recomputed_old_logprobs_come_from_the_update_when_it_is_one_step(tiny_config, mini, in_stage):
+    """actor.recompute_old_logprobs with one mini-batch holding the whole batch (8 prompts): no
+    logprobs stage, the trainer takes them from its own forward (tests/train/test_lean_update.py
+    shows that equals the separate pass); with two mini-batches the stage re-scores the batch."""
+    cfg = tiny_config("trainer.total_iterations=1", "actor.recompute_old_logprobs=true",
+                      f"actor.ppo_mini_batch_size={mini}")
+    assert cfg.old_logprobs_from_update is not in_stage and cfg.old_logprobs_in_stage is in_stage
+    run, eng = open_warm(cfg)
+    assert eng.trainer.config.recompute_old_logprobs is not in_stage  # never both the stage and the trainer
+    uris = iterate(run, eng, 1)
+    assert (uris["logprobs"] is not None) is in_stage
+    metrics = read_manifest(uris["commit"], run.storage).metrics
+    assert metrics["training/rollout_logprobs_diff_max"] < 1e-3  # the probe ran on either path
+    if in_stage:
+        assert metrics["timing_s/old_log_prob"] > 0
+    else:
+        assert metrics["timing_s/old_log_prob"] == 0.0 and metrics["actor/ppo_kl"] == 0.0
+
+
 def test_reusing_a_run_id_with_another_config_is_refused(tiny_config, tmp_path):
     root = str(tmp_path / "r")
     Run.open(tiny_config(root=root))
@@ -109,7 +129,7 @@ def test_each_algorithm_example_runs_an_iteration(example, example_path, tiny, t
     uris = iterate(run, eng, 1)
     metrics = read_manifest(uris["commit"], run.storage).metrics
     assert (uris["values"] is not None) == (cfg.critic is not None)
-    assert (uris["logprobs"] is not None) == (cfg.needs_ref or cfg.actor.recompute_old_logprobs)
+    assert (uris["logprobs"] is not None) == (cfg.needs_ref or cfg.old_logprobs_in_stage)
     if cfg.critic is not None:
         assert "critic/vf_loss" in metrics
     if cfg.algorithm.filter_groups.enable:

@@ -1,7 +1,9 @@
-"""Pure RL math for rlmill: advantage estimators, policy/value losses, KL, DAPO helpers.
+"""Pure RL math for rlmill: advantage estimators, policy/value losses, KL, DAPO helpers, and
+the offline preference losses (DPO, KTO).
 
 Tensors and plain numbers in, tensors out; variants are chosen by name through registries
-(``ADVANTAGE_ESTIMATORS``, ``POLICY_LOSSES``, ``KL_ESTIMATORS``, ``LOSS_AGG_MODES``).
+(``ADVANTAGE_ESTIMATORS``, ``POLICY_LOSSES``, ``KL_ESTIMATORS``, ``LOSS_AGG_MODES``,
+``PREFERENCE_LOSSES``, ``PREFERENCE_ALGORITHMS``).
 Names, defaults and metric keys follow verl. Run the tests with
 ``.venv/bin/python -m pytest -q tests/algos``.
 """
@@ -60,6 +62,18 @@ from .policy_losses import (
     known_policy_loss_params,
     register_policy_loss,
 )
+from .preference import (
+    PREFERENCE_ALGORITHMS,
+    PREFERENCE_LOSSES,
+    DPOLossType,
+    PreferenceConfig,
+    SequenceLogprobs,
+    dpo_loss,
+    kto_kl_indices,
+    kto_loss,
+    register_preference_loss,
+    sequence_logprobs,
+)
 from gpu_jobs.registry import DuplicateNameError, Registry, UnknownNameError
 
 __all__ = [
@@ -108,6 +122,16 @@ __all__ = [
     "get_policy_loss_fn",
     "known_policy_loss_params",
     "register_policy_loss",
+    "PREFERENCE_ALGORITHMS",
+    "PREFERENCE_LOSSES",
+    "DPOLossType",
+    "PreferenceConfig",
+    "SequenceLogprobs",
+    "dpo_loss",
+    "kto_kl_indices",
+    "kto_loss",
+    "register_preference_loss",
+    "sequence_logprobs",
     "DuplicateNameError",
     "Registry",
     "UnknownNameError",

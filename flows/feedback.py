@@ -38,6 +38,16 @@ Prefect counts events, not rows: the payload carries `answers` and `feedback` (r
 told about, or sums the rows of its window to decide. The event id is derived from the segment's
 URI, so an event sent again for the same segment is stored and evaluated once by the server. The
 run's related resources (flow run, flow, deployment) are attached by Prefect.
+
+Readiness: since Prefect counts events, not rows, the rows are counted here. After each drain,
+for every model under <root>/feedback/, the run evaluates issue 26's rule (storage.windows.readiness
+via flows.retrain.window_readiness): at least `ready_rows` feedback rows that no finished retraining
+run trained on, or the oldest of them waiting `ready_after_s` seconds, whichever first. When it holds
+it emits `rlmill.feedback.window.ready` (resource rlmill.model.<name>; payload model, root, rows,
+oldest_age_s, reason), which starts 'rl-retrain/on-feedback' (its trigger in deployments/prefect.yaml).
+The rule is evaluated on every drain, with or without new segments, so the age half fires within a
+drain interval, and rows a crashed retraining owes keep it true until a run resumes that window.
+`ready_rows=0` turns the announcement off.
 """
 
 from __future__ import annotations
@@ -55,11 +65,12 @@ from gpu_jobs.serve.broker import GROUP, STREAM, BrokerUnreachable, connect
 from gpu_jobs.serve.consumer import (FEEDBACK_DIR, QUARANTINE_DIR, QUARANTINE_KIND, ConsumeResult, GroupLag, Segment,
                                      consume, group_lag)
 
-__all__ = ["DEPLOYMENT", "QUARANTINE_EVENT", "SEGMENT_EVENT", "counts_table", "rl_feedback", "segment_event",
+__all__ = ["DEPLOYMENT", "QUARANTINE_EVENT", "READY_EVENT", "SEGMENT_EVENT", "counts_table", "ready_event", "rl_feedback", "segment_event",
            "segments_table", "summary_markdown"]
 
 SEGMENT_EVENT = "rlmill.feedback.segment.committed"
 QUARANTINE_EVENT = "rlmill.feedback.segment.quarantined"
+READY_EVENT = "rlmill.feedback.window.ready"
 DEPLOYMENT = "rl-feedback/consume"
 CONSUMER = "rl-feedback"  # one name for every run: a crashed run's pending batch is the next run's first read
 # A namespace for event ids: uuid5(namespace, segment URI) is the same for the same segment.
@@ -93,6 +104,39 @@ def _emit(segment: Segment, root: str) -> None:
     from prefect.events import emit_event
 
     emit_event(**segment_event(segment, root))
+
+
+def ready_event(model: str, root: str, readiness: Any) -> dict[str, Any]:
+    """The keyword arguments of `prefect.events.emit_event` announcing that `model`'s feedback
+    window is ready (`readiness`: a storage.windows.Readiness that holds).
+
+    >>> from storage.windows import readiness
+    >>> e = ready_event("arith", "/r", readiness(300, 12.5, 256, 300.0))
+    >>> e["event"], e["resource"]["prefect.resource.id"], e["payload"]["model"], e["payload"]["rows"]
+    ('rlmill.feedback.window.ready', 'rlmill.model.arith', 'arith', 300)
+    """
+    return {"event": READY_EVENT,
+            "resource": {"prefect.resource.id": f"rlmill.model.{model}", "prefect.resource.name": model,
+                         "rlmill.root": root},
+            "payload": {"model": model, "root": root, "rows": readiness.rows,
+                        "oldest_age_s": readiness.oldest_age_s, "reason": readiness.reason}}
+
+
+def feedback_models(root: str) -> list[str]:
+    """The model folders under <root>/feedback/ (the quarantine folder is no model name)."""
+    from storage import check_name, join, url_to_fs
+    from storage.errors import InvalidNameError
+
+    fs, path = url_to_fs(join(root, FEEDBACK_DIR))
+    if not fs.exists(path):
+        return []
+    out = []
+    for p in fs.ls(path, detail=False):
+        try:
+            out.append(check_name(p.rstrip("/").rsplit("/", 1)[-1], "model name"))
+        except InvalidNameError:
+            continue
+    return sorted(out)
 
 
 # ------------------------------------------------------------------------------------ artifacts
@@ -171,6 +215,24 @@ def read_lag(redis_url: str, stream: str, group: str) -> GroupLag:
     return group_lag(redis_url, stream=stream, group=group)
 
 
+# Reading is harmless to repeat; an announcement sent twice starts at most one run (the retrain
+# deployment's concurrency limit, and a run that finds nothing new ends at once).
+@task(name="announce-ready", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def announce_ready(root: str, ready_rows: int, ready_after_s: float) -> dict[str, str]:
+    """Emit READY_EVENT for every model whose feedback window is ready; returns model -> reason."""
+    from prefect.events import emit_event
+
+    from flows.retrain import window_readiness
+
+    ready = {}
+    for model in feedback_models(root):
+        r = window_readiness(root, model, ready_rows, ready_after_s)
+        if r.ready:
+            emit_event(**ready_event(model, root, r))
+            ready[model] = r.reason
+    return ready
+
+
 @task(name="drain", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def drain(root: str, redis_url: str, stream: str, group: str, consumer: str,
           window_s: float) -> tuple[ConsumeResult, list[Segment]]:
@@ -188,7 +250,8 @@ def drain(root: str, redis_url: str, stream: str, group: str, consumer: str,
 
 
 # ------------------------------------------------------------------------------------ the flow
-def check_inputs(root: Any, redis_url: Any, window_s: Any, consumer: Any) -> str | None:
+def check_inputs(root: Any, redis_url: Any, window_s: Any, consumer: Any, ready_rows: Any = 256,
+                 ready_after_s: Any = 300.0) -> str | None:
     """What is wrong with the parameters, as one line with the fix; None when nothing is.
 
     >>> check_inputs(".rlmill", "redis://127.0.0.1:6379/0", -1, "rl-feedback")
@@ -208,6 +271,11 @@ def check_inputs(root: Any, redis_url: Any, window_s: Any, consumer: Any) -> str
         return f"window_s={window_s!r}: give the seconds a run keeps reading (>= 0; 0 reads what waits and ends)"
     if not isinstance(consumer, str) or not consumer.strip():
         return f"consumer={consumer!r}: give a name (keep it the same for every run, e.g. {CONSUMER!r})"
+    if isinstance(ready_rows, bool) or not isinstance(ready_rows, int) or ready_rows < 0:
+        return f"ready_rows={ready_rows!r}: give the feedback rows that start a retraining (an int >= 0; 0: never)"
+    if isinstance(ready_after_s, bool) or not isinstance(ready_after_s, (int, float)) \
+            or not math.isfinite(ready_after_s) or ready_after_s < 0:
+        return f"ready_after_s={ready_after_s!r}: give the seconds the oldest untrained feedback may wait (>= 0)"
     return None
 
 
@@ -224,17 +292,20 @@ def _failed(line: str):
 
 @flow(name="rl-feedback", log_prints=True)
 def rl_feedback(root: str = ".rlmill", redis_url: str = DEFAULT_REDIS, window_s: float = 40.0,
-                consumer: str = CONSUMER, stream: str = STREAM, group: str = GROUP) -> dict[str, Any]:
+                consumer: str = CONSUMER, stream: str = STREAM, group: str = GROUP, ready_rows: int = 256,
+                ready_after_s: float = 300.0) -> dict[str, Any]:
     """Commit the answer and feedback events waiting on the stream as Parquet segments under
     <root>/feedback/ (see the module docstring for why one run per drain).
 
     root: storage root (folder or s3://); redis_url: the broker `rlmill serve` publishes to;
     window_s: how long the run keeps reading (it commits what waits, then events as they arrive;
     0 = read what waits and end); consumer: this consumer's name in the group -- keep it the same
-    for every run, so a run reads what a crashed one left pending; stream, group: Redis names.
-    A wrong parameter or an unreachable broker ends the run Failed with one line and the fix.
+    for every run, so a run reads what a crashed one left pending; stream, group: Redis names;
+    ready_rows, ready_after_s: the retraining rule (module docstring): emit
+    rlmill.feedback.window.ready for a model with at least ready_rows untrained feedback rows, or
+    whose oldest waited ready_after_s seconds (ready_rows=0: never). A wrong parameter or an unreachable broker ends the run Failed with one line and the fix.
     """
-    if (line := check_inputs(root, redis_url, window_s, consumer)) is not None:
+    if (line := check_inputs(root, redis_url, window_s, consumer, ready_rows, ready_after_s)) is not None:
         return _failed(line)
     try:  # a broker that is not there at all is said at once; the tasks' retries are for blips
         connect(redis_url)
@@ -251,11 +322,14 @@ def rl_feedback(root: str = ".rlmill", redis_url: str = DEFAULT_REDIS, window_s:
         except BrokerUnreachable as exc:
             return _failed(_unreachable(exc))
         _artifacts(result, before, after, segments, quarantine_dir)
+        ready = announce_ready(root, ready_rows, float(ready_after_s)) if ready_rows else {}
     get_run_logger().info("%d event(s) read: %d answers and %d feedback committed in %d segment(s), %d duplicate(s) "
                           "skipped, %d quarantined; %s still waiting", result.read, result.answers, result.feedback,
                           sum(s.kind != QUARANTINE_KIND for s in segments), result.duplicates, result.quarantined,
                           _n(after.waiting))
-    return {"read": result.read, "answers": result.answers, "feedback": result.feedback,
+    for model, why in ready.items():
+        get_run_logger().info("feedback window of %s ready (%s): announced %s", model, why, READY_EVENT)
+    return {"ready": ready, "read": result.read, "answers": result.answers, "feedback": result.feedback,
             "duplicates": result.duplicates, "quarantined": result.quarantined, "reasons": dict(result.reasons),
             "segments": [s.uri for s in segments], "waiting": after.waiting, "lag": after.lag,
             "pending": after.pending, "oldest_waiting_age_s": after.oldest_waiting_age_s}

@@ -97,12 +97,18 @@ def ensure_heldout(cfg: "RunConfig", models: ModelLayout, size: int, heldout_fil
 # ------------------------------------------------------------------------------------ training
 def train_night(config: str | None, overrides: list[str], *, base: str, train_files: list[str],
                 heldout: list[str], run_id: str, iterations: int) -> dict[str, Any]:
-    """The `rl-training` subflow on tonight's files, from `base`; returns its summary."""
+    """The `rl-training` subflow on `train_files` (tonight's, or a retraining window's), from
+    `base`; returns its summary."""
     from flows.training import rl_training
 
     return rl_training(config=config, overrides=[
         *overrides, f"model.path={json.dumps(base)}", f"data.train_files={json.dumps(train_files)}",
         f"data.val_files={json.dumps(heldout)}", f"run_id={run_id}", f"trainer.total_iterations={iterations}"])
+
+
+def run_summary(run: dict[str, Any]) -> dict[str, Any]:
+    """The held-out accuracy before and after, from rl_training's summary (what a record keeps)."""
+    return {k: run[k] for k in ("val/acc before", "val/acc after") if k in run}
 
 
 # ------------------------------------------------------------------------------------ decision
@@ -130,12 +136,13 @@ def decide(new_score: float, current_score: float, min_gain: float = 0.0) -> Dec
 
 
 # ------------------------------------------------------------------------------------ promotion
-def promote_version(src_url: str, models: ModelLayout, version: str) -> str:
+def promote_version(src_url: str, models: ModelLayout, version: str, by: str = "nightly") -> str:
     """Publish the checkpoint at `src_url` as models/<name>/versions/<version> (storage's commit
-    primitive: every file verified, index last, create-only), then point CURRENT at it.
-    Safe to retry: a version already committed is not copied again."""
+    primitive: every file verified, index last, create-only), then point CURRENT at it, recorded
+    in the model's history as moved `by` ("nightly", "retrain"). Safe to retry: a version already
+    committed is not copied again."""
     dest = copy_checkpoint(src_url, models.version(version), models.storage)
-    models.promote(version, by="nightly")
+    models.promote(version, by=by)
     return dest
 
 
@@ -228,8 +235,8 @@ def evaluate(model: str, heldout_files: list[str], eval_size: int, cfg: "RunConf
 
 
 @task(name="promote", retries=2, cache_policy=NO_CACHE)
-def promote(src_url: str, models: ModelLayout, version: str) -> str:
-    return promote_version(src_url, models, version)
+def promote(src_url: str, models: ModelLayout, version: str, by: str = "nightly") -> str:
+    return promote_version(src_url, models, version, by)
 
 
 @task(name="export-merged", retries=2, cache_policy=NO_CACHE)
@@ -243,13 +250,46 @@ def _today() -> str:
 
 
 def _publish(decision: Decision, new_url: str, models: ModelLayout, version: str, export_merged_hf: bool,
-             storage: Any) -> tuple[str | None, str | None]:
+             storage: Any, by: str) -> tuple[str | None, str | None]:
     """Step 6: when the decision promotes, the new checkpoint becomes `version` (and, asked for,
     its merged HF export); returns (promoted version, export URL), None for what did not happen."""
     if not decision.promote:
         return None, None
-    version_url = promote(new_url, models, version)
+    version_url = promote(new_url, models, version, by)
     return version, export(version_url, export_url(models, version), storage) if export_merged_hf else None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What train_and_gate did: the run's summary, the new checkpoint, both held-out scores, the
+    decision, and the version (and merged export) it published, None when refused."""
+
+    run: dict[str, Any]
+    new_url: str
+    new_eval: dict[str, float]
+    cur_eval: dict[str, float]
+    decision: Decision
+    promoted_to: str | None
+    merged_to: str | None
+
+
+def train_and_gate(config: str | None, overrides: list[str], cfg: "RunConfig", models: ModelLayout, *, base: str,
+                   train_files: list[str], heldout: list[str], run_id: str, iterations: int, eval_size: int,
+                   min_gain: float, export_merged_hf: bool, by: str) -> Outcome:
+    """Steps 3-6, shared by the nightly and the retrain-on-arrival flows: train `run_id` from
+    `base` on `train_files`, score the new checkpoint and `base` greedily on the fixed held-out
+    set, promote the new one as version `run_id` only if it is not worse (`min_gain`), recorded
+    in the model's history as moved `by`. Every step is idempotent, so a resumed run id re-does
+    nothing committed."""
+    run = train_night(config, overrides, base=base, train_files=train_files, heldout=heldout, run_id=run_id,
+                      iterations=iterations)
+    new_url = RunLayout(cfg.root, run_id, cfg.storage).policy(iterations)
+    new_eval = evaluate.with_options(task_run_name="evaluate-new")(new_url, heldout, eval_size, cfg)
+    cur_eval = evaluate.with_options(task_run_name="evaluate-promoted")(base, heldout, eval_size, cfg)
+    decision = decide(new_eval["mean_reward"], cur_eval["mean_reward"], min_gain)
+    promoted_to, merged_to = _publish(decision, new_url, models, run_id, export_merged_hf, cfg.storage, by)
+    _logger().info("decision: %s (%s)", "promote" if decision.promote else "refuse", decision.reason)
+    return Outcome(run, new_url, new_eval, cur_eval, decision, promoted_to, merged_to)
 
 
 @flow(name="rl-nightly", log_prints=True)
@@ -289,25 +329,23 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
         # 2. the gate, 3. training
         train_files = validate_new_data([f.url for f in new], cfg, base, join(models.root, "nightly", run_id))
         heldout = ensure_heldout(cfg, models, max(eval_size, cfg.data.val_size), heldout_files)
-        run = train_night(config, overrides, base=base, train_files=train_files, heldout=heldout,
-                          run_id=run_id, iterations=iterations)
         # 4. evaluation, 5. decision, 6. promotion
-        new_url = RunLayout(cfg.root, run_id, cfg.storage).policy(iterations)
-        new_eval = evaluate.with_options(task_run_name="evaluate-new")(new_url, heldout, eval_size, cfg)
-        cur_eval = evaluate.with_options(task_run_name="evaluate-promoted")(base, heldout, eval_size, cfg)
-        decision = decide(new_eval["mean_reward"], cur_eval["mean_reward"], min_gain)
-        promoted_to, merged_to = _publish(decision, new_url, models, run_id, export_merged_hf, cfg.storage)
-        logger.info("decision: %s (%s)", "promote" if decision.promote else "refuse", decision.reason)
-        _markdown_artifact(model_name, decision_markdown(model_name, night, run_id, decision, new_eval, cur_eval,
-                                                         new_url, base, base_version, new, promoted_to),
+        out = train_and_gate(config, overrides, cfg, models, base=base, train_files=train_files, heldout=heldout,
+                             run_id=run_id, iterations=iterations, eval_size=eval_size, min_gain=min_gain,
+                             export_merged_hf=export_merged_hf, by="nightly")
+        decision = out.decision
+        _markdown_artifact(model_name, decision_markdown(model_name, night, run_id, decision, out.new_eval,
+                                                         out.cur_eval, out.new_url, base, base_version, new,
+                                                         out.promoted_to),
                            f"Nightly {night}: {'promoted' if decision.promote else 'refused'}")
         # 7. record
-        record = {"night": night, "run_id": run_id, "files": [f.rel for f in new], "new": new_eval,
-                  "promoted_before": cur_eval, "base": base, "decision": "promote" if decision.promote else "refuse",
-                  "reason": decision.reason, "promoted_version": promoted_to, "merged_export": merged_to}
+        record = {"night": night, "run_id": run_id, "files": [f.rel for f in new], "new": out.new_eval,
+                  "promoted_before": out.cur_eval, "base": base,
+                  "decision": "promote" if decision.promote else "refuse", "reason": decision.reason,
+                  "promoted_version": out.promoted_to, "merged_export": out.merged_to}
         record_success(state_file, state, new, record, cfg.storage)
         return {"status": "promoted" if decision.promote else "refused", "model": model_name, **record,
-                "run": {k: run[k] for k in ("val/acc before", "val/acc after") if k in run}}
+                "run": run_summary(out.run)}
 
 
 def main(argv: list[str] | None = None) -> None:

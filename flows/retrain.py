@@ -1,0 +1,333 @@
+"""Retrain on arrival: when enough feedback waits, train the promoted model on exactly the feedback
+no earlier run trained on, score it against the promoted model on the fixed held-out set, and
+promote it only if it is not worse (the nightly gate; a canary on live traffic is a later step).
+
+    prefect deployment run 'rl-retrain/on-feedback' -p model=arith -p root=s3://bucket/rl     # by hand
+    python -m flows.retrain --model arith root=/tmp/rl reward.custom_reward_function.path=my_reward.py
+
+Started by its deployment trigger (deployments/prefect.yaml): the feedback consumer (flows/feedback.py)
+emits `rlmill.feedback.window.ready` for a model after a drain when `readiness` holds -- at least
+`ready_rows` feedback rows no run has trained on, or the oldest of them waiting `ready_after_s`
+seconds -- and the trigger starts this flow with the event's model and root. The deployment's
+concurrency limit of 1 (CANCEL_NEW) coalesces overlapping triggers: a run started while one trains
+is cancelled, and the consumer's next drain announces what is still waiting.
+
+One run, as Prefect tasks and one `rl-training` subflow:
+  1. the reward check: the feedback rows' only ground truth is the logged answer's own text, so a
+     built-in rule reward (which compares against a ground truth) is refused in one line;
+  2. the window (storage.windows): the run's own window when it is a retry or resume (run_id
+     given, or a window whose run never finished), else a new one holding every committed
+     feedback segment no window holds, committed create-only; none -> a "nothing new" artifact,
+     Completed. The run id is retrain-<model>-w<seq>, so a resume finds its committed stages;
+  3. the rows: gpu_jobs.serve.dataset's training rows of the window's feedback, written once as a
+     verl-format prompt file under models/<name>/retrain/<run id>/, through the nightly's gate;
+  4. train, evaluate, promote if not worse: flows.nightly.train_and_gate, the nightly's own path
+     (history records the move as "retrain");
+  5. artifacts: the window (segments, rows), both scores, the decision; the window's done record.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from prefect import flow, get_run_logger, tags, task
+from prefect.cache_policies import NONE as NO_CACHE
+
+from flows.reporting import artifact_key
+from storage import ModelLayout, join, url_to_fs
+from storage.windows import Piece, Readiness, Window, WindowLog, backlog, readiness
+
+if TYPE_CHECKING:
+    from flows.config import RunConfig
+
+__all__ = ["DEPLOYMENT", "check_reward", "feedback_pieces", "plan_training", "rl_retrain", "run_id_for",
+           "window_readiness", "window_rows"]
+
+DEPLOYMENT = "rl-retrain/on-feedback"
+FEEDBACK_ROWS = "feedback"  # the segment table whose rows the readiness rule counts
+log = logging.getLogger("rlmill")
+
+
+def run_id_for(model: str, seq: int) -> str:
+    """The run that trains window `seq` of `model`: retrain-<model>-w<seq>."""
+    return f"retrain-{model}-w{seq}"
+
+
+# ------------------------------------------------------------------------------------ the data
+def feedback_pieces(root: str, model: str, storage: Any = None) -> list[Piece]:
+    """Every committed feedback segment of `model` as a window piece: manifest URI, its rows
+    (answers, feedback) and commit time. One listing plus one GET per segment manifest."""
+    from gpu_jobs.serve.consumer import FEEDBACK_DIR, SEGMENT_KIND, segment_manifests
+    from storage import check_name
+
+    out = []
+    for m in segment_manifests(join(root, FEEDBACK_DIR, check_name(model, "model name")), storage):
+        if m.kind != SEGMENT_KIND:
+            continue
+        at = dt.datetime.fromisoformat(m.created_at).timestamp() if m.created_at else 0.0
+        out.append(Piece(m.uri, {k: int(v) for k, v in m.metrics.items() if isinstance(v, int)}, at))
+    return out
+
+
+def window_readiness(root: str, model: str, min_rows: int, max_wait_s: float, now: float | None = None,
+                     storage: Any = None) -> Readiness:
+    """The readiness rule for `model` from what storage holds: feedback rows no finished run
+    trained on, and the age of the oldest segment holding some."""
+    log_ = WindowLog(ModelLayout(root, model, storage))
+    rows, age = backlog(log_, feedback_pieces(root, model, storage), FEEDBACK_ROWS, time.time() if now is None else now)
+    return readiness(rows, age, min_rows, max_wait_s)
+
+
+def window_rows(root: str, model: str, window: Window, storage: Any = None) -> list[dict[str, Any]]:
+    """The verl-format training rows (gpu_jobs.serve.dataset.training_rows) of the answer choices
+    that received feedback in `window`'s segments -- a preference's loser included -- oldest first.
+    Each feedback event lies in one segment and each segment in one window, so every feedback
+    row is trained in exactly one window; a choice rated again later is trained again then."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gpu_jobs.serve.dataset import training_rows
+    from storage import read_manifest
+    from storage.manifest import read_files
+
+    keys: set[tuple[str, int]] = set()
+    for uri in window.uris:
+        m = read_manifest(uri, storage)
+        wanted = [f for f in m.files if f.path.startswith("feedback-")]
+        for data in read_files(m, wanted, storage=storage):
+            for f in pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist():
+                keys.add((f["answer_id"], f["index"]))
+                if f["preferred_over"] is not None:
+                    keys.add((f["preferred_over"], f["preferred_over_index"] or 0))
+    return [r for r in training_rows(root, model, storage)
+            if (r["extra_info"]["answer_id"], r["extra_info"]["index"]) in keys]
+
+
+# ------------------------------------------------------------------------------------ checks and plan
+def check_reward(cfg: "RunConfig") -> str | None:
+    """Why the run's reward cannot score re-rolled feedback prompts, as one line with the fix;
+    None when it can. A feedback row's ground truth is the logged answer's own text and its
+    data_source rlmill/feedback/<model> has no built-in scorer: only the user's function decides
+    what a good answer is (it gets that text as ground_truth and the feedback in extra_info)."""
+    if cfg.reward.custom_reward_function.path is not None:
+        return None
+    rm = " (reward_model.enable=true still computes the rule score it adds to or logs beside the model's)" \
+        if cfg.reward_model.enable else ""
+    return ("reward: the built-in rule scorers compare answers with a ground truth, and a feedback window has "
+            f"none (its rows' ground_truth is the logged answer's own text){rm}: set "
+            "reward.custom_reward_function.path=<file.py> to a function that scores without one, and add "
+            "reward_model.enable=true reward_model.combine=rm_only to train on a reward model's score "
+            "(gpu_jobs/reward/model_reward.py) instead")
+
+
+def plan_training(batch_size: int, mini_batch_size: int, n_rows: int, epochs: int) -> tuple[list[str], int, int]:
+    """(overrides, iterations, rows left out per epoch) that train `epochs` passes over a window
+    of `n_rows` rows: the batch shrinks to the window when the window is smaller, and each epoch
+    is n_rows // batch batches of a fresh permutation (verl's drop_last), so up to batch - 1 rows
+    sit out each epoch.
+
+    >>> plan_training(64, 16, 40, 1)
+    (['data.train_batch_size=40', 'actor.ppo_mini_batch_size=16'], 1, 0)
+    >>> plan_training(8, 4, 20, 2)
+    (['data.train_batch_size=8', 'actor.ppo_mini_batch_size=4'], 4, 4)
+    """
+    batch = min(batch_size, n_rows)
+    return ([f"data.train_batch_size={batch}", f"actor.ppo_mini_batch_size={min(mini_batch_size, batch)}"],
+            epochs * (n_rows // batch), n_rows % batch)
+
+
+def check_inputs(model: Any, root: Any, epochs: Any, eval_size: Any) -> str | None:
+    """What is wrong with the parameters, as one line with the fix; None when nothing is.
+
+    >>> check_inputs("arith", ".rlmill", 0, 300)
+    'epochs=0: give the passes over the window (an int >= 1)'
+    """
+    from storage.errors import InvalidNameError
+    from storage.layout import check_name, check_root
+
+    try:
+        check_root(root)
+        check_name(model, "model name")
+    except InvalidNameError as exc:
+        return f"{exc} (the model/root parameters, which the trigger takes from the event)"
+    for name, v in (("epochs", epochs), ("eval_size", eval_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return f"{name}={v!r}: give " + ("the passes over the window" if name == "epochs" else
+                                             "the held-out rows scored") + " (an int >= 1)"
+    return None
+
+
+# ------------------------------------------------------------------------------------ artifacts
+def window_table(window: Window, n_rows: int) -> list[dict[str, Any]]:
+    """One row per segment of the window, then the training rows built from it."""
+    rows = [{"segment": p.uri, "answers": p.rows.get("answers", 0), "feedback": p.rows.get("feedback", 0)}
+            for p in window.pieces]
+    return rows + [{"segment": f"window {window.seq} (run {window.run_id}): training rows", "answers": "",
+                    "feedback": n_rows}]
+
+
+def decision_markdown(model: str, window: Window, n_rows: int, left_out: int, out: Any, base: str,
+                      base_version: str | None) -> str:
+    from flows.nightly import _fmt
+
+    d = out.decision
+    verdict = f"PROMOTED `{out.promoted_to}`" if d.promote else "REFUSED (promoted model kept)"
+    return (f"## Retraining `{model}` on feedback window {window.seq}: {verdict}\n\n"
+            "| model | weights | held-out mean reward | exact match | rows |\n|---|---|---|---|---|\n"
+            f"| new (run `{window.run_id}`) | `{out.new_url}` | {_fmt(out.new_eval['mean_reward'])} | "
+            f"{_fmt(out.new_eval['exact_match'])} | {out.new_eval['n']} |\n"
+            f"| promoted ({f'version `{base_version}`' if base_version else 'config model'}) | `{base}` | "
+            f"{_fmt(out.cur_eval['mean_reward'])} | {_fmt(out.cur_eval['exact_match'])} | {out.cur_eval['n']} |\n\n"
+            f"**Decision:** {'promote' if d.promote else 'refuse'}: {d.reason}. Promoted on the held-out gate "
+            "alone, as the nightly does (no canary on live traffic yet).\n\n"
+            f"**Window {window.seq}:** {len(window.pieces)} segment(s), {window.rows('feedback')} feedback row(s) -> "
+            f"{n_rows} training row(s); {left_out} row(s) sit out each epoch (batch remainder).\n")
+
+
+def _markdown(model: str, markdown: str, description: str) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(key=artifact_key(model, "retrain"), markdown=markdown, description=description)
+
+
+def _window_artifact(window: Window, n_rows: int) -> None:
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(key=artifact_key(window.run_id, "window"), table=window_table(window, n_rows),
+                          description=f"Feedback window {window.seq}: its segments and training rows")
+
+
+# ------------------------------------------------------------------------------------ tasks
+# Each step is idempotent on its own (create-only window records, a rows file written once), so
+# retries are harmless and no result cache is needed.
+@task(name="open-window", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def open_window(root: str, model: str, run_id: str | None, storage: Any) -> Window | None:
+    """The window this run trains on: `run_id`'s own, else one whose run never finished (resumed
+    under its run id), else a new one over the segments no window holds; None: nothing new."""
+    log_ = WindowLog(ModelLayout(root, model, storage))
+    if run_id is not None:
+        window = log_.find(run_id)
+        if window is None:
+            raise ValueError(f"run_id={run_id!r}: no feedback window of {model!r} is trained by that run; leave "
+                             "run_id out to take the next window")
+        return window
+    return log_.pending() or log_.claim(feedback_pieces(root, model, storage),
+                                        run_id_for=lambda seq: run_id_for(model, seq))
+
+
+@task(name="write-window-rows", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def write_window_rows(root: str, model: str, window: Window, dest: str, storage: Any) -> int:
+    """The window's training rows as one verl Parquet file at `dest`, written once: a resumed
+    run reads the file it wrote (the rows of committed segments never change anyway)."""
+    from storage.datasets import read_prompts, write_prompts
+
+    fs, path = url_to_fs(dest, storage)
+    if fs.exists(path):
+        return len(read_prompts([dest], storage=storage))
+    rows = window_rows(root, model, window, storage)
+    if rows:
+        write_prompts(rows, dest, storage=storage)
+    return len(rows)
+
+
+# ------------------------------------------------------------------------------------ the flow
+def _failed(line: str):
+    from prefect.states import Failed
+
+    get_run_logger().error("rlmill: %s", line)
+    return Failed(message=line)
+
+
+@flow(name="rl-retrain", log_prints=True)
+def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None = "examples/grpo_arith.yaml",
+               overrides: list[str] | None = None, run_id: str | None = None, epochs: int = 1,
+               eval_size: int = 300, min_gain: float = 0.0, heldout_files: list[str] | None = None,
+               export_merged_hf: bool = False) -> dict[str, Any]:
+    """Train `model`'s promoted version on the next feedback window (see the module docstring).
+
+    model, root: the model and storage root (the trigger passes the event's); config/overrides:
+    the run config (give the small lr or LoRA and the reward here; `root` wins over the config's);
+    run_id: retrain-<model>-w<seq> to retry that window (default: the next one); epochs: passes
+    over the window; eval_size, min_gain, heldout_files, export_merged_hf: the nightly's gate
+    (flows/nightly.py). A wrong parameter or reward ends the run Failed with one line and the fix,
+    before any window is taken.
+    """
+    from flows.config import ConfigError, load_run_config
+    from flows.nightly import ensure_heldout, gate_new_data, run_summary, train_and_gate
+
+    if (line := check_inputs(model, root, epochs, eval_size)) is not None:
+        return _failed(line)
+    overrides = [*(overrides or []), f"root={json.dumps(root)}"]
+    try:
+        cfg = load_run_config(config, overrides)
+    except (ConfigError, ValueError) as exc:
+        return _failed(f"config: {exc}")
+    if (line := check_reward(cfg)) is not None:
+        return _failed(line)
+    models = ModelLayout(root, model, cfg.storage)
+    logger = get_run_logger()
+    with tags("rlmill", "retrain", f"model:{model}"):
+        try:
+            window = open_window(root, model, run_id, cfg.storage)
+        except ValueError as exc:
+            return _failed(str(exc))
+        if window is None:
+            logger.info("nothing new: every committed feedback segment of %s is in a window", model)
+            _markdown(model, f"## Retraining `{model}`: nothing new\n\nEvery committed feedback segment under "
+                             f"`{join(root, 'feedback', model)}` is already in a window (a trigger that fired "
+                             "twice, or overlapping triggers).\n", "nothing new")
+            return {"status": "nothing new", "model": model}
+        work = join(models.root, "retrain", window.run_id)
+        n_rows = write_window_rows(root, model, window, join(work, "window.parquet"), cfg.storage)
+        _window_artifact(window, n_rows)
+        logger.info("window %d: %d segment(s), %d feedback row(s) -> %d training row(s); run %s", window.seq,
+                    len(window.pieces), window.rows("feedback"), n_rows, window.run_id)
+        if n_rows == 0:  # e.g. only answers, or ratings of answers the window cannot see
+            WindowLog(models).finish(window, {"decision": "nothing to train", "rows": 0})
+            return {"status": "nothing to train", "model": model, "window": window.seq, "run_id": window.run_id}
+        plan, iterations, left_out = plan_training(cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size,
+                                                   n_rows, epochs)
+        base_version, base = models.current_version(), models.current_url() or cfg.model.path
+        train_files = gate_new_data([join(work, "window.parquet")], cfg, base, work)
+        heldout = ensure_heldout(cfg, models, max(eval_size, cfg.data.val_size), heldout_files)
+        out = train_and_gate(config, [*overrides, *plan], cfg, models, base=base, train_files=train_files,
+                             heldout=heldout, run_id=window.run_id, iterations=iterations, eval_size=eval_size,
+                             min_gain=min_gain, export_merged_hf=export_merged_hf, by="retrain")
+        _markdown(model, decision_markdown(model, window, n_rows, left_out, out, base, base_version),
+                  f"Window {window.seq}: {'promoted' if out.decision.promote else 'refused'}")
+        record = {"window": window.seq, "run_id": window.run_id, "segments": window.uris, "rows": n_rows,
+                  "feedback_rows": window.rows("feedback"), "base": base, "new": out.new_eval,
+                  "promoted_before": out.cur_eval, "decision": "promote" if out.decision.promote else "refuse",
+                  "reason": out.decision.reason, "promoted_version": out.promoted_to, "merged_export": out.merged_to}
+        WindowLog(models).finish(window, record)
+        return {"status": "promoted" if out.decision.promote else "refused", "model": model, **record,
+                "run": run_summary(out.run)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from flows.cli import _quiet_env
+
+    p = argparse.ArgumentParser(prog="python -m flows.retrain", description="retrain a model on its next feedback window")
+    p.add_argument("--model", default="arith")
+    p.add_argument("--config", default="examples/grpo_arith.yaml")
+    p.add_argument("--run-id", default=None, help="retrain-<model>-w<seq>: retry that window (default: the next)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--eval-size", type=int, default=300)
+    p.add_argument("--min-gain", type=float, default=0.0)
+    p.add_argument("overrides", nargs="*", help="dotted run-config overrides; root=... names the storage root")
+    a = p.parse_args(argv)
+    _quiet_env()
+    roots = [o.split("=", 1)[1] for o in a.overrides if o.startswith("root=")]
+    out = rl_retrain(model=a.model, root=roots[-1] if roots else ".rlmill", config=a.config, overrides=a.overrides,
+                     run_id=a.run_id, epochs=a.epochs, eval_size=a.eval_size, min_gain=a.min_gain)
+    print(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

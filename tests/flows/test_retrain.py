@@ -1,0 +1,186 @@
+"""Retrain on arrival (flows/retrain.py, storage/windows.py): the window is taken exactly once (a
+second claim finds nothing new, a retry finds its own window, two racing writers get one window,
+a crashed run's window is the next run's), the readiness rule, the reward refusal, and one tiny
+rl-retrain flow run on feedback segments committed by the real consumer (redis-server).
+
+    .venv/bin/python -m pytest -q tests/flows/test_retrain.py
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from storage import ModelLayout
+from storage.windows import Piece, WindowLog, backlog, readiness
+
+
+def _log(root) -> WindowLog:
+    return WindowLog(ModelLayout(root.url, "arith", root.storage))
+
+
+def _run_id(seq: int) -> str:
+    return f"retrain-arith-w{seq}"
+
+
+# ------------------------------------------------------------------------------------ the window
+def test_window_exactly_once_and_resume(storage_root):
+    log = _log(storage_root)
+    assert log.claim([], _run_id) is None and log.pending() is None  # empty: nothing new
+    first = [Piece("seg/a", {"answers": 2, "feedback": 3}, 100.0), Piece("seg/b", {"feedback": 1}, 110.0)]
+    w1 = log.claim(first, _run_id)
+    assert (w1.seq, w1.run_id, w1.uris, w1.rows("feedback")) == (1, "retrain-arith-w1", ["seg/a", "seg/b"], 4)
+    assert log.claim(first, _run_id) is None  # the trigger fired twice: nothing new
+    # A retry or resume of the run finds its own window, read back from storage, not recomputed.
+    again = _log(storage_root).find("retrain-arith-w1")
+    assert (again.seq, again.pieces) == (1, w1.pieces)
+    assert log.pending() == again  # not finished: the next run resumes it
+    later = first + [Piece("seg/c", {"feedback": 5}, 120.0)]
+    w2 = log.claim(later, _run_id)
+    assert (w2.seq, w2.uris) == (2, ["seg/c"])  # only what no window holds
+    assert log.finish(w1, {"decision": "promote"})["decision"] == "promote"
+    assert log.finish(w1, {"decision": "refuse"})["decision"] == "promote"  # a retry keeps the first record
+    assert log.pending().seq == 2
+    log.finish(w2, {"decision": "refuse"})
+    assert log.pending() is None and set(log.done()) == {1, 2}
+    held = [u for w in log.windows() for u in w.uris]
+    assert sorted(held) == ["seg/a", "seg/b", "seg/c"]  # every piece in exactly one window
+
+
+class _Racing(WindowLog):
+    """A claimer that reads the windows, then waits at `barrier` (both claimers have read the
+    same listing) before writing: the race the create-only write settles."""
+
+    def __init__(self, models, barrier: threading.Barrier):
+        super().__init__(models)
+        self.barrier, self.reads = barrier, 0
+
+    def read(self):
+        out = super().read()
+        self.reads += 1
+        if self.reads == 1:
+            self.barrier.wait(timeout=30)  # raises BrokenBarrierError if the other claimer never reads
+        return out
+
+
+def test_two_writers_race_for_one_seq(tmp_path):
+    models = ModelLayout(str(tmp_path), "arith")
+    barrier = threading.Barrier(2)
+    pieces = [Piece("seg/a", {"feedback": 3}, 1.0)]
+    claimers = [_Racing(models, barrier), _Racing(models, barrier)]
+    got = [None, None]
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, claimers[i].claim(pieces, _run_id)))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a claimer never finished"
+    winners = [w for w in got if w is not None]
+    assert len(winners) == 1 and winners[0].seq == 1  # one won the write, the other found nothing new
+    loser = claimers[got.index(None)]
+    assert loser.reads == 2  # it re-read after losing the create-only write
+    assert [w.seq for w in WindowLog(models).windows()] == [1]
+
+
+# ------------------------------------------------------------------------------------ readiness
+@pytest.mark.parametrize("rows,age,ready,why", [
+    (0, None, False, "nothing waits"),
+    (255, 299.0, False, "255 of 256 rows, oldest 299 s of 300 s: not yet"),
+    (256, 1.0, True, "256 rows >= 256"),            # enough rows, however young
+    (1, 300.0, True, "1 rows, the oldest waiting 300 s >= 300 s"),  # few rows, but old enough
+])
+def test_readiness_rule(rows, age, ready, why):
+    r = readiness(rows, age, 256, 300.0)
+    assert (r.ready, r.reason) == (ready, why)
+
+
+def test_backlog_counts_unheld_and_unfinished(tmp_path):
+    models = ModelLayout(str(tmp_path), "arith")
+    log = WindowLog(models)
+    a, b = Piece("seg/a", {"feedback": 3}, 100.0), Piece("seg/b", {"answers": 4, "feedback": 0}, 50.0)
+    assert backlog(log, [a, b], "feedback", now=130.0) == (3, 30.0)  # b has no feedback: not waiting
+    w = log.claim([a, b], _run_id)
+    assert backlog(log, [a, b], "feedback", now=130.0) == (3, 30.0)  # claimed, not finished: still owed
+    log.finish(w, {})
+    assert backlog(log, [a, b], "feedback", now=130.0) == (0, None)
+
+
+# ------------------------------------------------------------------------------------ checks
+def test_reward_refused_without_a_function(tiny_config, tmp_path):
+    from flows.retrain import check_reward
+
+    line = check_reward(tiny_config())
+    assert "reward.custom_reward_function.path" in line and "ground truth" in line
+    assert "still computes the rule score" in check_reward(tiny_config("reward_model.enable=true"))
+    custom = tmp_path / "r.py"
+    custom.write_text("def compute_score(*a, **k):\n    return 0.0\n")
+    assert check_reward(tiny_config(f"reward.custom_reward_function.path={custom}")) is None
+
+
+# ------------------------------------------------------------------------------------ the flow
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # Needs no ground truth: 1 for an answer made of digits only.
+    return 1.0 if solution_str.strip().isdigit() else 0.0
+'''
+
+
+def _commit_feedback(root: str, tmp_path, n: int) -> None:
+    """n answers to arithmetic prompts and a thumbs-up for each, through redis and the consumer."""
+    import redis
+
+    from gpu_jobs.serve.answers import new_answer_id
+    from gpu_jobs.serve.broker import STREAM
+    from gpu_jobs.serve.consumer import consume
+    from gpu_jobs.serve.events import answer_event, encode, feedback_event
+    from tests.serve.conftest import redis_server
+
+    with redis_server(tmp_path) as url:
+        r = redis.Redis.from_url(url)
+        for i in range(n):
+            a = answer_event(new_answer_id("chatcmpl"), endpoint="chat.completions", model="arith", version="v0",
+                             created=time.time(), latency_s=0.01,
+                             prompt=[{"role": "user", "content": f"{10 + i}+{20 + i}="}], prompt_ids=[5, 6],
+                             choices=[{"index": 0, "text": str(30 + 2 * i), "token_ids": [7], "logprobs": [-0.5],
+                                       "finish_reason": "stop"}], sampling={"temperature": 1.0})
+            r.xadd(STREAM, encode(a))
+            r.xadd(STREAM, encode(feedback_event(a["answer_id"], model="arith", version="v0", thumbs="up")))
+        result = consume(root, url)
+        assert result.feedback == n and result.quarantined == 0, result
+
+
+def test_rl_retrain_trains_the_pending_window_once(tiny, example_path, tmp_path):
+    from flows.retrain import open_window, rl_retrain, window_readiness, window_rows
+
+    root = str(tmp_path / "root")
+    _commit_feedback(root, tmp_path, 8)
+    assert window_readiness(root, "arith", 8, 300.0).ready
+    assert not window_readiness(root, "arith", 9, 300.0).ready
+    kw = dict(model="arith", root=root, config=str(example_path), eval_size=8, min_gain=-1.0)
+
+    # A wrong reward is refused before any window is taken.
+    state = rl_retrain(**kw, overrides=tiny(root), return_state=True)
+    assert state.is_failed() and state.message.startswith("reward: the built-in rule scorers")
+    assert WindowLog(ModelLayout(root, "arith")).windows() == []
+
+    # A run that took window 1 and crashed: the next run trains that window under its run id.
+    crashed = open_window.fn(root, "arith", None, None)
+    assert crashed.run_id == "retrain-arith-w1" and len(window_rows(root, "arith", crashed)) == 8
+    reward = tmp_path / "digits.py"
+    reward.write_text(REWARD)
+    overrides = tiny(root, f"reward.custom_reward_function.path={reward}", "trainer.val_before_train=false",
+                     "reward.num_workers=1")
+    out = rl_retrain(**kw, overrides=overrides)
+    assert out["status"] == "promoted" and out["run_id"] == "retrain-arith-w1" and out["rows"] == 8
+    assert out["segments"] == crashed.uris
+    models = ModelLayout(root, "arith")
+    assert models.current_version() == "retrain-arith-w1" and models.history()[-1]["by"] == "retrain"
+    assert out["new"]["n"] == out["promoted_before"]["n"] == 8
+    assert WindowLog(models).done()[1]["decision"] == "promote"
+    assert not window_readiness(root, "arith", 1, 0.0).ready  # everything trained: nothing waits
+
+    # The trigger fires again: nothing new, Completed.
+    assert rl_retrain(**kw, overrides=overrides) == {"status": "nothing new", "model": "arith"}

@@ -141,6 +141,12 @@ def _check_beta(beta: float) -> None:
         raise ValueError(f"beta must be > 0 (it scales the implicit reward), got {beta}; TRL's default is 0.1")
 
 
+def _check_label_smoothing(label_smoothing: float) -> None:
+    if not 0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5) (a probability that a label is flipped), got "
+                         f"{label_smoothing}; the Robust DPO paper uses 0.1")
+
+
 def dpo_loss(
     policy_chosen_logps: torch.Tensor,
     policy_rejected_logps: torch.Tensor,
@@ -162,8 +168,7 @@ def dpo_loss(
     reward is strictly higher. Returns ``(loss, metrics)``.
     """
     _check_beta(beta)
-    if not 0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    _check_label_smoothing(label_smoothing)
     chosen_logratios = policy_chosen_logps - ref_chosen_logps.detach()
     rejected_logratios = policy_rejected_logps - ref_rejected_logps.detach()
     losses = PREFERENCE_LOSSES[loss_type](
@@ -312,8 +317,7 @@ class PreferenceConfig(BaseModel):
     @field_validator("label_smoothing")
     @classmethod
     def _smoothing_range(cls, value: float) -> float:
-        if not 0 <= value < 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5), got {value}; the Robust DPO paper uses 0.1")
+        _check_label_smoothing(value)
         return value
 
     @field_validator("desirable_weight", "undesirable_weight")

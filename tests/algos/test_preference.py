@@ -315,3 +315,12 @@ def test_dpo_steps_raise_the_margin_and_leave_the_reference_alone():
     assert margin_after > margin_before + 1.0, (margin_before, margin_after)  # measured 0.28 -> 3.0
     assert metrics["rewards/margins"].item() > 0
     assert all(torch.equal(v, ref_before[k]) for k, v in reference.state_dict().items())
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from gpu_jobs.algos import preference
+
+    result = doctest.testmod(preference)
+    assert result.failed == 0 and result.attempted > 0

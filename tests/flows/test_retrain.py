@@ -171,8 +171,9 @@ def test_rl_retrain_trains_the_pending_window_once(tiny, example_path, tmp_path)
     assert crashed.run_id == "retrain-arith-w1" and len(window_rows(root, "arith", crashed)) == 8
     reward = tmp_path / "digits.py"
     reward.write_text(REWARD)
+    # The held-out set is 8 rows both for the run's own validation and for the gate's two scores.
     overrides = tiny(root, f"reward.custom_reward_function.path={reward}", "trainer.val_before_train=false",
-                     "reward.num_workers=1")
+                     "reward.num_workers=1", "data.val_size=8")
     out = rl_retrain(**kw, overrides=overrides)
     assert out["status"] == "promoted" and out["run_id"] == "retrain-arith-w1" and out["rows"] == 8
     assert out["segments"] == crashed.uris

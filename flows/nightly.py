@@ -21,6 +21,9 @@ One night, as Prefect tasks and one `rl-training` subflow (each step is one plai
      a markdown artifact shows the decision and both scores;
   7. record: write models/<name>/nightly_state.json (only on success): which files are done.
 
+Steps 3-6 are one function, `train_and_gate`, which retraining on arrival (flows/retrain.py) calls
+too: the two flows differ in where the data comes from, not in how a candidate is judged.
+
 A night that fails leaves the state untouched, so the next night sees the same files again and,
 on the same date, resumes the same run id from its committed stages.
 """

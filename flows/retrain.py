@@ -119,9 +119,9 @@ def check_reward(cfg: "RunConfig") -> str | None:
         if cfg.reward_model.enable else ""
     return ("reward: the built-in rule scorers compare answers with a ground truth, and a feedback window has "
             f"none (its rows' ground_truth is the logged answer's own text){rm}: set "
-            "reward.custom_reward_function.path=<file.py> to a function that scores without one, and add "
-            "reward_model.enable=true reward_model.combine=rm_only to train on a reward model's score "
-            "(gpu_jobs/reward/model_reward.py) instead")
+            "reward.custom_reward_function.path=<file.py> to a function that scores without one (it gets the "
+            "feedback in extra_info); to train on a reward model's score (gpu_jobs/reward/model_reward.py), add "
+            "reward_model.enable=true reward_model.combine=rm_only to it")
 
 
 def plan_training(batch_size: int, mini_batch_size: int, n_rows: int, epochs: int) -> tuple[list[str], int, int]:
@@ -210,11 +210,7 @@ def open_window(root: str, model: str, run_id: str | None, storage: Any) -> Wind
     under its run id), else a new one over the segments no window holds; None: nothing new."""
     log_ = WindowLog(ModelLayout(root, model, storage))
     if run_id is not None:
-        window = log_.find(run_id)
-        if window is None:
-            raise ValueError(f"run_id={run_id!r}: no feedback window of {model!r} is trained by that run; leave "
-                             "run_id out to take the next window")
-        return window
+        return log_.find(run_id)
     return log_.pending() or log_.claim(feedback_pieces(root, model, storage),
                                         run_id_for=lambda seq: run_id_for(model, seq))
 
@@ -270,11 +266,11 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
         return _failed(line)
     models = ModelLayout(root, model, cfg.storage)
     logger = get_run_logger()
+    if run_id is not None and WindowLog(models).find(run_id) is None:
+        return _failed(f"run_id={run_id!r}: no feedback window of {model!r} is trained by that run; leave run_id "
+                       "out to take the next window")
     with tags("rlmill", "retrain", f"model:{model}"):
-        try:
-            window = open_window(root, model, run_id, cfg.storage)
-        except ValueError as exc:
-            return _failed(str(exc))
+        window = open_window(root, model, run_id, cfg.storage)
         if window is None:
             logger.info("nothing new: every committed feedback segment of %s is in a window", model)
             _markdown(model, f"## Retraining `{model}`: nothing new\n\nEvery committed feedback segment under "
@@ -324,9 +320,12 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     _quiet_env()
     roots = [o.split("=", 1)[1] for o in a.overrides if o.startswith("root=")]
-    out = rl_retrain(model=a.model, root=roots[-1] if roots else ".rlmill", config=a.config, overrides=a.overrides,
-                     run_id=a.run_id, epochs=a.epochs, eval_size=a.eval_size, min_gain=a.min_gain)
-    print(json.dumps(out, indent=1, default=str))
+    state = rl_retrain(model=a.model, root=roots[-1] if roots else ".rlmill", config=a.config,
+                       overrides=a.overrides, run_id=a.run_id, epochs=a.epochs, eval_size=a.eval_size,
+                       min_gain=a.min_gain, return_state=True)
+    if not state.is_completed():  # a refused input: its one line, no traceback
+        raise SystemExit(f"rlmill: {state.message}")
+    print(json.dumps(state.result(), indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -166,6 +166,14 @@ def test_rl_retrain_trains_the_pending_window_once(tiny, example_path, tmp_path)
     assert state.is_failed() and state.message.startswith("reward: the built-in rule scorers")
     assert WindowLog(ModelLayout(root, "arith")).windows() == []
 
+    state = rl_retrain(**kw, overrides=tiny(root), run_id="retrain-arith-w7", return_state=True)
+    assert state.is_failed() and state.message.startswith("reward:")  # the reward is checked first
+    custom = f"reward.custom_reward_function.path={example_path.parent / 'custom_reward.py'}"
+    state = rl_retrain(**kw, overrides=tiny(root, custom), run_id="retrain-arith-w7", return_state=True)
+    assert state.is_failed() and "no feedback window of 'arith' is trained by that run" in state.message
+    state = rl_retrain(**kw, overrides=tiny(root), epochs=0, return_state=True)
+    assert state.is_failed() and state.message == "epochs=0: give the passes over the window (an int >= 1)"
+
     # A run that took window 1 and crashed: the next run trains that window under its run id.
     crashed = open_window.fn(root, "arith", None, None)
     assert crashed.run_id == "retrain-arith-w1" and len(window_rows(root, "arith", crashed)) == 8

@@ -193,3 +193,22 @@ def test_rl_retrain_trains_the_pending_window_once(tiny, example_path, tmp_path)
 
     # The trigger fires again: nothing new, Completed.
     assert rl_retrain(**kw, overrides=overrides) == {"status": "nothing new", "model": "arith"}
+
+
+def test_ready_event_and_docstring_examples(tmp_path):
+    import doctest
+
+    import flows.retrain
+    import storage.windows
+    from flows.feedback import READY_EVENT, feedback_models, ready_event
+
+    for module in (storage.windows, flows.retrain):
+        assert doctest.testmod(module).failed == 0, module.__name__
+    (tmp_path / "feedback" / "_quarantine").mkdir(parents=True)  # no model name: never announced
+    (tmp_path / "feedback" / "arith").mkdir()
+    assert feedback_models(str(tmp_path)) == ["arith"] and feedback_models(str(tmp_path / "none")) == []
+    e = ready_event("arith", str(tmp_path), readiness(3, 400.0, 256, 300.0))
+    assert e["event"] == READY_EVENT and e["resource"]["prefect.resource.id"] == "rlmill.model.arith"
+    # What the deployment trigger's parameters read: {{ event.payload.model }} and {{ event.payload.root }}.
+    assert e["payload"] == {"model": "arith", "root": str(tmp_path), "rows": 3, "oldest_age_s": 400.0,
+                            "reason": "3 rows, the oldest waiting 400 s >= 300 s"}

@@ -84,27 +84,13 @@ def window_readiness(root: str, model: str, min_rows: int, max_wait_s: float, no
 
 def window_rows(root: str, model: str, window: Window, storage: Any = None) -> list[dict[str, Any]]:
     """The verl-format training rows (gpu_jobs.serve.dataset.training_rows) of the answer choices
-    that received feedback in `window`'s segments -- a preference's loser included -- oldest first.
-    Each feedback event lies in one segment and each segment in one window, so every feedback
-    row is trained in exactly one window; a choice rated again later is trained again then."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+    that received feedback in `window`'s segments -- a preference's loser included -- oldest first,
+    each carrying only this window's ratings. Each feedback event lies in one segment and each
+    segment in one window, so every feedback row is trained in exactly one window; a choice rated
+    again later is trained again then, with the later ratings."""
     from gpu_jobs.serve.dataset import training_rows
-    from storage import read_manifest
-    from storage.manifest import read_files
 
-    keys: set[tuple[str, int]] = set()
-    for uri in window.uris:
-        m = read_manifest(uri, storage)
-        wanted = [f for f in m.files if f.path.startswith("feedback-")]
-        for data in read_files(m, wanted, storage=storage):
-            for f in pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist():
-                keys.add((f["answer_id"], f["index"]))
-                if f["preferred_over"] is not None:
-                    keys.add((f["preferred_over"], f["preferred_over_index"] or 0))
-    return [r for r in training_rows(root, model, storage)
-            if (r["extra_info"]["answer_id"], r["extra_info"]["index"]) in keys]
+    return training_rows(root, model, storage, feedback_from=window.uris)
 
 
 # ------------------------------------------------------------------------------------ checks and plan

@@ -21,32 +21,42 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Collection
 from typing import Any
 
 __all__ = ["read_segments", "training_rows", "write_training_dataset"]
 
 
-def read_segments(root: str, model: str, storage=None) -> tuple[list[dict], list[dict]]:
-    """(answer rows, feedback rows) of every committed segment of `model`, verified on read."""
+def read_segments(root: str, model: str, storage=None,
+                  feedback_from: Collection[str] | None = None) -> tuple[list[dict], list[dict]]:
+    """(answer rows, feedback rows) of every committed segment of `model`, verified on read;
+    with `feedback_from` (segment manifest URIs), feedback only from those segments (answers from
+    all: a rating may come in a later segment than its answer)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from storage import check_name, join
+    from storage import check_name, join, read_manifest
     from storage.manifest import read_files
 
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifests
+    from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifest_uris
 
     answers, feedback = [], []
-    for m in segment_manifests(join(root, FEEDBACK_DIR, check_name(model, "model name")), storage):
-        for f, data in zip(m.files, read_files(m, storage=storage)):
+    wanted = None if feedback_from is None else set(feedback_from)
+    for uri in segment_manifest_uris(join(root, FEEDBACK_DIR, check_name(model, "model name")), storage):
+        m = read_manifest(uri, storage)
+        files = [f for f in m.files if f.path.startswith("answers-") or wanted is None or uri in wanted]
+        for f, data in zip(files, read_files(m, files, storage=storage)):
             rows = pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
             (answers if f.path.startswith("answers-") else feedback).extend(rows)
     return answers, feedback
 
 
-def training_rows(root: str, model: str, storage=None) -> list[dict[str, Any]]:
-    """The verl-format rows described in the module docstring, oldest answer first."""
-    answers, feedback = read_segments(root, model, storage)
+def training_rows(root: str, model: str, storage=None,
+                  feedback_from: Collection[str] | None = None) -> list[dict[str, Any]]:
+    """The verl-format rows described in the module docstring, oldest answer first; with
+    `feedback_from` (segment manifest URIs: a retrain window), only the feedback of those segments
+    counts, so a choice rated in two windows carries each window's ratings in that window's rows."""
+    answers, feedback = read_segments(root, model, storage, feedback_from)
     by_choice = {(a["answer_id"], a["index"]): a for a in answers}
     signals: dict[tuple[str, int], dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for f in sorted(feedback, key=lambda f: f["created"]):

@@ -152,6 +152,46 @@ def _commit_feedback(root: str, tmp_path, n: int) -> None:
         assert result.feedback == n and result.quarantined == 0, result
 
 
+def test_a_window_carries_only_its_own_ratings(tmp_path):
+    """An answer rated in segment 1 and again in segment 2: the window holding segment 2 trains it
+    with the second rating only (training_rows(feedback_from=...)); all history has both."""
+    import redis
+
+    from gpu_jobs.serve.answers import new_answer_id
+    from gpu_jobs.serve.broker import STREAM
+    from gpu_jobs.serve.consumer import consume
+    from gpu_jobs.serve.dataset import training_rows
+    from gpu_jobs.serve.events import answer_event, encode, feedback_event
+    from flows.retrain import feedback_pieces, window_rows
+    from storage.windows import Window
+    from tests.serve.conftest import redis_server
+
+    root = str(tmp_path / "root")
+    with redis_server(tmp_path) as url:
+        r = redis.Redis.from_url(url)
+        ids = []
+        for i in range(2):
+            a = answer_event(new_answer_id("chatcmpl"), endpoint="chat.completions", model="arith", version="v0",
+                             created=time.time(), latency_s=0.01, prompt=[{"role": "user", "content": f"1+{i}="}],
+                             prompt_ids=[5], choices=[{"index": 0, "text": str(1 + i), "token_ids": [7],
+                                                       "logprobs": [-0.5], "finish_reason": "stop"}],
+                             sampling={"temperature": 1.0})
+            r.xadd(STREAM, encode(a))
+            r.xadd(STREAM, encode(feedback_event(a["answer_id"], model="arith", version="v0", thumbs="up")))
+            ids.append(a["answer_id"])
+        assert consume(root, url).feedback == 2
+        r.xadd(STREAM, encode(feedback_event(ids[0], model="arith", version="v0", thumbs="down")))
+        assert consume(root, url).feedback == 1
+    pieces = feedback_pieces(root, "arith")
+    assert len(pieces) == 2
+    second = window_rows(root, "arith", Window(2, "retrain-arith-w2", (pieces[1],)))
+    assert [(r["extra_info"]["answer_id"], r["extra_info"]["thumbs"]) for r in second] == [(ids[0], ["down"])]
+    first = window_rows(root, "arith", Window(1, "retrain-arith-w1", (pieces[0],)))
+    assert sorted(r["extra_info"]["thumbs"] == ["up"] for r in first) == [True, True]
+    both = {r["extra_info"]["answer_id"]: r["extra_info"]["thumbs"] for r in training_rows(root, "arith")}
+    assert both[ids[0]] == ["up", "down"]
+
+
 def test_rl_retrain_trains_the_pending_window_once(tiny, example_path, tmp_path):
     from flows.retrain import open_window, rl_retrain, window_readiness, window_rows
 

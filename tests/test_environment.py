@@ -59,7 +59,7 @@ def _run(exe: Path, *args: str, cwd: Path) -> str:
     return proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # installs: two clones' environments (make e2e, README "What make test runs")
 def test_two_clones_each_run_their_own_code(tmp_path):
     shared = _shared_env()
     hashed = subprocess.run([sys.executable, "scripts/deps.py", "--hash"], cwd=REPO, capture_output=True,
@@ -92,7 +92,7 @@ def test_two_clones_each_run_their_own_code(tmp_path):
     assert not any(str(tmp_path) in p.read_text(errors="ignore") for p in Path(site).glob("__editable__*"))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # an install: a wheel built and installed outside the checkout
 def test_a_wheel_installs_and_runs_outside_the_repository(tmp_path):
     src = _clone(tmp_path / "src")
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",

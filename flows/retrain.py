@@ -224,6 +224,24 @@ def _failed(line: str):
     return Failed(message=line)
 
 
+
+def _nothing_new(root: str, model: str) -> dict[str, Any]:
+    """Every committed segment is in a window (a trigger that fired twice): say so, Completed."""
+    get_run_logger().info("nothing new: every committed feedback segment of %s is in a window", model)
+    _markdown(model, f"## Retraining `{model}`: nothing new\n\nEvery committed feedback segment under "
+                     f"`{join(root, 'feedback', model)}` is already in a window (a trigger that fired "
+                     "twice, or overlapping triggers).\n", "nothing new")
+    return {"status": "nothing new", "model": model}
+
+
+def _done_record(window: Window, n_rows: int, base: str, out: Any) -> dict[str, Any]:
+    """The window's done record: what it trained, both scores, the decision (train_and_gate's `out`)."""
+    return {"window": window.seq, "run_id": window.run_id, "segments": window.uris, "rows": n_rows,
+            "feedback_rows": window.rows("feedback"), "base": base, "new": out.new_eval,
+            "promoted_before": out.cur_eval, "decision": "promote" if out.decision.promote else "refuse",
+            "reason": out.decision.reason, "promoted_version": out.promoted_to, "merged_export": out.merged_to}
+
+
 @flow(name="rl-retrain", log_prints=True)
 def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None = "examples/grpo_arith.yaml",
                overrides: list[str] | None = None, run_id: str | None = None, epochs: int = 1,
@@ -258,11 +276,7 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
     with tags("rlmill", "retrain", f"model:{model}"):
         window = open_window(root, model, run_id, cfg.storage)
         if window is None:
-            logger.info("nothing new: every committed feedback segment of %s is in a window", model)
-            _markdown(model, f"## Retraining `{model}`: nothing new\n\nEvery committed feedback segment under "
-                             f"`{join(root, 'feedback', model)}` is already in a window (a trigger that fired "
-                             "twice, or overlapping triggers).\n", "nothing new")
-            return {"status": "nothing new", "model": model}
+            return _nothing_new(root, model)
         work = join(models.root, "retrain", window.run_id)
         n_rows = write_window_rows(root, model, window, join(work, "window.parquet"), cfg.storage)
         _window_artifact(window, n_rows)
@@ -281,10 +295,7 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
                              min_gain=min_gain, export_merged_hf=export_merged_hf, by="retrain")
         _markdown(model, decision_markdown(model, window, n_rows, left_out, out, base, base_version),
                   f"Window {window.seq}: {'promoted' if out.decision.promote else 'refused'}")
-        record = {"window": window.seq, "run_id": window.run_id, "segments": window.uris, "rows": n_rows,
-                  "feedback_rows": window.rows("feedback"), "base": base, "new": out.new_eval,
-                  "promoted_before": out.cur_eval, "decision": "promote" if out.decision.promote else "refuse",
-                  "reason": out.decision.reason, "promoted_version": out.promoted_to, "merged_export": out.merged_to}
+        record = _done_record(window, n_rows, base, out)
         WindowLog(models).finish(window, record)
         return {"status": "promoted" if out.decision.promote else "refused", "model": model, **record,
                 "run": run_summary(out.run)}

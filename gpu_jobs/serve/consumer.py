@@ -112,9 +112,9 @@ class _CommittedIds:
         return self._folders[url]
 
 
-def segment_manifest_uris(folder_url: str, storage=None) -> list[str]:
-    """The URIs of the committed segment manifests under `folder_url` (recursively), oldest name first."""
-    from storage import url_to_fs
+def segment_manifests(folder_url: str, storage=None) -> list:
+    """The committed segment manifests under `folder_url` (recursively), oldest name first."""
+    from storage import read_manifest, url_to_fs
     from storage.manifest import MANIFEST_NAME
 
     fs, path = url_to_fs(folder_url, storage)
@@ -122,14 +122,7 @@ def segment_manifest_uris(folder_url: str, storage=None) -> list[str]:
         return []
     found = sorted(p for p in fs.find(path) if p.endswith("/" + MANIFEST_NAME) and "/segment-" in p)
     prefix = folder_url.rstrip("/")
-    return [prefix + p[len(path.rstrip("/")):] for p in found]
-
-
-def segment_manifests(folder_url: str, storage=None) -> list:
-    """The committed segment manifests under `folder_url` (recursively), oldest name first."""
-    from storage import read_manifest
-
-    return [read_manifest(uri, storage) for uri in segment_manifest_uris(folder_url, storage)]
+    return [read_manifest(prefix + p[len(path.rstrip("/")):], storage) for p in found]
 
 
 def _parquet(table) -> bytes:

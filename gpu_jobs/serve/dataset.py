@@ -35,16 +35,15 @@ def read_segments(root: str, model: str, storage=None,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from storage import check_name, join, read_manifest
+    from storage import check_name, join
     from storage.manifest import read_files
 
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifest_uris
+    from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifests
 
     answers, feedback = [], []
     wanted = None if feedback_from is None else set(feedback_from)
-    for uri in segment_manifest_uris(join(root, FEEDBACK_DIR, check_name(model, "model name")), storage):
-        m = read_manifest(uri, storage)
-        files = [f for f in m.files if f.path.startswith("answers-") or wanted is None or uri in wanted]
+    for m in segment_manifests(join(root, FEEDBACK_DIR, check_name(model, "model name")), storage):
+        files = [f for f in m.files if f.path.startswith("answers-") or wanted is None or m.uri in wanted]
         for f, data in zip(files, read_files(m, files, storage=storage)):
             rows = pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
             (answers if f.path.startswith("answers-") else feedback).extend(rows)

@@ -128,24 +128,30 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
+def _answer(prompt: str, text: str) -> dict:
+    """An answer event of model arith (version v0): one chat prompt, one choice `text`."""
+    from gpu_jobs.serve.answers import new_answer_id
+    from gpu_jobs.serve.events import answer_event
+
+    return answer_event(new_answer_id("chatcmpl"), endpoint="chat.completions", model="arith", version="v0",
+                        created=time.time(), latency_s=0.01, prompt=[{"role": "user", "content": prompt}],
+                        prompt_ids=[5, 6], choices=[{"index": 0, "text": text, "token_ids": [7], "logprobs": [-0.5],
+                                                     "finish_reason": "stop"}], sampling={"temperature": 1.0})
+
+
 def _commit_feedback(root: str, tmp_path, n: int) -> None:
     """n answers to arithmetic prompts and a thumbs-up for each, through redis and the consumer."""
     import redis
 
-    from gpu_jobs.serve.answers import new_answer_id
     from gpu_jobs.serve.broker import STREAM
     from gpu_jobs.serve.consumer import consume
-    from gpu_jobs.serve.events import answer_event, encode, feedback_event
+    from gpu_jobs.serve.events import encode, feedback_event
     from tests.serve.conftest import redis_server
 
     with redis_server(tmp_path) as url:
         r = redis.Redis.from_url(url)
         for i in range(n):
-            a = answer_event(new_answer_id("chatcmpl"), endpoint="chat.completions", model="arith", version="v0",
-                             created=time.time(), latency_s=0.01,
-                             prompt=[{"role": "user", "content": f"{10 + i}+{20 + i}="}], prompt_ids=[5, 6],
-                             choices=[{"index": 0, "text": str(30 + 2 * i), "token_ids": [7], "logprobs": [-0.5],
-                                       "finish_reason": "stop"}], sampling={"temperature": 1.0})
+            a = _answer(f"{10 + i}+{20 + i}=", str(30 + 2 * i))
             r.xadd(STREAM, encode(a))
             r.xadd(STREAM, encode(feedback_event(a["answer_id"], model="arith", version="v0", thumbs="up")))
         result = consume(root, url)
@@ -157,11 +163,10 @@ def test_a_window_carries_only_its_own_ratings(tmp_path):
     with the second rating only (training_rows(feedback_from=...)); all history has both."""
     import redis
 
-    from gpu_jobs.serve.answers import new_answer_id
     from gpu_jobs.serve.broker import STREAM
     from gpu_jobs.serve.consumer import consume
     from gpu_jobs.serve.dataset import training_rows
-    from gpu_jobs.serve.events import answer_event, encode, feedback_event
+    from gpu_jobs.serve.events import encode, feedback_event
     from flows.retrain import feedback_pieces, window_rows
     from storage.windows import Window
     from tests.serve.conftest import redis_server
@@ -171,11 +176,7 @@ def test_a_window_carries_only_its_own_ratings(tmp_path):
         r = redis.Redis.from_url(url)
         ids = []
         for i in range(2):
-            a = answer_event(new_answer_id("chatcmpl"), endpoint="chat.completions", model="arith", version="v0",
-                             created=time.time(), latency_s=0.01, prompt=[{"role": "user", "content": f"1+{i}="}],
-                             prompt_ids=[5], choices=[{"index": 0, "text": str(1 + i), "token_ids": [7],
-                                                       "logprobs": [-0.5], "finish_reason": "stop"}],
-                             sampling={"temperature": 1.0})
+            a = _answer(f"1+{i}=", str(1 + i))
             r.xadd(STREAM, encode(a))
             r.xadd(STREAM, encode(feedback_event(a["answer_id"], model="arith", version="v0", thumbs="up")))
             ids.append(a["answer_id"])

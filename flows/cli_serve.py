@@ -12,6 +12,9 @@ registered, a port in use, the broker not reachable, a negative wait: one `rlmil
 and starts it. While it serves, models/<name>/CURRENT is read every --watch-s seconds and a newly
 promoted version is swapped in (gpu_jobs/serve/swap.py); an answer goes out once its event is in
 the broker, or after --event-wait-ms with the event still queued (gpu_jobs/serve/broker.py).
+models/<name>/CANARY (storage/canary.py) is read at start and at each poll: while a canary runs, its
+candidate is loaded beside CURRENT and the record's share of users (by `user`, else `session_id`;
+requests with neither go to CURRENT) is answered by it, the same users on every server and restart.
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ def add_serve_parsers(sub) -> None:
                        help="how long an answer waits for its event to reach the broker before it goes out anyway "
                             "(the event stays queued, counted as buffered); 0 = never wait (default 250)")
     serve.add_argument("--watch-s", type=float, default=5.0,
-                       help="seconds between reads of models/<name>/CURRENT: when it moves, the new version is "
-                            "loaded and swapped in without cutting a request; 0 = off (default 5; the built-in "
-                            "model has nothing to watch)")
+                       help="seconds between reads of models/<name>/CURRENT and CANARY: when CURRENT moves, the new "
+                            "version is loaded and swapped in without cutting a request; when a canary starts or "
+                            "ends, its candidate is loaded beside it or retired; 0 = off (CANARY is still read once "
+                            "at start; default 5; the built-in model has nothing to watch)")
     serve.set_defaults(fn=cmd_serve)
     feedback = sub.add_parser("feedback", help="feedback: consume the event stream into storage, build a dataset")
     fsub = feedback.add_subparsers(dest="feedback_command", required=True, metavar="command")
@@ -133,6 +137,8 @@ def cmd_serve(args) -> None:
                              watch_s=args.watch_s)
     server = Server(served, publisher, settings, source=source)
     watch = (f"; watching models/{served.name}/CURRENT every {args.watch_s:g} s" if server.models.watching else "")
+    if (canary := server.models.canary) is not None:
+        watch += f"; canary {canary.id}: {canary.share:.0%} of users/sessions to version {canary.candidate}"
     print(f"rlmill: serving {served.name} version {served.version} ({args.engine}) on "
           f"http://{args.host}:{args.port}/v1{watch}", flush=True)
     try:

@@ -14,7 +14,10 @@ One night, as Prefect tasks and one `rl-training` subflow (each step is one plai
      first promotion, from the config's model; run id nightly-<YYYYMMDD>;
   4. evaluate: greedy decoding of both models on the fixed held-out set, scored by the run's reward;
   5. decide: promote if new - promoted >= min_gain;
-  6. promote: copy the HF folder to models/<name>/versions/<run id> through storage's commit
+  6. promote (or, with canary_share > 0, start a canary: the version is published the same way and
+     models/<name>/CANARY sends that share of live users to it until rl-canary's stated test
+     promotes or rolls it back, flows/canary.py; with nothing promoted yet, or a canary of another
+     candidate still running, see `_publish`): copy the HF folder to models/<name>/versions/<run id> through storage's commit
      primitive (every file verified, index last, create-only), then point CURRENT at it (a LoRA
      run's folder is its adapter + a pointer to its base; with export_merged_hf a plain merged
      HF folder is written to models/<name>/merged/<run id> too);
@@ -45,6 +48,7 @@ from flows.config import load_run_config
 from flows.nightly_run_id import pick_run_id
 from flows.reporting import artifact_key
 from storage import ModelLayout, RunLayout, copy_checkpoint, join, url_to_fs
+from storage.canary import CanaryPolicy, CanaryRunning, start_canary
 from storage.incoming import NewFile, list_new_files, read_state, record_success, state_url
 
 if TYPE_CHECKING:
@@ -179,7 +183,8 @@ def _fmt(x: Any) -> str:
 def decision_markdown(model_name: str, night: str, run_id: str, decision: Decision, new_eval: dict,
                       cur_eval: dict, new_url: str, base: str, base_version: str | None,
                       files: list[NewFile], promoted_to: str | None) -> str:
-    verdict = f"PROMOTED `{promoted_to}`" if decision.promote else "REFUSED (promoted model kept)"
+    verdict = (f"PROMOTED `{promoted_to}`" if promoted_to else "PASSED THE GATE: published for a canary"
+               if decision.promote else "REFUSED (promoted model kept)")
     shown = "".join(f"\n- `{f.url}` ({f.size} bytes)" for f in files[:20])
     more = f"\n- ... and {len(files) - 20} more" if len(files) > 20 else ""
     return (
@@ -242,6 +247,41 @@ def promote(src_url: str, models: ModelLayout, version: str, by: str = "nightly"
     return promote_version(src_url, models, version, by)
 
 
+def canary_version(src_url: str, models: ModelLayout, version: str, policy: CanaryPolicy, by: str) -> str | None:
+    """Publish the checkpoint at `src_url` as version `version` (as promote_version does), then
+    start a canary of it against CURRENT (storage.canary.start_canary); returns the canary id, or
+    None (logged) when a canary of another candidate runs: one is compared at a time, and this
+    version waits, published, for a person (`rlmill models promote`). Safe to retry: the copy is
+    create-only and a canary of the same candidate is the same one."""
+    copy_checkpoint(src_url, models.version(version), models.storage)
+    try:
+        return start_canary(models, version, policy, by=by).id
+    except CanaryRunning as exc:
+        _logger().warning("rlmill: %s published as a version, no canary started: %s", version, exc)
+        return None
+
+
+def canary_policy(share: Any, test: dict[str, Any] | None) -> CanaryPolicy | None:
+    """The canary a flow's `canary_share` and `canary_test` ask for: None for share 0 (promote
+    directly); ValueError, one line naming the key and the fix, for anything else wrong.
+
+    >>> canary_policy(0.0, None), canary_policy(0.1, {"min_samples": 50}).min_samples
+    (None, 50)
+    """
+    if share == 0 and not isinstance(share, bool):
+        return None
+    fields = set(CanaryPolicy.__dataclass_fields__) - {"share"}
+    unknown = sorted(set(test or {}) - fields)
+    if unknown:
+        raise ValueError(f"canary_test: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    return CanaryPolicy(share=share, **(test or {}))
+
+
+@task(name="start-canary", retries=2, cache_policy=NO_CACHE)
+def canary_task(src_url: str, models: ModelLayout, version: str, policy: CanaryPolicy, by: str) -> str | None:
+    return canary_version(src_url, models, version, policy, by)
+
+
 @task(name="export-merged", retries=2, cache_policy=NO_CACHE)
 def export(src_url: str, dest_url: str, storage: Any) -> str:
     return export_merged(src_url, dest_url, storage)
@@ -253,19 +293,29 @@ def _today() -> str:
 
 
 def _publish(decision: Decision, new_url: str, models: ModelLayout, version: str, export_merged_hf: bool,
-             storage: Any, by: str) -> tuple[str | None, str | None]:
+             storage: Any, by: str, canary: CanaryPolicy | None = None) -> tuple[str | None, str | None, str | None]:
     """Step 6: when the decision promotes, the new checkpoint becomes `version` (and, asked for,
-    its merged HF export); returns (promoted version, export URL), None for what did not happen."""
+    its merged HF export); returns (promoted version, export URL, canary id), None for what did not
+    happen. With `canary`, the version is published and a canary of it starts instead of the move
+    of CURRENT -- except before the first promotion (no CURRENT to compare with: promoted
+    directly); while a canary of another candidate runs, the version is published and waits
+    (promote it by hand, `rlmill models promote`), since one canary at a time is compared."""
     if not decision.promote:
-        return None, None
-    version_url = promote(new_url, models, version, by)
-    return version, export(version_url, export_url(models, version), storage) if export_merged_hf else None
+        return None, None, None
+    def merged(version_url: str) -> str | None:
+        return export(version_url, export_url(models, version), storage) if export_merged_hf else None
+
+    if canary is not None and models.current_version() not in (None, version):
+        canary_id = canary_task(new_url, models, version, canary, by)
+        return None, merged(models.version(version)), canary_id
+    return version, merged(promote(new_url, models, version, by)), None
 
 
 @dataclass(frozen=True)
 class Outcome:
     """What train_and_gate did: the run's summary, the new checkpoint, both held-out scores, the
-    decision, and the version (and merged export) it published, None when refused."""
+    decision, and the version (and merged export) it published, None when refused; `canary` is
+    the id of the canary started for it instead (None: none)."""
 
     run: dict[str, Any]
     new_url: str
@@ -274,15 +324,17 @@ class Outcome:
     decision: Decision
     promoted_to: str | None
     merged_to: str | None
+    canary: str | None = None
 
 
 def train_and_gate(config: str | None, overrides: list[str], cfg: "RunConfig", models: ModelLayout, *, base: str,
                    train_files: list[str], heldout: list[str], run_id: str, iterations: int, eval_size: int,
-                   min_gain: float, export_merged_hf: bool, by: str) -> Outcome:
+                   min_gain: float, export_merged_hf: bool, by: str, canary: CanaryPolicy | None = None) -> Outcome:
     """Steps 3-6, shared by the nightly and the retrain-on-arrival flows: train `run_id` from
     `base` on `train_files`, score the new checkpoint and `base` greedily on the fixed held-out
     set, promote the new one as version `run_id` only if it is not worse (`min_gain`), recorded
-    in the model's history as moved `by`. Every step is idempotent, so a resumed run id re-does
+    in the model's history as moved `by` -- or, with `canary`, published as that version with a
+    canary of it started (see `_publish`). Every step is idempotent, so a resumed run id re-does
     nothing committed."""
     run = train_night(config, overrides, base=base, train_files=train_files, heldout=heldout, run_id=run_id,
                       iterations=iterations)
@@ -290,16 +342,19 @@ def train_and_gate(config: str | None, overrides: list[str], cfg: "RunConfig", m
     new_eval = evaluate.with_options(task_run_name="evaluate-new")(new_url, heldout, eval_size, cfg)
     cur_eval = evaluate.with_options(task_run_name="evaluate-promoted")(base, heldout, eval_size, cfg)
     decision = decide(new_eval["mean_reward"], cur_eval["mean_reward"], min_gain)
-    promoted_to, merged_to = _publish(decision, new_url, models, run_id, export_merged_hf, cfg.storage, by)
-    _logger().info("decision: %s (%s)", "promote" if decision.promote else "refuse", decision.reason)
-    return Outcome(run, new_url, new_eval, cur_eval, decision, promoted_to, merged_to)
+    promoted_to, merged_to, canary_id = _publish(decision, new_url, models, run_id, export_merged_hf, cfg.storage,
+                                                 by, canary)
+    _logger().info("decision: %s (%s)%s", "promote" if decision.promote else "refuse", decision.reason,
+                   f"; canary {canary_id} started" if canary_id else "")
+    return Outcome(run, new_url, new_eval, cur_eval, decision, promoted_to, merged_to, canary_id)
 
 
 @flow(name="rl-nightly", log_prints=True)
 def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[str] | None = None,
                model_name: str = "arith", new_data_prefix: str | None = None, iterations: int = 10,
                eval_size: int = 300, min_gain: float = 0.0, night: str | int | None = None,
-               heldout_files: list[str] | None = None, export_merged_hf: bool = False) -> dict[str, Any]:
+               heldout_files: list[str] | None = None, export_merged_hf: bool = False, canary_share: float = 0.0,
+               canary_test: dict[str, Any] | None = None) -> dict[str, Any]:
     """One night of retraining (see the module docstring).
 
     config/overrides: the run config (root, storage, model, algorithm ...); new_data_prefix:
@@ -309,8 +364,15 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
     UTC) names the run; heldout_files: the held-out set (default: data.val_files, else generated);
     export_merged_hf: also write the promoted version as a plain HF folder with full weights under
     models/<name>/merged/<version> (a LoRA run promotes its adapter + base pointer; this is the
-    merged model for serving without peft).
+    merged model for serving without peft); canary_share: > 0 sends that share of live users to a
+    candidate that passed the gate instead of promoting it (a canary, decided by rl-canary), 0.0
+    promotes directly; canary_test: the canary's test settings (storage.canary.CanaryPolicy:
+    min_samples, confidence, margin, max_duration_s).
     """
+    try:
+        canary = canary_policy(canary_share, canary_test)
+    except (TypeError, ValueError) as exc:
+        return _refused(str(exc))
     overrides = list(overrides or [])
     cfg = load_run_config(config, overrides)
     models = ModelLayout(cfg.root, model_name, cfg.storage)
@@ -335,7 +397,7 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
         # 4. evaluation, 5. decision, 6. promotion
         out = train_and_gate(config, overrides, cfg, models, base=base, train_files=train_files, heldout=heldout,
                              run_id=run_id, iterations=iterations, eval_size=eval_size, min_gain=min_gain,
-                             export_merged_hf=export_merged_hf, by="nightly")
+                             export_merged_hf=export_merged_hf, by="nightly", canary=canary)
         decision = out.decision
         _markdown_artifact(model_name, decision_markdown(model_name, night, run_id, decision, out.new_eval,
                                                          out.cur_eval, out.new_url, base, base_version, new,
@@ -345,10 +407,25 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
         record = {"night": night, "run_id": run_id, "files": [f.rel for f in new], "new": out.new_eval,
                   "promoted_before": out.cur_eval, "base": base,
                   "decision": "promote" if decision.promote else "refuse", "reason": decision.reason,
-                  "promoted_version": out.promoted_to, "merged_export": out.merged_to}
+                  "promoted_version": out.promoted_to, "merged_export": out.merged_to, "canary": out.canary}
         record_success(state_file, state, new, record, cfg.storage)
-        return {"status": "promoted" if decision.promote else "refused", "model": model_name, **record,
+        return {"status": outcome_status(out), "model": model_name, **record,
                 "run": run_summary(out.run)}
+
+
+def outcome_status(out: Outcome) -> str:
+    """"canary" (a canary of the candidate started), "promoted", "published" (passed the gate while
+    a canary of another candidate runs: a version, not CURRENT) or "refused" (by the gate)."""
+    if out.canary or out.promoted_to:
+        return "canary" if out.canary else "promoted"
+    return "published" if out.decision.promote else "refused"
+
+
+def _refused(line: str):
+    from prefect.states import Failed
+
+    get_run_logger().error("rlmill: %s", line)
+    return Failed(message=line)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """Retrain on arrival: when enough feedback waits, train the promoted model on exactly the feedback
 no earlier run trained on, score it against the promoted model on the fixed held-out set, and
-promote it only if it is not worse (the nightly gate; a canary on live traffic is a later step).
+promote it only if it is not worse (the nightly gate) -- or, with canary_share > 0, send that share of
+live users to it and let rl-canary's stated test promote or roll it back (flows/canary.py).
 
     prefect deployment run 'rl-retrain/on-feedback' -p model=arith -p root=s3://bucket/rl     # by hand
     python -m flows.retrain --model arith root=/tmp/rl reward.custom_reward_function.path=my_reward.py
@@ -22,7 +23,8 @@ One run, as Prefect tasks and one `rl-training` subflow:
   3. the rows: gpu_jobs.serve.dataset's training rows of the window's feedback, written once as a
      verl-format prompt file under models/<name>/retrain/<run id>/, through the nightly's gate;
   4. train, evaluate, promote if not worse: flows.nightly.train_and_gate, the nightly's own path
-     (history records the move as "retrain");
+     (history records the move as "retrain"); with canary_share > 0 a canary of the version starts
+     instead of the move (models/<name>/CANARY; the first promotion of a model is direct);
   5. artifacts: the window (segments, rows), both scores, the decision; the window's done record.
 """
 
@@ -158,18 +160,22 @@ def window_table(window: Window, n_rows: int) -> list[dict[str, Any]]:
 
 def decision_markdown(model: str, window: Window, n_rows: int, left_out: int, out: Any, base: str,
                       base_version: str | None) -> str:
-    from flows.nightly import _fmt
+    from flows.nightly import _fmt, outcome_status
 
     d = out.decision
-    verdict = f"PROMOTED `{out.promoted_to}`" if d.promote else "REFUSED (promoted model kept)"
+    verdict = {"promoted": f"PROMOTED `{out.promoted_to}`", "canary": f"CANARY `{out.canary}` started",
+               "published": "PUBLISHED (another canary runs: no canary started)",
+               "refused": "REFUSED (promoted model kept)"}[outcome_status(out)]
     return (f"## Retraining `{model}` on feedback window {window.seq}: {verdict}\n\n"
             "| model | weights | held-out mean reward | exact match | rows |\n|---|---|---|---|---|\n"
             f"| new (run `{window.run_id}`) | `{out.new_url}` | {_fmt(out.new_eval['mean_reward'])} | "
             f"{_fmt(out.new_eval['exact_match'])} | {out.new_eval['n']} |\n"
             f"| promoted ({f'version `{base_version}`' if base_version else 'config model'}) | `{base}` | "
             f"{_fmt(out.cur_eval['mean_reward'])} | {_fmt(out.cur_eval['exact_match'])} | {out.cur_eval['n']} |\n\n"
-            f"**Decision:** {'promote' if d.promote else 'refuse'}: {d.reason}. Promoted on the held-out gate "
-            "alone, as the nightly does (no canary on live traffic yet).\n\n"
+            f"**Decision:** {'promote' if d.promote else 'refuse'}: {d.reason}. "
+            + (f"Live traffic decides next: canary `{out.canary}` (rl-canary).\n\n" if out.canary else
+               "Promoted on the held-out gate alone, as the nightly does.\n\n" if out.promoted_to else "\n\n")
+            +
             f"**Window {window.seq}:** {len(window.pieces)} segment(s), {window.rows('feedback')} feedback row(s) -> "
             f"{n_rows} training row(s); {left_out} row(s) sit out each epoch (batch remainder).\n")
 
@@ -239,28 +245,36 @@ def _done_record(window: Window, n_rows: int, base: str, out: Any) -> dict[str, 
     return {"window": window.seq, "run_id": window.run_id, "segments": window.uris, "rows": n_rows,
             "feedback_rows": window.rows("feedback"), "base": base, "new": out.new_eval,
             "promoted_before": out.cur_eval, "decision": "promote" if out.decision.promote else "refuse",
-            "reason": out.decision.reason, "promoted_version": out.promoted_to, "merged_export": out.merged_to}
+            "reason": out.decision.reason, "promoted_version": out.promoted_to, "merged_export": out.merged_to,
+            "canary": out.canary}
 
 
 @flow(name="rl-retrain", log_prints=True)
 def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None = "examples/grpo_arith.yaml",
                overrides: list[str] | None = None, run_id: str | None = None, epochs: int = 1,
                eval_size: int = 300, min_gain: float = 0.0, heldout_files: list[str] | None = None,
-               export_merged_hf: bool = False) -> dict[str, Any]:
+               export_merged_hf: bool = False, canary_share: float = 0.0,
+               canary_test: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train `model`'s promoted version on the next feedback window (see the module docstring).
 
     model, root: the model and storage root (the trigger passes the event's); config/overrides:
     the run config (give the small lr or LoRA and the reward here; `root` wins over the config's);
     run_id: retrain-<model>-w<seq> to retry that window (default: the next one); epochs: passes
     over the window; eval_size, min_gain, heldout_files, export_merged_hf: the nightly's gate
-    (flows/nightly.py). A wrong parameter or reward ends the run Failed with one line and the fix,
-    before any window is taken.
+    (flows/nightly.py); canary_share: > 0 starts a canary of a candidate that passed the gate, with
+    that share of live users (0.0 promotes directly); canary_test: its test settings (min_samples,
+    confidence, margin, max_duration_s; storage.canary.CanaryPolicy). A wrong parameter or reward
+    ends the run Failed with one line and the fix, before any window is taken.
     """
     from flows.config import ConfigError, load_run_config
-    from flows.nightly import ensure_heldout, gate_new_data, run_summary, train_and_gate
+    from flows.nightly import canary_policy, ensure_heldout, gate_new_data, outcome_status, run_summary, train_and_gate
 
     if (line := check_inputs(model, root, epochs, eval_size)) is not None:
         return _failed(line)
+    try:
+        canary = canary_policy(canary_share, canary_test)
+    except (TypeError, ValueError) as exc:
+        return _failed(str(exc))
     overrides = [*(overrides or []), f"root={json.dumps(root)}"]
     try:
         cfg = load_run_config(config, overrides)
@@ -292,12 +306,12 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
         heldout = ensure_heldout(cfg, models, max(eval_size, cfg.data.val_size), heldout_files)
         out = train_and_gate(config, [*overrides, *plan], cfg, models, base=base, train_files=train_files,
                              heldout=heldout, run_id=window.run_id, iterations=iterations, eval_size=eval_size,
-                             min_gain=min_gain, export_merged_hf=export_merged_hf, by="retrain")
+                             min_gain=min_gain, export_merged_hf=export_merged_hf, by="retrain", canary=canary)
         _markdown(model, decision_markdown(model, window, n_rows, left_out, out, base, base_version),
-                  f"Window {window.seq}: {'promoted' if out.decision.promote else 'refused'}")
+                  f"Window {window.seq}: {outcome_status(out)}")
         record = _done_record(window, n_rows, base, out)
         WindowLog(models).finish(window, record)
-        return {"status": "promoted" if out.decision.promote else "refused", "model": model, **record,
+        return {"status": outcome_status(out), "model": model, **record,
                 "run": run_summary(out.run)}
 
 
@@ -313,13 +327,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--eval-size", type=int, default=300)
     p.add_argument("--min-gain", type=float, default=0.0)
+    p.add_argument("--canary-share", type=float, default=0.0,
+                   help="> 0: a candidate that passes the gate gets this share of live users (a canary that "
+                        "rl-canary decides) instead of being promoted; 0 promotes directly (default)")
     p.add_argument("overrides", nargs="*", help="dotted run-config overrides; root=... names the storage root")
     a = p.parse_args(argv)
     _quiet_env()
     roots = [o.split("=", 1)[1] for o in a.overrides if o.startswith("root=")]
     state = rl_retrain(model=a.model, root=roots[-1] if roots else ".rlmill", config=a.config,
                        overrides=a.overrides, run_id=a.run_id, epochs=a.epochs, eval_size=a.eval_size,
-                       min_gain=a.min_gain, return_state=True)
+                       min_gain=a.min_gain, canary_share=a.canary_share, return_state=True)
     if not state.is_completed():  # a refused input: its one line, no traceback
         raise SystemExit(f"rlmill: {state.message}")
     print(json.dumps(state.result(), indent=1, default=str))

@@ -9,7 +9,7 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (non-streaming, and `stream: true` as
 server-sent events ending `data: [DONE]`), GET /v1/models, POST /v1/feedback, GET /health, and
 GET /metrics (Prometheus text: requests, generate calls, events logged, buffered and dropped,
-swaps). Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, one line
+swaps, requests per canary arm). Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, one line
 each: bad sampling parameters 400, an unknown model 404; for feedback, a malformed body 422
 naming the field, an unknown answer 404, an answer older than the retention window 410.
 
@@ -18,6 +18,11 @@ prompt to publishing its event (swap.py): a hot swap never cuts it, and its even
 version that answered. Its response goes out once its event is in the broker, or after
 `event_wait_ms` (the event stays queued, counted as buffered; broker.py); the header
 `X-Rlmill-Event` says which: logged, buffered, dropped (queue full) or off (no broker).
+
+During a canary (models/<name>/CANARY, swap.py) a request's generation is picked by its `user`,
+else its `session_id`: the same id always gets the same arm; a request with neither goes to the
+baseline (the current version). Its answer's `system_fingerprint` and event name the version of
+its arm, which is how the rl-canary flow counts each arm's feedback.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from gpu_jobs.serve.batching import Batcher
 from gpu_jobs.serve.events import answer_event, feedback_event
 from gpu_jobs.serve.protocol import (ChatRequest, CompletionRequest, FeedbackRequest, ParamError, chat_response,
                                      completion_response, make_choices, refused_param, sampling_of, stream_chunks)
-from gpu_jobs.serve.swap import Generation, HotSwap
+from gpu_jobs.serve.swap import Generation, HotSwap, route_key
 
 __all__ = ["Server", "ServeSettings", "create_app"]
 
@@ -85,6 +90,12 @@ class Server:
         out[f'rlmill_serve_info{{model="{s.name}",version="{s.version}"}}'] = 1
         for k, v in self.models.stats().items():
             out[f"rlmill_serve_{k}" if k in ("in_flight", "retiring") else f"rlmill_serve_{k}_total"] = v
+        canary = self.models.canary_stats()
+        for arm in ("baseline", "candidate"):
+            out[f'rlmill_serve_canary_requests_total{{arm="{arm}"}}'] = canary[f"requests_{arm}"]
+        if (c := canary["canary"]) is not None:
+            out[f'rlmill_serve_canary_info{{id="{c["id"]}",candidate="{c["candidate"]}",baseline="{s.version}",'
+                f'share="{c["share"]:g}"}}'] = 1
         if self.publisher is not None:
             stats = self.publisher.stats()
             out["rlmill_serve_events_queued"] = stats.pop("queued")
@@ -128,7 +139,9 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": server.served.name, "version": server.served.version}
+        c = server.models.canary
+        canary = None if c is None else {"id": c.id, "candidate": c.candidate, "share": c.share}
+        return {"status": "ok", "model": server.served.name, "version": server.served.version, "canary": canary}
 
     @app.get("/v1/models")
     async def models():
@@ -143,7 +156,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         prompt = req.single_prompt()
-        with server.models.lease() as gen:
+        with server.models.lease(route_key(req.user, req.session_id)) as gen:
             ids = prompt if isinstance(prompt, list) else gen.served.tokenizer.encode(prompt, add_special_tokens=False)
             return await _answer(server, gen, "completion", req, prompt, list(ids))
 
@@ -152,7 +165,7 @@ def create_app(server: Server) -> FastAPI:
         from gpu_jobs.data import render_prompt
 
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        with server.models.lease() as gen:
+        with server.models.lease(route_key(req.user, req.session_id)) as gen:
             ids = render_prompt(messages, gen.served.tokenizer)
             return await _answer(server, gen, "chat", req, messages, ids)
 

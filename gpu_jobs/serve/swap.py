@@ -1,10 +1,11 @@
 """Hot swap: the served version follows models/<name>/CURRENT without failing or cutting a request.
 
     swap = HotSwap(source.load(), make_batcher, source=source, watch_s=5.0)
-    with swap.lease() as gen:          # a request: everything it does uses gen (model, tokenizer, batcher)
+    with swap.lease(route_key(user, session_id)) as gen:   # a request: everything it does uses gen
         rows = await asyncio.wrap_future(gen.batcher.submit(...))
-    swap.check()                       # one poll of CURRENT (the watcher thread does this every watch_s)
+    swap.check()                       # one poll of CURRENT and CANARY (the watcher does this every watch_s)
     swap.stats()                       # {'swaps': 1, 'swap_failures': 0, 'watch_polls': 12, ...}
+    swap.canary_stats()                # {'requests_baseline': 90, 'requests_candidate': 10, 'canary': {...}}
     swap.close()
 
 A Generation is one loaded version: its ServedModel and the Batcher that owns its engine, and how
@@ -20,6 +21,16 @@ A version that fails to load is logged once (one `rlmill: ...` line), counted
 (`swap_failures`), and not tried again until CURRENT changes again; the old version goes on
 serving. CURRENT that cannot be read (storage down) or is missing is logged when it starts and
 counted (`watch_errors`); serving goes on. The built-in model has nothing to watch.
+
+The canary (storage/canary.py): while models/<name>/CANARY names a candidate other than the served
+version, a second generation holds the candidate, loaded the same way (at start, and by the
+watcher when CANARY appears or changes). A request whose route key (`route_key`: its `user`, else
+its `session_id`) falls in the record's share (`Canary.routes_to_candidate`, a pure hash of the
+canary id and the key) leases the candidate; every other request, and every request with neither
+id, leases the current generation (the baseline). When CANARY goes (a rollback), the candidate
+generation retires like an old version; when CURRENT moves to the candidate (a promote), the
+loaded candidate generation becomes the current one, with no second load. A candidate that fails
+to load is logged once and counted (`swap_failures`); everyone gets the baseline until CANARY changes.
 """
 
 from __future__ import annotations
@@ -30,9 +41,20 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-__all__ = ["Generation", "HotSwap"]
+__all__ = ["Generation", "HotSwap", "route_key"]
 
 log = logging.getLogger("rlmill.serve")
+
+
+def route_key(user: str | None, session_id: str | None) -> str | None:
+    """What a request is routed by: "user:<user>", else "session:<session_id>", else None (baseline).
+
+    >>> route_key("alice", "s1"), route_key(None, "s1"), route_key("", None)
+    ('user:alice', 'session:s1', None)
+    """
+    if user:
+        return f"user:{user}"
+    return f"session:{session_id}" if session_id else None
 
 
 @dataclass
@@ -74,8 +96,15 @@ class HotSwap:
         self._closers: list[threading.Thread] = []
         self._retired_batches = {"requests": 0, "batches": 0, "sequences": 0}
         self._counts = {"swaps": 0, "swap_failures": 0, "watch_polls": 0, "watch_errors": 0}
+        self._canary: Generation | None = None  # the candidate's generation while a canary routes to it
+        self._canary_record: Any = None  # its storage.canary.Canary
+        self._canary_seen: str | None = None  # the canary id CANARY named at the last read (None: none)
+        self._canary_failing = False
+        self._arms = {"baseline": 0, "candidate": 0}  # requests leased per arm
         self._stop = threading.Event()
         self._thread = None
+        if self.registered:  # a restart mid-canary routes as before from its first request
+            self.check_canary()
         if self.watching:
             self._thread = threading.Thread(target=self._watch, name="rlmill-serve-watch", daemon=True)
             self._thread.start()
@@ -85,14 +114,27 @@ class HotSwap:
         return self.watch_s > 0 and self.source is not None and not self.source.builtin
 
     @property
+    def registered(self) -> bool:
+        """A registered model (a source that is not the built-in model): it may have a canary."""
+        return self.source is not None and not self.source.builtin
+
+    @property
     def current(self) -> Generation:
         return self._current
 
+    @property
+    def canary(self) -> Any:
+        """The storage.canary.Canary requests are routed by now, or None."""
+        return self._canary_record
+
     @contextlib.contextmanager
-    def lease(self) -> Iterator[Generation]:
-        """The current generation, held (not closed) until the block ends."""
+    def lease(self, key: str | None = None) -> Iterator[Generation]:
+        """The generation a request with route key `key` gets (the candidate's when a canary routes
+        `key` to it, else the current one), held (not closed) until the block ends."""
         with self._lock:
-            gen = self._current
+            to_candidate = self._canary is not None and self._canary_record.routes_to_candidate(key)
+            gen = self._canary if to_candidate else self._current
+            self._arms["candidate" if to_candidate else "baseline"] += 1
             gen.in_flight += 1
         try:
             yield gen
@@ -104,8 +146,15 @@ class HotSwap:
                 self._close_later(gen)
 
     def check(self) -> str:
-        """One poll of CURRENT: "same", "swapped", "failed" (the version did not load) or
-        "unreadable" (CURRENT missing or storage failing)."""
+        """One poll of CURRENT, then of CANARY (check_canary); returns CURRENT's: "same",
+        "swapped", "failed" (the version did not load) or "unreadable" (CURRENT missing or storage
+        failing)."""
+        status = self._check_current()
+        if status != "unreadable":
+            self.check_canary()
+        return status
+
+    def _check_current(self) -> str:
         with self._lock:
             self._counts["watch_polls"] += 1
         try:
@@ -123,6 +172,13 @@ class HotSwap:
         self._last_seen = version
         if version == self._current.version:
             return "same"
+        with self._lock:  # a promoted candidate: its loaded generation becomes the current one
+            promoted = self._canary if self._canary is not None and self._canary.version == version else None
+            if promoted is not None:
+                self._canary = self._canary_record = None
+        if promoted is not None:
+            self._install(promoted)
+            return "swapped"
         try:
             served = self.source.load(version)
         except Exception as exc:  # a broken folder raises anything: the old version keeps serving
@@ -140,18 +196,95 @@ class HotSwap:
         if self._stop.is_set():  # loaded while the server was closing: nobody will ask it anything
             served.close()
             return
-        new = Generation(served, self._make_batcher(served.engine))
+        self._install(Generation(served, self._make_batcher(served.engine)))
+
+    def _install(self, new: Generation) -> None:
         with self._lock:
             old, self._current = self._current, new
+            self._counts["swaps"] += 1
+            waiting = old.in_flight
+        log.warning("rlmill: now serving %s version %s (was %s; %d request(s) finishing on it)", new.served.name,
+                    new.version, old.version, waiting)
+        self._retire(old)
+
+    def _retire(self, old: Generation) -> None:
+        """Close `old` once its last request lets go of it (now, when none holds it)."""
+        with self._lock:
             old.retired = True
             idle = old.in_flight == 0
-            waiting = old.in_flight
             self._retiring.append(old)
-            self._counts["swaps"] += 1
-        log.warning("rlmill: now serving %s version %s (was %s; %d request(s) finishing on it)", served.name,
-                    served.version, old.version, waiting)
         if idle:
             self._close_later(old)
+
+    # ------------------------------------------------------------------ the canary
+    def _models(self) -> Any:
+        from storage import ModelLayout
+
+        return ModelLayout(self.source.root, self.source.name, self.source.storage)
+
+    def check_canary(self) -> str:
+        """One read of models/<name>/CANARY: "same", "started" (the candidate loaded and routed
+        to), "ended" (its generation retired), "failed" (the candidate did not load; not tried
+        again until CANARY changes), "unreadable", or "none" (no canary, none running)."""
+        from storage.canary import read_canary
+
+        try:
+            record = read_canary(self._models())
+        except Exception as exc:  # storage down, a damaged record: keep serving what is routed now
+            if not self._canary_failing:
+                log.warning("rlmill: cannot read models/%s/CANARY (%s: %s): routing stays as it is",
+                            self.source.name, type(exc).__name__, " ".join(str(exc).split())[:300])
+                self._canary_failing = True
+            return "unreadable"
+        self._canary_failing = False
+        active = record if record is not None and record.candidate != self._current.version else None
+        if (active.id if active else None) == self._canary_seen:
+            return "same"
+        self._canary_seen = active.id if active else None
+        if active is None:
+            return "ended" if self._end_canary() else "none"
+        if self._canary is not None and self._canary.version == active.candidate:
+            with self._lock:  # the same candidate under a new canary id: its engine stays
+                self._canary_record = active
+            return "started"
+        try:
+            served = self.source.load(active.candidate)
+        except Exception as exc:  # a broken candidate: the baseline answers everyone
+            with self._lock:
+                self._counts["swap_failures"] += 1
+            log.error("rlmill: canary %s: models/%s version %s does not load (%s: %s): every request goes to %s "
+                      "until CANARY changes", active.id, self.source.name, active.candidate, type(exc).__name__,
+                      " ".join(str(exc).split())[:300], self._current.version)
+            self._end_canary()
+            return "failed"
+        new = Generation(served, self._make_batcher(served.engine))
+        with self._lock:
+            old, self._canary, self._canary_record = self._canary, new, active
+        if old is not None:
+            self._retire(old)
+        log.warning("rlmill: canary %s: %.0f%% of users/sessions now go to %s version %s (the rest to %s)", active.id,
+                    100 * active.share, self.source.name, active.candidate, self._current.version)
+        return "started"
+
+    def _end_canary(self) -> bool:
+        with self._lock:
+            gen, self._canary, self._canary_record = self._canary, None, None
+        if gen is None:
+            return False
+        log.warning("rlmill: canary ended: version %s retired, every request goes to %s", gen.version,
+                    self._current.version)
+        self._retire(gen)
+        return True
+
+    def canary_stats(self) -> dict[str, Any]:
+        """Requests leased per arm since start (baseline: every request not routed to a candidate),
+        and the running canary's record as a dict (None when none routes now)."""
+        from dataclasses import asdict
+
+        with self._lock:
+            record = self._canary_record
+            return {"requests_baseline": self._arms["baseline"], "requests_candidate": self._arms["candidate"],
+                    "canary": asdict(record) if record is not None else None}
 
     def _close_later(self, gen: Generation) -> None:
         def close() -> None:
@@ -186,11 +319,13 @@ class HotSwap:
         """Counters (swaps, swap_failures, watch_polls, watch_errors), gauges (in_flight,
         retiring: old versions still finishing requests), and the batchers' totals across versions."""
         with self._lock:
-            batches = {k: v + self._current.batcher.stats().get(k, 0) for k, v in self._retired_batches.items()}
-            for gen in self._retiring:
-                for k, v in gen.batcher.stats().items():
-                    batches[k] += v
-            return {**self._counts, "in_flight": self._current.in_flight + sum(g.in_flight for g in self._retiring),
+            live = [self._current, *self._retiring] + ([self._canary] if self._canary is not None else [])
+            batches = dict(self._retired_batches)
+            for gen in live:
+                stats = gen.batcher.stats()
+                for k in batches:
+                    batches[k] += stats.get(k, 0)
+            return {**self._counts, "in_flight": sum(g.in_flight for g in live),
                     "retiring": len(self._retiring), **{f"batcher_{k}": v for k, v in batches.items()}}
 
     def close(self, timeout_s: float = 60.0) -> None:
@@ -199,6 +334,10 @@ class HotSwap:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._current.close()
+        with self._lock:
+            canary, self._canary = self._canary, None
+        if canary is not None:
+            canary.close()
         with self._lock:
             closers = list(self._closers)
         for t in closers:

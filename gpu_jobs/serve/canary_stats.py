@@ -1,0 +1,161 @@
+"""The canary's stated test: per-arm feedback scores -> promote | rollback | wait, with its numbers.
+
+    v = canary_test(baseline=[1, 0, 1, ...], candidate=[1, 1, 0, ...], min_samples=100, confidence=0.95,
+                    margin=0.05, elapsed_s=3600, max_duration_s=86400)
+    v.decision, v.lower, v.p_value          # 'promote', -0.031, 0.012
+
+The test (TEST_NAME): a one-sided Welch t-test of non-inferiority (Welch 1947; the
+Satterthwaite degrees of freedom), H0: mean(candidate) - mean(baseline) <= -margin. Each arm's
+sample is one score in [0, 1] per feedback event that carries one (its `score`, else thumbs up =
+1, down = 0; preferences and text alone carry none) on an answer of that arm's version, given
+since the canary started. With d = mean_c - mean_b, se = sqrt(var_c/n_c + var_b/n_b) (sample
+variances) and t = the Student-t quantile at `confidence` with Welch's df:
+  - wait      while either arm has fewer than `min_samples` scores;
+  - promote   when lower = d - t*se > -margin (p = P(T > (d + margin)/se) < 1 - confidence):
+              the candidate is shown not worse than the baseline by more than the margin;
+  - rollback  when upper = d + t*se < -margin: it is shown worse by more than the margin;
+  - wait      otherwise, until `max_duration_s`; then rollback: a candidate that was not shown
+              non-inferior in the time it had does not replace the baseline (also when an arm
+              never reached `min_samples`).
+Both arms with zero variance (every score equal) give se = 0: the bounds are d itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Sequence
+
+__all__ = ["TEST_NAME", "ArmStats", "CanaryVerdict", "arm_stats", "canary_test", "feedback_value", "split_arms"]
+
+TEST_NAME = "one-sided Welch t-test, non-inferiority"
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    n: int
+    mean: float  # nan when n == 0
+    var: float  # sample variance (n - 1 in the denominator); nan when n < 2
+
+
+def arm_stats(scores: Sequence[float]) -> ArmStats:
+    """n, mean and sample variance of one arm's scores.
+
+    >>> arm_stats([1.0, 0.0, 1.0, 0.0])
+    ArmStats(n=4, mean=0.5, var=0.3333333333333333)
+    """
+    n = len(scores)
+    mean = math.fsum(scores) / n if n else math.nan
+    var = math.fsum((x - mean) ** 2 for x in scores) / (n - 1) if n >= 2 else math.nan
+    return ArmStats(n, mean, var)
+
+
+@dataclass(frozen=True)
+class CanaryVerdict:
+    """The decision and every number it rests on (nan where an arm is too small to compute it)."""
+
+    decision: str  # "promote" | "rollback" | "wait"
+    reason: str
+    test: str
+    n_baseline: int
+    n_candidate: int
+    mean_baseline: float
+    mean_candidate: float
+    diff: float  # mean_candidate - mean_baseline
+    se: float
+    df: float  # Welch-Satterthwaite degrees of freedom (inf when se == 0)
+    t_crit: float
+    lower: float  # one-sided lower confidence bound of diff at `confidence`
+    upper: float  # one-sided upper confidence bound of diff at `confidence`
+    p_value: float  # one-sided p of H0: diff <= -margin
+    margin: float
+    confidence: float
+    min_samples: int
+    elapsed_s: float
+    max_duration_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-safe: nan and inf become None and "inf"."""
+        def safe(v: Any) -> Any:
+            if isinstance(v, float) and not math.isfinite(v):
+                return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+            return v
+
+        return {k: safe(v) for k, v in asdict(self).items()}
+
+
+def _welch(b: ArmStats, c: ArmStats, confidence: float, margin: float) -> tuple[float, ...]:
+    """(se, df, t_crit, lower, upper, p) of diff = c.mean - b.mean; both arms have n >= 2."""
+    from scipy import stats
+
+    vb, vc = b.var / b.n, c.var / c.n
+    se = math.sqrt(vb + vc)
+    diff = c.mean - b.mean
+    if se == 0.0:  # every score equal in both arms: no spread, the difference is what it is
+        return 0.0, math.inf, float(stats.norm.ppf(confidence)), diff, diff, 0.0 if diff > -margin else 1.0
+    df = (vb + vc) ** 2 / (vb ** 2 / (b.n - 1) + vc ** 2 / (c.n - 1))
+    t_crit = float(stats.t.ppf(confidence, df))
+    p = float(stats.t.sf((diff + margin) / se, df))
+    return se, df, t_crit, diff - t_crit * se, diff + t_crit * se, p
+
+
+def canary_test(baseline: Sequence[float], candidate: Sequence[float], *, min_samples: int, confidence: float,
+                margin: float, elapsed_s: float, max_duration_s: float) -> CanaryVerdict:
+    """The module docstring's test on the two arms' scores (each in [0, 1]).
+
+    >>> canary_test([1.0] * 3, [0.0] * 3, min_samples=5, confidence=0.95, margin=0.05, elapsed_s=10,
+    ...             max_duration_s=60).decision
+    'wait'
+    """
+    b, c = arm_stats(baseline), arm_stats(candidate)
+    nan = math.nan
+    expired = elapsed_s >= max_duration_s
+    small = min(b.n, c.n) < min_samples
+    se = df = t_crit = lower = upper = p = nan
+    if min(b.n, c.n) >= 2:
+        se, df, t_crit, lower, upper, p = _welch(b, c, confidence, margin)
+    at = f"{confidence:.0%}"
+    if small:
+        decision = "rollback" if expired else "wait"
+        reason = (f"n = {b.n} baseline / {c.n} candidate, below min_samples {min_samples} per arm"
+                  + (f"; max duration {max_duration_s:g} s reached: not shown non-inferior, rolled back"
+                     if expired else ""))
+    elif lower > -margin:
+        decision, reason = "promote", (f"lower {at} bound of candidate - baseline {lower:+.4f} > -margin "
+                                       f"{-margin:+.4f} (p = {p:.4g}): not worse by more than the margin")
+    elif upper < -margin:
+        decision, reason = "rollback", (f"upper {at} bound of candidate - baseline {upper:+.4f} < -margin "
+                                        f"{-margin:+.4f}: worse by more than the margin")
+    else:
+        decision = "rollback" if expired else "wait"
+        reason = (f"{at} bounds [{lower:+.4f}, {upper:+.4f}] hold -margin {-margin:+.4f}: undecided"
+                  + (f"; max duration {max_duration_s:g} s reached: not shown non-inferior, rolled back"
+                     if expired else ""))
+    return CanaryVerdict(decision, reason, TEST_NAME, b.n, c.n, b.mean, c.mean, c.mean - b.mean, se, df, t_crit,
+                         lower, upper, p, margin, confidence, min_samples, elapsed_s, max_duration_s)
+
+
+def feedback_value(row: dict[str, Any]) -> float | None:
+    """One feedback row's score in [0, 1]: `score`, else thumbs up = 1 / down = 0, else None.
+
+    >>> feedback_value({"score": 0.25, "thumbs": "down"}), feedback_value({"score": None, "thumbs": "up"})
+    (0.25, 1.0)
+    """
+    if row.get("score") is not None:
+        return float(row["score"])
+    if row.get("thumbs") in ("up", "down"):
+        return 1.0 if row["thumbs"] == "up" else 0.0
+    return None
+
+
+def split_arms(feedback: Iterable[dict[str, Any]], baseline: str, candidate: str,
+               since: float) -> tuple[list[float], list[float]]:
+    """(baseline scores, candidate scores): the value of each feedback row (feedback_value) on an
+    answer of that version, created at or after `since` (Unix s), oldest first. Rows of other
+    versions, older rows and rows without a score are left out."""
+    arms: dict[str, list[tuple[float, float]]] = {baseline: [], candidate: []}
+    for row in feedback:
+        value = feedback_value(row)
+        if value is not None and row.get("version") in arms and row.get("created", 0.0) >= since:
+            arms[row["version"]].append((row["created"], value))
+    return [v for _, v in sorted(arms[baseline])], [v for _, v in sorted(arms[candidate])]

@@ -29,7 +29,8 @@ from typing import Any, Literal
 
 from gpu_jobs.registry import Registry
 
-__all__ = ["PreferencePair", "KTOExample", "KTO_LABELERS", "preference_pairs", "kto_examples", "answer_ref"]
+__all__ = ["PreferencePair", "KTOExample", "KTO_LABELERS", "preference_pairs", "kto_examples", "answer_ref",
+           "PREFERENCE_COLUMNS", "preference_file_rows", "arith_preference_rows", "check_preference_rows"]
 
 _NEEDED = ("answer_id", "index", "version", "response", "response_ids", "thumbs", "reward", "preferred_over")
 
@@ -252,4 +253,75 @@ def kto_examples(
             examples.append(KTOExample(prompt=a.prompt, completion=a.response, completion_ids=a.response_ids,
                                        desirable=label == "desirable", ref=a.ref, version=a.version))
     return examples, counts
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Preference files: TRL's columns, what a preference run reads (gpu_jobs/stages/preference_data.py).
+
+PREFERENCE_COLUMNS = {"dpo": ("prompt", "chosen", "rejected"), "kto": ("prompt", "completion", "label")}
+
+
+def preference_file_rows(items: Sequence[PreferencePair | KTOExample]) -> list[dict[str, Any]]:
+    """Pairs or KTO examples as rows of a preference file (TRL's columns, PREFERENCE_COLUMNS):
+    what a retrain writes from ``preference_pairs`` / ``kto_examples`` and a preference run
+    reads from ``preference.train_files``.
+
+    >>> preference_file_rows([KTOExample([{"role": "user", "content": "1+1="}], "2", [50], True, "a#0", "v1")])
+    [{'prompt': [{'role': 'user', 'content': '1+1='}], 'completion': '2', 'label': True}]
+    """
+    return [{"prompt": x.prompt, "chosen": x.chosen, "rejected": x.rejected} if isinstance(x, PreferencePair)
+            else {"prompt": x.prompt, "completion": x.completion, "label": bool(x.desirable)} for x in items]
+
+
+def arith_preference_rows(algorithm: str, problems: Sequence[tuple[int, int]], seed: int) -> list[dict[str, Any]]:
+    """Preference rows for the built-in addition task "a+b=": DPO pairs with the correct sum
+    chosen and a wrong one (off by 1..10, seeded) rejected; KTO rows alternating a correct
+    (desirable) and a wrong (undesirable) answer, one per problem.
+
+    >>> arith_preference_rows("dpo", [(12, 30)], seed=0)[0]["chosen"]
+    '42'
+    """
+    import numpy as np
+
+    if algorithm not in PREFERENCE_COLUMNS:
+        raise ValueError(f"algorithm must be one of {sorted(PREFERENCE_COLUMNS)}, got {algorithm!r}")
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i, (a, b) in enumerate(problems):
+        right = a + b
+        off = int(rng.integers(1, 11)) * (1 if rng.random() < 0.5 else -1)
+        prompt = [{"role": "user", "content": f"{a}+{b}="}]
+        if algorithm == "dpo":
+            rows.append({"prompt": prompt, "chosen": str(right), "rejected": str(right + off)})
+        else:
+            good = i % 2 == 0
+            rows.append({"prompt": prompt, "completion": str(right if good else right + off), "label": good})
+    return rows
+
+
+def check_preference_rows(rows: Sequence[dict[str, Any]], algorithm: str, where: str) -> None:
+    """Raise ValueError naming ``where`` (a file), the row and the fix when a preference row is
+    unusable: a prompt that is not chat messages or text, an empty or non-text answer, a KTO
+    label that is not a bool, a DPO pair whose two answers are the same (zero gradient)."""
+    import numpy as np
+
+    for i, row in enumerate(rows):
+        prompt = row.get("prompt")
+        if not (isinstance(prompt, str) and prompt) and not (
+                isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                          for m in prompt)):
+            raise ValueError(f"{where} row {i}: prompt must be chat messages [{{role, content}}] or a non-empty "
+                             "string; fix the row or drop it")
+        answers = ("chosen", "rejected") if algorithm == "dpo" else ("completion",)
+        for col in answers:
+            if not isinstance(row.get(col), str) or not row[col]:
+                raise ValueError(f"{where} row {i}: {col} must be the assistant's answer as non-empty text, got "
+                                 f"{row.get(col)!r}; fix the row or drop it")
+        if algorithm == "dpo" and row["chosen"] == row["rejected"]:
+            raise ValueError(f"{where} row {i}: chosen and rejected are the same text, which DPO learns nothing "
+                             "from; drop the row")
+        if algorithm == "kto" and not isinstance(row.get("label"), (bool, np.bool_)):
+            raise ValueError(f"{where} row {i}: label must be true (desirable) or false (undesirable), got "
+                             f"{row.get('label')!r}")
 

@@ -4,7 +4,8 @@ inside one commit shell, and the iteration graph written once (no Prefect here).
     run, roles = open_warm(cfg)
     uris = run_iteration(DirectCalls(run, roles), cfg, k=1)
 
-Each stage is declared once (`@stage`: a `StageSpec`, listed in `STAGES`); tasks/ wraps each in a
+A run with a `preference:` section (DPO/KTO) runs preference_batch -> preference_ref -> update
+-> commit instead (preference.py). Each stage is declared once (`@stage`: a `StageSpec`, listed in `STAGES`); tasks/ wraps each in a
 Prefect task and flows/ passes those to the same graph.
 """
 
@@ -24,6 +25,7 @@ from gpu_jobs.stages.iteration import (
     values,
     weights_to_rollout,
 )
+from gpu_jobs.stages.preference import held_out_preferences, preference_batch, preference_ref
 from gpu_jobs.stages.resume import load_policy_into_rollout, open_warm, probe_agreement, replay_update, restore
 from gpu_jobs.stages.run import Run, RunConfigMismatchError, last_committed
 from gpu_jobs.stages.scoring import artifact_samples, held_out_scores
@@ -32,4 +34,5 @@ from gpu_jobs.stages.shell import Output, StageSpec, read, stage
 __all__ = ["Run", "Roles", "RunConfigMismatchError", "last_committed", "open_warm", "restore", "replay_update",
            "probe_agreement", "load_policy_into_rollout", "StageCalls", "DirectCalls", "run_iteration",
            "artifact_samples", "held_out_scores", "STAGES", "StageSpec", "stage", "Output", "read", "rollout", "baseline", "gate", "reward", "logprobs",
-           "values", "advantages", "update", "weights_to_rollout", "commit", "validate"]
+           "values", "advantages", "update", "weights_to_rollout", "commit", "validate", "preference_batch",
+           "preference_ref", "held_out_preferences"]

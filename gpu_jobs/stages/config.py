@@ -24,7 +24,7 @@ from storage.layout import check_name, check_root
 from gpu_jobs.data.gates import GateConfig
 from gpu_jobs.data.generators import TIMES_MAX_HELD_OUT
 from gpu_jobs.stages.sections import (ARITH_PROBLEMS, AgreementConfig, AsyncConfig, DataConfig, LoopConfig, ModelConfig,
-                                      RolloutStageConfig, TaskConfig, _Section)
+                                      PreferenceSection, RolloutStageConfig, TaskConfig, _Section)
 
 
 class ConfigError(ValueError):
@@ -47,6 +47,9 @@ class RunConfig(_Section):
         default_factory=OverlongBufferConfig, description="DAPO soft overlong penalty (verl reward_model.overlong_buffer).")
     actor: ActorConfig = Field(default_factory=ActorConfig, description="Policy update (DeepSpeed).")
     critic: CriticConfig | None = Field(None, description="Value model for PPO/GAE; None = no critic.")
+    preference: PreferenceSection | None = Field(
+        None, description="Offline preference training (DPO / KTO on rated answers, no rollout); None = an RL "
+        "run. `preference: {}` (or preference.algorithm=kto, ...) turns it on; see the section's keys.")
     trainer: LoopConfig = Field(default_factory=LoopConfig, description="The iteration loop.")
     async_training: AsyncConfig = Field(default_factory=AsyncConfig, description="Rollout ahead of the update.")
     agreement: AgreementConfig = Field(default_factory=AgreementConfig,
@@ -187,9 +190,44 @@ class RunConfig(_Section):
                              "keeps free of models: use trainer.placement=colocated")
         return self
 
+    @model_validator(mode="after")
+    def _preference_fits_the_run(self) -> "RunConfig":
+        # Keys of the RL loop that would be silently ignored by a preference run, or that the
+        # preference update cannot honour yet, are refused by name.
+        pref = self.preference
+        if pref is None:
+            return self
+        refused = [(self.data.train_files or self.data.val_files, "data.train_files/val_files name prompt datasets "
+                    "for rollouts: put preference data in preference.train_files / preference.val_files"),
+                   (self.critic is not None, "critic: a preference run has no values; remove the critic section"),
+                   (self.actor.kl_loss.use_kl_loss or self.algorithm.use_kl_in_reward,
+                    "actor.kl_loss / algorithm.use_kl_in_reward: DPO and KTO hold their pull toward the reference "
+                    "in preference.beta; turn those off"),
+                   (self.reward_model.enable, "reward_model.enable: a preference run scores nothing; turn it off"),
+                   (self.actor.entropy_coeff != 0, "actor.entropy_coeff: the preference loss has no entropy term; set 0"),
+                   (self.actor.use_dynamic_bsz, "actor.use_dynamic_bsz: preference micro-batches hold whole pairs, "
+                    "ppo_micro_batch_size_per_gpu of them; set it to false"),
+                   (self.rollout.temperature != 1.0, "rollout.temperature: preference log-probs are taken at "
+                    "temperature 1 (TRL's); leave rollout.temperature at 1"),
+                   (self.trainer.placement != "colocated" or self.trainer.n_gpus_per_node * self.trainer.nnodes > 1
+                    or self.actor.pipeline_parallel_size > 1,
+                    "trainer.placement=remote, several trainer ranks or a pipeline: preference runs train on one "
+                    "colocated rank for now; use the defaults"),
+                   (self.async_training.staleness_threshold > 0, "async_training: there is no rollout to run ahead")]
+        for bad, why in refused:
+            if bad:
+                raise ValueError(f"preference ({pref.algorithm}) with {why}")
+        if pref.algorithm == "kto" and min(self.data.train_batch_size, self.actor.ppo_micro_batch_size_per_gpu) < 2:
+            raise ValueError("preference.algorithm=kto estimates its KL reference point from mismatched pairs within a "
+                             "micro-batch: data.train_batch_size and actor.ppo_micro_batch_size_per_gpu must be >= 2")
+        if not pref.train_files and pref.generate is None:
+            raise ValueError("preference.train_files is empty and preference.generate is null: name a preference file "
+                             "or set preference.generate=arith")
+        return self
+
     @property
     def needs_ref(self) -> bool:
-        return self.algorithm.use_kl_in_reward or self.actor.kl_loss.use_kl_loss
+        return self.algorithm.use_kl_in_reward or self.actor.kl_loss.use_kl_loss or self.preference is not None
 
     @property
     def old_logprobs_from_update(self) -> bool:

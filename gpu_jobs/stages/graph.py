@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from gpu_jobs.stages import iteration as st
+from gpu_jobs.stages import preference as pref
 from gpu_jobs.stages.roles import Roles
 from gpu_jobs.stages.run import Run
 from gpu_jobs.stages.shell import StageSpec
@@ -53,7 +54,11 @@ def run_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
     With async_training.staleness_threshold = s > 0 the rollout runs ahead: iteration k's own
     rollout was made during iteration k-s (with the weights after update k-1-s), and iteration k
     starts the rollout of k+s with the weights after update k-1, concurrently with update k.
+
+    A preference run (cfg.preference) is `_preference_iteration` instead.
     """
+    if cfg.preference is not None:
+        return _preference_iteration(calls, cfg, k)
     rollout = calls(st.rollout, k)
     baseline = calls(st.baseline, k, rollout) if st.baseline.is_needed(cfg) else None  # ReMax only
     batch = calls(st.gate, k, rollout)
@@ -93,3 +98,15 @@ def _update_with_rollout_ahead(calls: StageCalls, cfg: Any, k: int, advantages: 
     if ahead is not None:
         ahead()
     return update, sync_s
+
+
+def _preference_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
+    """preference batch -> reference log-probs -> update (DPO/KTO loss) -> commit: no rollout, so
+    no weight sync either (validation scores held-out pairs with the trainer itself)."""
+    batch = calls(pref.preference_batch, k)
+    ref = calls(pref.preference_ref, k, batch)
+    update = calls(st.update, k, ref)
+    uris: dict[str, str | None] = {"rollout": None, "gate": None, "reward": None, "preference_batch": batch,
+                                   "preference_ref": ref, "update": update}
+    uris["commit"] = calls(st.commit, k, uris, {})
+    return uris

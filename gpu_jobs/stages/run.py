@@ -77,6 +77,8 @@ class Run:
         from gpu_jobs.models import load_tokenizer, resolve_model_path
 
         layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
+        if cfg.preference is not None:
+            return cls._open_preference(cfg, layout)
         train_urls, val_urls = _datasets(cfg)
         train = read_prompts(train_urls, storage=cfg.storage)
         val = read_prompts(val_urls, storage=cfg.storage).iloc[: cfg.data.val_size].reset_index(drop=True)
@@ -88,6 +90,20 @@ class Run:
         # of the run written but the gate's own report.
         train = _gate_prompts(cfg, layout, "train", train, tokenizer)
         val = _gate_prompts(cfg, layout, "val", val, tokenizer)
+        run_uid = _freeze(layout, frozen_config(cfg))
+        sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
+        return cls(cfg, layout, run_uid, model_path, tokenizer, train, val, sampler)
+
+    @classmethod
+    def _open_preference(cls, cfg: RunConfig, layout: RunLayout) -> "Run":
+        """A preference run: train/val are frames of TRL rows (preference_data.py), read and
+        checked before the model is resolved; the sampler draws pairs/examples, not prompts."""
+        from gpu_jobs.models import load_tokenizer, resolve_model_path
+        from gpu_jobs.stages.preference_data import preference_frames
+
+        train, val = preference_frames(cfg)
+        model_path = resolve_model_path(cfg.model.path, cfg.storage, seed=cfg.model.seed)
+        tokenizer = load_tokenizer(model_path)
         run_uid = _freeze(layout, frozen_config(cfg))
         sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
         return cls(cfg, layout, run_uid, model_path, tokenizer, train, val, sampler)

@@ -122,13 +122,13 @@ def held_out_scores(model: str, heldout_files: list[str], eval_size: int, cfg: A
             "n": n}
 
 
-def artifact_samples(run: Any, batch_uri: str, reward_uri: str, n: int) -> list[dict]:
+def artifact_samples(run: Any, batch_uri: str | None, reward_uri: str | None, n: int) -> list[dict]:
     """The first response to each of the first `n` prompts of a committed batch, decoded, with
     its ground truth and score (what an iteration's markdown artifact shows)."""
     from gpu_jobs.reward import decode_ground_truth
     from storage import read_table
 
-    if n <= 0:
+    if n <= 0 or batch_uri is None or reward_uri is None:  # a preference run samples and scores nothing
         return []
     batch = read_table(batch_uri, columns=["uid", "sample_index", "prompt_ids", "ground_truth"],
                        storage=run.storage).to_pylist()

@@ -14,13 +14,16 @@ __all__ = ["train_on"]
 
 
 def train_on(run: Run, roles: Roles, k: int, table: pa.Table, probe=None) -> dict[str, float]:
-    """Apply update k to the trainer (and critic). Also replays committed updates on resume, so
+    """Apply update k to the trainer (and critic): the RL loss on an advantages table, or with a
+    `preference:` section the DPO/KTO loss on a preference_ref table. Also replays committed updates on resume, so
     everything here depends only on (k, table, the roles' state). `probe`: the agreement check
     the trainer runs on its first mini-batch (PolicyTrainer.update), before anything trains."""
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
     warming_critic = roles.critic is not None and k <= run.cfg.critic.critic_warmup
-    if len(table) and not warming_critic:
+    if len(table) and not warming_critic and run.cfg.preference is not None:
+        metrics.update(roles.trainer.preference_update(table, run.cfg.preference))  # DPO/KTO: preference.py
+    elif len(table) and not warming_critic:
         metrics.update(roles.trainer.update(table, probe=probe))
     t1 = time.perf_counter()
     if roles.critic is not None and len(table):

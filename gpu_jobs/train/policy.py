@@ -262,6 +262,13 @@ class PolicyTrainer(_CausalLM, InProcessTrainer):
             metrics["timing_s/old_log_prob"] = old_seconds
         return metrics
 
+    def preference_update(self, batch: Any, preference: Any) -> dict[str, float]:
+        """One DPO/KTO update on a committed preference batch (rows with ref_logprobs, role and
+        unit; gpu_jobs/train/preference.py): the same engine, optimizer and lr schedule as update()."""
+        from .preference import preference_update
+
+        return preference_update(self, batch, preference)
+
     def _single_step(self, rows: Rows) -> bool:
         """Whether this update is one optimizer step from unchanged weights with a deterministic
         forward: then every micro-batch's forward scores it with the weights the separate

@@ -223,14 +223,16 @@ def rl_canary(model: str = "arith", root: str = ".rlmill") -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
-
-    from flows.cli import _quiet_env
+    import os
 
     p = argparse.ArgumentParser(prog="python -m flows.canary", description="decide a model's running canary")
     p.add_argument("--model", default="arith")
     p.add_argument("--root", default=".rlmill")
     a = p.parse_args(argv)
-    _quiet_env()
+    # flows.cli's _quiet_env, by hand: importing flows.cli here would loop back through cli_models.
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     state = rl_canary(model=a.model, root=a.root, return_state=True)
     if not state.is_completed():
         raise SystemExit(f"rlmill: {state.message}")

@@ -1,0 +1,150 @@
+"""The canary's pure parts: the stated test on hand-computed arms (gpu_jobs/serve/canary_stats.py),
+the sticky split, and the CANARY record's create-only life (storage/canary.py). No servers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpu_jobs.serve.canary_stats import TEST_NAME, arm_stats, canary_test, feedback_value, split_arms
+from storage import ModelLayout
+from storage.canary import (Canary, CanaryPolicy, CanaryRunning, end_canary, last_outcome, read_canary, read_outcome,
+                            remove_canary, split_point, start_canary)
+
+# baseline: 5 up, 5 down -> mean 0.5, sample variance 10 * 0.25 / 9 = 5/18
+# candidate: 8 up, 2 down -> mean 0.8, sample variance (8 * 0.04 + 2 * 0.64) / 9 = 8/45
+HALF = [1.0, 0.0] * 5
+MOSTLY = [1.0] * 8 + [0.0] * 2
+SETTINGS = dict(min_samples=10, confidence=0.95, elapsed_s=60.0, max_duration_s=3600.0)
+
+
+def test_welch_numbers_by_hand():
+    v = canary_test(HALF, MOSTLY, margin=0.05, **SETTINGS)
+    # se^2 = (5/18)/10 + (8/45)/10 = 1/36 + 4/225 = 41/900
+    assert v.se == pytest.approx(math.sqrt(41) / 30)
+    # Welch-Satterthwaite: (41/900)^2 / ((1/36)^2/9 + (4/225)^2/9) = 17.17...
+    assert v.df == pytest.approx((41 / 900) ** 2 / ((1 / 36) ** 2 / 9 + (4 / 225) ** 2 / 9))
+    assert v.df == pytest.approx(17.1725, abs=1e-4)
+    assert (v.n_baseline, v.n_candidate, v.mean_baseline, v.mean_candidate) == (10, 10, 0.5, 0.8)
+    assert v.diff == pytest.approx(0.3)
+    assert v.t_crit == pytest.approx(1.7387, abs=1e-3)  # Student t, 95 %, ~17 df (tables: 1.740 at 17)
+    assert v.lower == pytest.approx(0.3 - v.t_crit * v.se) and v.lower == pytest.approx(-0.0711, abs=1e-3)
+    assert v.upper == pytest.approx(0.3 + v.t_crit * v.se)
+    # -0.071 is below -margin -0.05 and the upper bound is far above it: undecided
+    assert v.decision == "wait" and v.test == TEST_NAME and "undecided" in v.reason
+
+
+def test_a_wider_margin_promotes_and_the_p_value_is_welchs():
+    from scipy import stats
+
+    v = canary_test(HALF, MOSTLY, margin=0.1, **SETTINGS)
+    assert v.decision == "promote" and v.lower > -0.1  # -0.071 > -0.1
+    # p of H0 diff <= -margin is Welch's one-sided test of (candidate + margin) against baseline
+    ref = stats.ttest_ind([x + 0.1 for x in MOSTLY], HALF, equal_var=False, alternative="greater")
+    assert v.p_value == pytest.approx(ref.pvalue) and v.p_value < 0.05
+
+
+def test_clearly_worse_rolls_back():
+    baseline = [1.0] * 16 + [0.0] * 4  # mean 0.8
+    candidate = [1.0] * 4 + [0.0] * 16  # mean 0.2
+    v = canary_test(baseline, candidate, margin=0.05, min_samples=20, confidence=0.95, elapsed_s=1.0,
+                    max_duration_s=3600.0)
+    # equal variances 20 * 0.16 / 19 and n: df = 2 * 19 = 38, se = sqrt(2 * 0.16 / 19)
+    assert v.df == pytest.approx(38.0) and v.se == pytest.approx(math.sqrt(2 * 0.16 / 19))
+    assert v.upper == pytest.approx(-0.6 + v.t_crit * v.se) and v.upper < -0.05
+    assert v.decision == "rollback" and "worse by more than the margin" in v.reason
+
+
+def test_below_min_samples_waits_and_max_duration_rolls_back():
+    small = dict(SETTINGS, min_samples=11)
+    v = canary_test(HALF, MOSTLY, margin=0.5, **small)  # would promote with enough samples
+    assert v.decision == "wait" and "below min_samples 11" in v.reason and not math.isnan(v.lower)
+    v = canary_test(HALF, MOSTLY, margin=0.5, **dict(small, elapsed_s=3600.0))
+    assert v.decision == "rollback" and "max duration 3600 s reached" in v.reason
+    # undecided at the deadline: rolled back, not shown non-inferior
+    v = canary_test(HALF, MOSTLY, margin=0.05, **dict(SETTINGS, elapsed_s=7200.0))
+    assert v.decision == "rollback" and "undecided" in v.reason
+    # decided before the deadline's rule applies: a promote stays a promote at the deadline
+    assert canary_test(HALF, MOSTLY, margin=0.1, **dict(SETTINGS, elapsed_s=7200.0)).decision == "promote"
+    # one score per arm: no variance, nothing but n and means
+    v = canary_test([1.0], [0.0], margin=0.05, **SETTINGS)
+    assert v.decision == "wait" and math.isnan(v.se) and v.as_dict()["se"] is None
+
+
+def test_no_spread_at_all():
+    v = canary_test([1.0] * 10, [1.0] * 10, margin=0.05, **SETTINGS)
+    assert (v.se, v.lower, v.upper, v.df, v.p_value) == (0.0, 0.0, 0.0, math.inf, 0.0)
+    assert v.decision == "promote" and v.as_dict()["df"] == "inf"
+    assert canary_test([1.0] * 10, [0.0] * 10, margin=0.05, **SETTINGS).decision == "rollback"
+
+
+def test_arm_values_from_feedback_rows():
+    assert arm_stats([]).n == 0 and math.isnan(arm_stats([]).mean)
+    assert feedback_value({"score": None, "thumbs": "down"}) == 0.0
+    assert feedback_value({"score": None, "thumbs": None, "preferred_over": "x"}) is None
+    rows = [{"version": "v1", "created": 10.0, "score": 0.5}, {"version": "v2", "created": 11.0, "thumbs": "up"},
+            {"version": "v2", "created": 9.0, "thumbs": "up"},  # before the canary started
+            {"version": "v0", "created": 12.0, "score": 1.0},  # another version
+            {"version": "v2", "created": 12.0, "text": "meh"},  # no score
+            {"version": "v1", "created": 10.5, "thumbs": "down"}]
+    assert split_arms(rows, "v1", "v2", since=10.0) == ([0.5, 0.0], [1.0])
+
+
+# ------------------------------------------------------------------------------------ the split
+def _record(share: float = 0.1, canary_id: str = "v2-abc") -> Canary:
+    return Canary(id=canary_id, model="arith", candidate="v2", baseline="v1", share=share, min_samples=10,
+                  confidence=0.95, margin=0.05, max_duration_s=60.0, started="2026-12-02T10:00:00+00:00")
+
+
+def test_the_split_is_sticky_and_takes_its_share():
+    c = _record(0.1)
+    ids = [f"user:u{i}" for i in range(10_000)]
+    chosen = {k for k in ids if c.routes_to_candidate(k)}
+    # Binomial(10000, 0.1): sd 30; 1000 +- 5 sd. A hash, so the count is the same on every run.
+    assert 850 <= len(chosen) <= 1150, len(chosen)
+    again = Canary.from_json(c.to_json())  # a restarted server reads the same record
+    assert {k for k in ids if again.routes_to_candidate(k)} == chosen
+    assert not c.routes_to_candidate(None)  # no id: the baseline
+    other = _record(0.1, "v2-def")  # a new canary id draws a new share: independent of the old one
+    overlap = len(chosen & {k for k in ids if other.routes_to_candidate(k)})
+    assert 50 <= overlap <= 150, overlap  # ~ 10000 * 0.1 * 0.1
+    assert all(0.0 <= split_point("x", k) < 1.0 for k in ids[:100])
+    wider = _record(0.3)  # a larger share keeps everyone the smaller one had
+    assert chosen <= {k for k in ids if wider.routes_to_candidate(k)}
+
+
+# ------------------------------------------------------------------------------------ the record
+def test_canary_record_lifecycle(tmp_path):
+    models = ModelLayout(str(tmp_path), "arith")
+    policy = CanaryPolicy(share=0.2, min_samples=5)
+    with pytest.raises(ValueError, match="no CURRENT"):
+        start_canary(models, "v2", policy)
+    models.promote("v1")
+    with pytest.raises(ValueError, match="is CURRENT already"):
+        start_canary(models, "v1", policy)
+    c = start_canary(models, "v2", policy, by="retrain")
+    assert (c.candidate, c.baseline, c.share, c.min_samples, c.by) == ("v2", "v1", 0.2, 5, "retrain")
+    assert read_canary(models) == c and (tmp_path / "models" / "arith" / "CANARY").exists()
+    assert start_canary(models, "v2", policy) == c  # a retried start: the same canary
+    with pytest.raises(CanaryRunning, match="runs already"):
+        start_canary(models, "v3", policy)
+
+    first = end_canary(models, c, "rollback", {"n_candidate": 3})
+    second = end_canary(models, c, "promote", {"n_candidate": 9})  # a racing decider: the first one stands
+    assert second == first and first["outcome"] == "rollback" and read_outcome(models, c.id) == first
+    assert read_canary(models) == c  # ending commits the outcome; removing is a step of its own
+    assert remove_canary(models, c) and read_canary(models) is None and not remove_canary(models, c)
+    assert last_outcome(models)["canary"]["id"] == c.id
+    with pytest.raises(ValueError, match="outcome 'wait'"):
+        end_canary(models, c, "wait", {})
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"share": 0.0}, "0 < share < 1"), ({"share": 1.0}, "0 < share < 1"), ({"share": float("nan")}, "share"),
+    ({"share": 0.1, "min_samples": 1}, "int >= 2"), ({"share": 0.1, "confidence": 1.0}, "[0.5, 1)"),
+    ({"share": 0.1, "margin": -0.1}, "0 <= margin < 1"), ({"share": 0.1, "max_duration_s": 0}, "> 0")])
+def test_policy_refusals_name_the_key_and_the_fix(kw, words):
+    with pytest.raises(ValueError, match="canary ") as err:
+        CanaryPolicy(**kw)
+    assert words in str(err.value) and "\n" not in str(err.value)

@@ -127,3 +127,21 @@ def test_a_person_rollback_ends_the_canary(tmp_path, capsys):
     record = read_outcome(models, canary.id)
     assert record["outcome"] == "rollback" and "ended by `rlmill models rollback`" in record["numbers"]["reason"]
     assert models.history()[-1]["by"] == "canary-rollback"
+
+
+def test_the_decide_deployment_is_triggered_by_committed_segments():
+    from pathlib import Path
+
+    import yaml
+
+    from flows.canary import DEPLOYMENT, rl_canary
+    from flows.feedback import SEGMENT_EVENT
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "deployments" / "prefect.yaml").read_text())
+    (dep,) = [d for d in spec["deployments"] if d["name"] == DEPLOYMENT.split("/")[1]]
+    assert f"{rl_canary.name}/{dep['name']}" == DEPLOYMENT and dep["entrypoint"] == "flows/canary.py:rl_canary"
+    assert dep["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
+    (trigger,) = dep["triggers"]
+    assert trigger["expect"] == [SEGMENT_EVENT] and trigger["match"] == {"prefect.resource.id": "rlmill.model.*"}
+    assert trigger["for_each"] == ["prefect.resource.id"] and trigger["posture"] == "Reactive"
+    assert trigger["parameters"] == {"model": "{{ event.payload.model }}", "root": "{{ event.payload.root }}"}

@@ -145,3 +145,60 @@ def test_the_decide_deployment_is_triggered_by_committed_segments():
     assert trigger["expect"] == [SEGMENT_EVENT] and trigger["match"] == {"prefect.resource.id": "rlmill.model.*"}
     assert trigger["for_each"] == ["prefect.resource.id"] and trigger["posture"] == "Reactive"
     assert trigger["parameters"] == {"model": "{{ event.payload.model }}", "root": "{{ event.payload.root }}"}
+
+
+def _checkpoint(root: str, run_id: str) -> str:
+    """The built-in model's files committed as run `run_id`'s checkpoint of iteration 1."""
+    import json
+    import struct
+    from pathlib import Path
+
+    from gpu_jobs.models import resolve_model_path
+    from storage import INDEX_NAME, RunLayout, commit, write_files
+
+    folder = Path(resolve_model_path("builtin"))
+    blobs = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != INDEX_NAME}
+    weights = blobs["model.safetensors"]
+    header = json.loads(weights[8:8 + struct.unpack("<Q", weights[:8])[0]])  # safetensors: u64 length, JSON
+    src = RunLayout(root, run_id).policy(1)
+    commit(src, write_files(src, blobs), kind="checkpoint", name=INDEX_NAME,
+           extra={"metadata": {"total_size": len(weights)},
+                  "weight_map": {k: "model.safetensors" for k in header if k != "__metadata__"}})
+    return src
+
+
+def test_a_candidate_that_passes_the_gate_goes_to_a_canary(tmp_path):
+    """train_and_gate's step 6 (flows.nightly._publish) with a canary policy: the version is
+    published and a canary of it starts; retried, the same canary; a second candidate while it
+    runs is published only; without a policy, or before any promotion, the move is direct."""
+    from flows.nightly import Decision, Outcome, _publish, canary_policy, outcome_status
+    from flows.retrain import rl_retrain
+
+    root = str(tmp_path / "root")
+    models = ModelLayout(root, "arith")
+    src = _checkpoint(root, "retrain-arith-w1")
+    passed = Decision(True, "not worse")
+    assert _publish(passed, src, models, "w1", False, None, "retrain", POLICY) == ("w1", None, None)  # first: direct
+    assert models.current_version() == "w1" and read_canary(models) is None
+
+    src2 = _checkpoint(root, "retrain-arith-w2")
+    promoted, merged, canary_id = _publish(passed, src2, models, "w2", False, None, "retrain", POLICY)
+    canary = read_canary(models)
+    assert (promoted, merged, canary_id) == (None, None, canary.id) and models.current_version() == "w1"
+    assert (canary.candidate, canary.baseline, canary.by, canary.share) == ("w2", "w1", "retrain", 0.5)
+    assert (tmp_path / "root" / "models" / "arith" / "versions" / "w2" / "model.safetensors").exists()
+    assert _publish(passed, src2, models, "w2", False, None, "retrain", POLICY)[2] == canary.id  # a retry
+    src3 = _checkpoint(root, "retrain-arith-w3")
+    assert _publish(passed, src3, models, "w3", False, None, "retrain", POLICY) == (None, None, None)
+    assert read_canary(models) == canary and "w3" in models.version_names()
+    assert _publish(Decision(False, "worse"), src3, models, "w4", False, None, "retrain", POLICY) == (None, None, None)
+    assert _publish(passed, src3, models, "w3", False, None, "retrain", None) == ("w3", None, None)  # share 0
+
+    out = Outcome({}, src2, {}, {}, passed, None, None, canary.id)
+    assert outcome_status(out) == "canary" and outcome_status(Outcome({}, src2, {}, {}, passed, None, None)) == \
+        "published"
+    assert canary_policy(0.0, {"margin": 0.2}) is None and canary_policy(0.2, {"margin": 0.2}).margin == 0.2
+    with pytest.raises(ValueError, match="canary_test: unknown key"):
+        canary_policy(0.1, {"min_sample": 5})
+    state = rl_retrain(model="arith", root=root, canary_share=1.5, return_state=True)
+    assert state.is_failed() and state.message.startswith("canary share 1.5: give the fraction")

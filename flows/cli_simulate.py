@@ -32,6 +32,9 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--users", type=int, default=8, help="simulated users sim-user-0..N-1 (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seeds the problems, who asks them and each request's "
                                                        "sampling seed (default 0)")
+    p.add_argument("--pool", type=int, default=None, help="draw the requests from this many distinct problems "
+                                                          "(users who ask the same things again; default: every "
+                                                          "request a new problem)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, 0..2 (default 1.0)")
     p.add_argument("--max-tokens", type=int, default=6, help="max_tokens per answer, and L of the preference "
                                                              "(default 6, the task's response length)")
@@ -43,12 +46,14 @@ def add_simulate_parser(sub) -> None:
 def check_args(args) -> None:
     """The first wrong number as a UserError naming the flag and the fix."""
     for flag, value, low in (("--requests", args.requests, 1), ("--users", args.users, 1),
-                             ("--max-tokens", args.max_tokens, 1), ("--concurrency", args.concurrency, 1)):
+                             ("--max-tokens", args.max_tokens, 1), ("--concurrency", args.concurrency, 1),
+                             ("--pool", 1 if args.pool is None else args.pool, 1)):
         if value < low:
             raise UserError(f"{flag} {value} is below {low}: give a positive number")
-    if args.requests > 8100:
-        raise UserError(f"--requests {args.requests}: the built-in task has 8100 distinct problems; give at most "
-                        "8100 (run again with another --seed for more)")
+    if max(args.requests if args.pool is None else 0, args.pool or 0) > 8100:
+        flag, n = ("--pool", args.pool) if args.pool else ("--requests", args.requests)
+        raise UserError(f"{flag} {n}: the built-in task has 8100 distinct problems; give at most 8100 (or --pool "
+                        "to ask some again)")
     if not (math.isfinite(args.temperature) and 0.0 <= args.temperature <= 2.0):
         raise UserError(f"--temperature {args.temperature:g} is outside 0..2 (what the server takes)")
 
@@ -61,7 +66,7 @@ def cmd_simulate(args) -> None:
         model, version = served_model(args.url, args.model)  # before any work: is a server there?
         print(f"rlmill: {args.requests} requests from {args.users} simulated users to {model} (serving version "
               f"{version}) at {args.url}, seed {args.seed}", flush=True)
-        result = simulate(args.url, plan_requests(args.requests, args.users, args.seed), model=model,
+        result = simulate(args.url, plan_requests(args.requests, args.users, args.seed, pool=args.pool), model=model,
                           max_tokens=args.max_tokens, temperature=args.temperature, concurrency=args.concurrency,
                           thumbs=args.thumbs)
     except SimulateError as exc:

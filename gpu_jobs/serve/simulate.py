@@ -85,22 +85,31 @@ class Planned:
     seed: int
 
 
-def plan_requests(requests: int, users: int, seed: int) -> list[Planned]:
-    """`requests` distinct held-out problems of the built-in task (its generator's "test" stream
-    for `seed`), each asked by one of `users` users drawn with the same seed.
+def plan_requests(requests: int, users: int, seed: int, *, pool: int | None = None, round: int = 0) -> list[Planned]:
+    """Who asks what: held-out problems of the built-in task (its generator's "test" stream for
+    `seed`), each asked by one of `users` users. Without `pool`, `requests` distinct problems;
+    with it, `requests` draws (with replacement) from the stream's first `pool` problems -- users
+    who keep asking the same things -- and `round` (a cycle's number) changes the draws and who
+    asks, never the pool. A pure function of its arguments.
 
-    >>> [(p.user, p.row["prompt"][0]["content"]) for p in plan_requests(2, 3, 0)] == \\
-    ...     [(p.user, p.row["prompt"][0]["content"]) for p in plan_requests(2, 3, 0)]
+    >>> [(p.user, p.row["prompt"][0]["content"]) for p in plan_requests(3, 2, 0)] == \\
+    ...     [(p.user, p.row["prompt"][0]["content"]) for p in plan_requests(3, 2, 0)]
     True
+    >>> len({p.row["prompt"][0]["content"] for p in plan_requests(50, 4, 0, pool=5, round=1)})
+    5
     """
     import numpy as np
 
     from gpu_jobs.data.generators import get_generator
 
-    if requests < 1 or users < 1:
-        raise ValueError(f"requests and users must be >= 1, got {requests} and {users}")
-    rows = get_generator("arith")("test", requests, seed)
-    rng = np.random.default_rng([seed, 7])
+    if requests < 1 or users < 1 or (pool is not None and pool < 1):
+        raise ValueError(f"requests, users and pool must be >= 1, got {requests}, {users} and {pool}")
+    rng = np.random.default_rng([seed, round, 7])
+    if pool is None:
+        rows = get_generator("arith")("test", requests, seed)
+    else:
+        problems = get_generator("arith")("test", pool, seed)
+        rows = [problems[int(k)] for k in rng.integers(0, pool, size=requests)]
     who = rng.integers(0, users, size=requests)
     seeds = rng.integers(0, 2**31 - 1, size=requests)
     return [Planned(i, user_id(int(who[i])), rows[i], int(seeds[i])) for i in range(requests)]

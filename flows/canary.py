@@ -133,11 +133,13 @@ def verdict_markdown(canary: Canary, decision: str, numbers: dict[str, Any], fin
     return (f"## Canary `{canary.id}` of `{canary.model}`: {verdict}\n\n"
             f"{n.get('test')}: H0 candidate - baseline <= -{n.get('margin')}; {canary.share:.0%} of users/sessions "
             f"on the candidate since {canary.started}; min {n.get('min_samples')} scores per arm, confidence "
-            f"{n.get('confidence')}, max duration {n.get('max_duration_s')} s (elapsed {_num(n.get('elapsed_s'))} s).\n\n"
+            f"{n.get('confidence')}, max duration {n.get('max_duration_s')} s "
+            f"(elapsed {_num(n.get('elapsed_s'))} s).\n\n"
             "| arm | version | n | mean score |\n|---|---|---|---|\n"
             f"| baseline | `{canary.baseline}` | {n.get('n_baseline')} | {_num(n.get('mean_baseline'))} |\n"
             f"| candidate | `{canary.candidate}` | {n.get('n_candidate')} | {_num(n.get('mean_candidate'))} |\n\n"
-            f"**Difference:** {_num(n.get('diff'))}, one-sided bounds [{_num(n.get('lower'))}, {_num(n.get('upper'))}], "
+            f"**Difference:** {_num(n.get('diff'))}, "
+            f"one-sided bounds [{_num(n.get('lower'))}, {_num(n.get('upper'))}], "
             f"Welch df {_num(n.get('df'))}, p = {_num(n.get('p_value'))}.\n\n"
             f"**Decision:** {decision}: {n.get('reason')}"
             + ("" if not finished else ". CANARY removed; the outcome is under "
@@ -174,8 +176,8 @@ def settle_task(models: ModelLayout, canary: Canary, outcome: str, numbers: dict
 def check_inputs(model: Any, root: Any) -> str | None:
     """What is wrong with the parameters, as one line with the fix; None when nothing is.
 
-    >>> check_inputs("arith", "")
-    "invalid storage root '': use a folder, file://, memory:// or s3://bucket/prefix URL without control characters (the model/root parameters, which the trigger takes from the event)"
+    >>> check_inputs("arith", ".rlmill") is None, check_inputs("../x", ".rlmill").startswith("invalid model name")
+    (True, True)
     """
     from storage.errors import InvalidNameError
     from storage.layout import check_name, check_root

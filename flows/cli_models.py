@@ -322,8 +322,8 @@ def cmd_models_canary(args) -> None:
 def _canary_text(canary, n: dict[str, Any]) -> str:
     """What `rlmill models canary` prints for a running canary and its numbers now."""
     return "\n".join([
-        f"canary {canary.id} of {canary.model}: {canary.share:.0%} of users/sessions on {canary.candidate}, the rest on "
-        f"{canary.baseline}; since {canary.started} (by {canary.by})",
+        f"canary {canary.id} of {canary.model}: {canary.share:.0%} of users/sessions on {canary.candidate}, "
+        f"the rest on {canary.baseline}; since {canary.started} (by {canary.by})",
         f"test: {n['test']}: margin {canary.margin:g}, confidence {canary.confidence:g}, min {canary.min_samples} "
         f"scores per arm, max duration {canary.max_duration_s:g} s (elapsed {n['elapsed_s']:.0f} s)",
         f"  baseline   {canary.baseline}: n {n['n_baseline']}, mean {_num(n['mean_baseline'])}",

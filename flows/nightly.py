@@ -17,8 +17,8 @@ One night, as Prefect tasks and one `rl-training` subflow (each step is one plai
   6. promote (or, with canary_share > 0, start a canary: the version is published the same way and
      models/<name>/CANARY sends that share of live users to it until rl-canary's stated test
      promotes or rolls it back, flows/canary.py; with nothing promoted yet, or a canary of another
-     candidate still running, see `_publish`): copy the HF folder to models/<name>/versions/<run id> through storage's commit
-     primitive (every file verified, index last, create-only), then point CURRENT at it (a LoRA
+     candidate still running, see `_publish`): copy the HF folder to models/<name>/versions/<run id>
+     through storage's commit primitive (every file verified, index last, create-only), then point CURRENT at it (a LoRA
      run's folder is its adapter + a pointer to its base; with export_merged_hf a plain merged
      HF folder is written to models/<name>/merged/<run id> too);
      a markdown artifact shows the decision and both scores;

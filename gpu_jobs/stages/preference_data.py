@@ -150,7 +150,8 @@ def kto_groups(n: int, size: int) -> list[list[int]]:
         raise ValueError(f"KTO groups need at least 2 examples and size >= 2, got n={n}, size={size}")
     groups = [list(range(s, min(s + size, n))) for s in range(0, n, size)]
     if len(groups[-1]) == 1:
-        groups[-2] += groups.pop()
+        last = groups.pop()  # popped first: `groups[-2] += groups.pop()` would overwrite the wrong group
+        groups[-1] += last
     return groups
 
 

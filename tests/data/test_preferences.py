@@ -156,3 +156,46 @@ def test_from_committed_feedback_segments(tmp_path):
     assert [(x.completion, x.desirable) for x in examples] == [("46", True), ("47", False)]
     by_reward, _ = kto_examples(rows, label_from="reward", reward_threshold=0.5)
     assert [(x.completion, x.desirable) for x in by_reward] == [("46", True), ("47", False)]
+
+
+# ------------------------------------------------------------------ feedback -> a preference run's file
+@pytest.mark.parametrize("algorithm", ["dpo", "kto"])
+def test_feedback_becomes_a_file_a_preference_run_reads(tmp_path, algorithm):
+    """What a retrain does with a window's rows: pairs (or thumbs) -> TRL rows -> Parquet ->
+    the run's preference_frames, which holds out val_size rows and keeps the rest in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flows.config import load_run_config
+    from gpu_jobs.data.preferences import preference_file_rows
+    from gpu_jobs.stages.preference_data import preference_frames
+
+    rows = [r for i in range(6) for r in (row(f"q{i}", 0, prompt=f"{10 + i}+1=", response=str(11 + i),
+                                              thumbs=["up"], preferred_over=[f"q{i}#1"]),
+                                          row(f"q{i}", 1, prompt=f"{10 + i}+1=", response="0", thumbs=["down"]))]
+    items = preference_pairs(rows)[0] if algorithm == "dpo" else kto_examples(rows)[0]
+    url = tmp_path / "prefs.parquet"
+    pq.write_table(pa.Table.from_pylist(preference_file_rows(items)), url)
+    cfg = load_run_config(None, [f"root={tmp_path}", f"preference.algorithm={algorithm}", f"preference.train_files=[{url}]",
+                                 "preference.val_size=2", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+                                 "actor.ppo_micro_batch_size_per_gpu=2"])
+    train, val = preference_frames(cfg)
+    n = 6 if algorithm == "dpo" else 12
+    assert (len(val), len(train)) == (2, n - 2)
+    first = train.iloc[0].to_dict()
+    if algorithm == "dpo":
+        assert (first["prompt"], first["chosen"], first["rejected"]) == ([{"role": "user", "content": "12+1="}], "13", "0")
+    else:
+        assert (first["prompt"], first["completion"], bool(first["label"])) == ([{"role": "user", "content": "11+1="}],
+                                                                               "12", True)
+
+
+def test_generated_arith_preferences():
+    from gpu_jobs.data.preferences import arith_preference_rows
+
+    pairs = arith_preference_rows("dpo", [(12, 30), (50, 49)], seed=3)
+    assert [p["chosen"] for p in pairs] == ["42", "99"]
+    assert all(1 <= abs(int(p["rejected"]) - int(p["chosen"])) <= 10 for p in pairs)
+    kto = arith_preference_rows("kto", [(12, 30), (50, 49)], seed=3)
+    assert [(x["completion"] == str(a + b), x["label"]) for x, (a, b) in zip(kto, [(12, 30), (50, 49)])] == \
+        [(True, True), (False, False)]

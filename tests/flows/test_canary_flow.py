@@ -64,9 +64,22 @@ def _markdown_artifact(state) -> str:
     return md
 
 
-def test_rl_canary_waits_promotes_rolls_back_and_finishes(tmp_path, capsys):
-    from flows.canary import rl_canary
+def _cli(*argv: str) -> str:
+    """What `rlmill ARGV` prints. Not capsys: a flow run later in the session would log to its closed
+    stream (Prefect's console handler keeps the sys.stdout it first saw)."""
+    import contextlib
+    import io
+
     from flows.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(list(argv))
+    return out.getvalue()
+
+
+def test_rl_canary_waits_promotes_rolls_back_and_finishes(tmp_path):
+    from flows.canary import rl_canary
     from tests.serve.conftest import redis_server
 
     root = str(tmp_path / "root")
@@ -79,8 +92,7 @@ def test_rl_canary_waits_promotes_rolls_back_and_finishes(tmp_path, capsys):
         _plant(url, root, {("good", "v1"): (10, 2), ("good", "v2"): (12, 0), ("good", "v0"): (0, 12),
                            ("bad", "v1"): (12, 0), ("bad", "v2"): (2, 10)})
 
-    main(["models", "canary", "bad", "--root", root])
-    shown = capsys.readouterr().out
+    shown = _cli("models", "canary", "bad", "--root", root)
     assert f"canary {bad_c.id} of bad: 50% of users/sessions on v2" in shown
     assert "candidate  v2: n 12, mean 0.1667" in shown and "decision now: rollback" in shown
 
@@ -102,8 +114,7 @@ def test_rl_canary_waits_promotes_rolls_back_and_finishes(tmp_path, capsys):
     assert (move["by"], move["from"], move["to"]) == ("canary-rollback", "v1", "v1") and "rolled back" in move["reason"]
     assert bad.previous_version() is None  # the rollback record moved nothing
     assert rl_canary(model="bad", root=root) == {"status": "no canary", "model": "bad"}
-    main(["models", "canary", "bad", "--root", root])
-    assert f"the last one, {bad_c.id}" in capsys.readouterr().out
+    assert f"the last one, {bad_c.id}" in _cli("models", "canary", "bad", "--root", root)
 
     # A decider that crashed after committing its outcome: the next run applies it, without deciding again.
     crashed, crashed_c = _canary(root, "crashed")
@@ -115,13 +126,10 @@ def test_rl_canary_waits_promotes_rolls_back_and_finishes(tmp_path, capsys):
     assert state.is_failed() and state.message.startswith("invalid model name '../up'") and "\n" not in state.message
 
 
-def test_a_person_rollback_ends_the_canary(tmp_path, capsys):
-    from flows.cli import main
-
+def test_a_person_rollback_ends_the_canary(tmp_path):
     root = str(tmp_path / "root")
     models, canary = _canary(root, "arith")
-    main(["models", "rollback", "arith", "--root", root])
-    out = capsys.readouterr().out
+    out = _cli("models", "rollback", "arith", "--root", root)
     assert f"canary {canary.id} of v2 against v1 ended: rollback" in out and "CURRENT stays v1" in out
     assert read_canary(models) is None and models.current_version() == "v1"
     record = read_outcome(models, canary.id)

@@ -52,6 +52,14 @@ def _metrics(client: TestClient) -> dict[str, float]:
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in client.get("/metrics").text.splitlines())}
 
 
+def _wait_retired(server, what: str) -> None:
+    """Until no retired generation is left open (each closes once nothing holds it), bounded."""
+    deadline = time.monotonic() + BOUND_S
+    while server.models.stats()["retiring"]:
+        assert time.monotonic() < deadline, f"gave up after {BOUND_S} s waiting for {what} to close"
+        time.sleep(0.02)
+
+
 @pytest.fixture
 def registered(tmp_path):
     import torch
@@ -94,9 +102,8 @@ def test_sticky_arms_survive_a_restart_and_follow_the_record(registered):
         # Rolled back (rl-canary's order: outcome, then CANARY removed): the poll retires v2.
         end_canary(models, canary, "rollback", {})
         assert remove_canary(models, canary)
-        candidate_gen = server.models._canary
         assert server.models.check() == "same" and server.models.canary is None
-        assert candidate_gen.closed.wait(BOUND_S), "gave up waiting for the rolled-back candidate to close"
+        _wait_retired(server, "the rolled-back candidate")
         assert [_ask(client, user=u) for u in cand] == ["arith@v1"] * 2
         assert server.models.check_canary() == "same"
 
@@ -110,10 +117,7 @@ def test_sticky_arms_survive_a_restart_and_follow_the_record(registered):
         assert server.models.canary is None and client.get("/health").json()["version"] == "v2"
         assert [_ask(client, user=u) for u in cand + base] == ["arith@v2"] * 4
         assert remove_canary(models, canary) and server.models.check_canary() == "same"
-        deadline = time.monotonic() + BOUND_S
-        while server.models.stats()["retiring"]:  # v1 closes once nothing holds it
-            assert time.monotonic() < deadline, "gave up waiting for v1 to retire after the promote"
-            time.sleep(0.02)
+        _wait_retired(server, "v1 after the promote")
     server.close()
 
 

@@ -68,8 +68,9 @@ def _read(url: str, algorithm: str, key: str) -> Any:
     missing = [c for c in need if c not in df.columns]
     if missing:
         other = next(a for a in PREFERENCE_COLUMNS if a != algorithm)
-        hint = (f"; it has {other}'s columns: set preference.algorithm={other}"
-                if all(c in df.columns for c in PREFERENCE_COLUMNS[other]) else "")
+        hint = (f": it has {other}'s columns, set preference.algorithm={other}"
+                if all(c in df.columns for c in PREFERENCE_COLUMNS[other])
+                else ": write those columns (TRL's preference format), one row per pair or rated answer")
         raise DatasetError(f"preference file {shown} has no {', '.join(missing)} column (preference.algorithm="
                            f"{algorithm} reads {', '.join(need)}; its columns: {', '.join(map(str, df.columns))})"
                            f"{hint}")

@@ -220,3 +220,29 @@ def test_overlong_prompts_are_refused_or_filtered_as_configured(tiny_config, tmp
     assert not (tmp_path / "root" / "runs" / "long" / "run.json").exists()
     run = Run.open(tiny_config(*files, "data.overlong_prompts=filter", "run_id=filtered", root=str(tmp_path / "root")))
     assert len(run.train) == 29 and "1+1+" not in str(run.train["prompt"].tolist())
+
+
+def test_a_preference_iteration_runs_its_own_stages_and_never_rolls_out():
+    """The graph of a `preference:` run, with a calls object that records instead of computing
+    (no model): batch -> reference log-probs -> the update on that table -> commit; no rollout,
+    gate, reward, advantages or weight hand-off is started."""
+    from gpu_jobs.stages.config import build_run_config
+
+    cfg = build_run_config({"preference": {"algorithm": "kto"}}, check_files=False)
+    called = []
+
+    class Recording:
+        def __call__(self, stage, k, *inputs):
+            called.append((stage.name, inputs))
+            return f"uri-of-{stage.name}"
+
+        def start(self, stage, k, *inputs):
+            result = self(stage, k, *inputs)
+            return lambda: result
+
+    uris = run_iteration(Recording(), cfg, 3)
+    assert [name for name, _ in called] == ["preference_batch", "preference_ref", "update", "commit"]
+    assert called[1][1] == ("uri-of-preference_batch",) and called[2][1] == ("uri-of-preference_ref",)
+    assert uris["gate"] is None and uris["reward"] is None and uris["update"] == "uri-of-update"
+    assert stages.STAGES["preference_batch"].is_needed(cfg) and not stages.STAGES["preference_ref"].is_needed(
+        build_run_config({}, check_files=False))

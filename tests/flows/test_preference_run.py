@@ -69,7 +69,7 @@ def _write(path: Path, rows: list[dict]) -> str:
     # A verl prompt file given to DPO: no pairs in it.
     ([{"data_source": "x", "prompt": [{"role": "user", "content": "1+1="}]}], "dpo", "no chosen, rejected column"),
     # KTO rows given to DPO: the line says which algorithm they are for.
-    ([{"prompt": "1+1=", "completion": "2", "label": True}], "dpo", "its columns, set preference.algorithm=kto"),
+    ([{"prompt": "1+1=", "completion": "2", "label": True}], "dpo", "kto's columns, set preference.algorithm=kto"),
     ([{"prompt": "1+1=", "chosen": "2", "rejected": "2"}], "dpo", "row 0: chosen and rejected are the same"),
     ([{"prompt": "1+1=", "completion": "2", "label": "yes"}], "kto", "label must be true"),
 ])

@@ -27,7 +27,7 @@ from gpu_jobs.data.preferences import PREFERENCE_COLUMNS, arith_preference_rows,
 from storage import exists, join
 from storage.datasets import DatasetError, read_prompt_file, write_prompts
 
-__all__ = ["preference_frames", "preference_table", "answer_ids"]
+__all__ = ["preference_frames", "preference_table", "answer_ids", "check_prompt_lengths"]
 
 _INT_LIST = pa.list_(pa.int32())
 
@@ -98,6 +98,17 @@ def _generated(cfg: Any) -> str:
         write_prompts(arith_preference_rows(pref.algorithm, arith_pairs(n, cfg.data.seed), cfg.data.seed), url,
                       storage=cfg.storage)
     return url
+
+
+def check_prompt_lengths(df: Any, tokenizer: Any, max_prompt_length: int, where: str) -> None:
+    """Raise DatasetError naming the first row whose prompt renders longer than
+    data.max_prompt_length: before the run starts, not in the iteration that draws it."""
+    from gpu_jobs.data import render_many
+
+    for i, ids in enumerate(render_many(df["prompt"].tolist(), tokenizer)):
+        if len(ids) > max_prompt_length:
+            raise DatasetError(f"{where} row {i}: the prompt renders to {len(ids)} tokens, more than "
+                               f"data.max_prompt_length={max_prompt_length}; shorten it or raise data.max_prompt_length")
 
 
 def answer_ids(text: str, tokenizer: Any) -> list[int]:

@@ -99,11 +99,13 @@ class Run:
         """A preference run: train/val are frames of TRL rows (preference_data.py), read and
         checked before the model is resolved; the sampler draws pairs/examples, not prompts."""
         from gpu_jobs.models import load_tokenizer, resolve_model_path
-        from gpu_jobs.stages.preference_data import preference_frames
+        from gpu_jobs.stages.preference_data import check_prompt_lengths, preference_frames
 
         train, val = preference_frames(cfg)
         model_path = resolve_model_path(cfg.model.path, cfg.storage, seed=cfg.model.seed)
         tokenizer = load_tokenizer(model_path)
+        for where, df in (("preference training data", train), ("held-out preference data", val)):
+            check_prompt_lengths(df, tokenizer, cfg.data.max_prompt_length, where)
         run_uid = _freeze(layout, frozen_config(cfg))
         sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
         return cls(cfg, layout, run_uid, model_path, tokenizer, train, val, sampler)

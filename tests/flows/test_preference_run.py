@@ -269,3 +269,16 @@ def test_with_lora_the_reference_is_the_base_model_however_far_the_adapter_train
         assert max(float(np.abs(p - b).max()) for p, b in zip(policy, base)) > 1e-3  # the adapter did train
     finally:
         roles.close()
+
+
+def test_an_overlong_prompt_is_refused_before_the_run_exists(tmp_path):
+    from flows.reporting import user_error_line
+    from gpu_jobs.stages import Run
+
+    url = _write(tmp_path / "prefs.parquet", [{"prompt": "1+1=" * 40, "chosen": "2", "rejected": "3"}] * 20)
+    cfg = _config(DPO_EXAMPLE, tmp_path / "root", f"preference.train_files=[{url}]", "preference.val_size=2",
+                  "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "data.max_prompt_length=64")
+    with pytest.raises(Exception) as err:
+        Run.open(cfg)
+    assert "data.max_prompt_length=64" in user_error_line(err.value, cfg)
+    assert not (tmp_path / "root" / "runs").exists()

@@ -1,14 +1,16 @@
-"""A warm rank group: N ranks of ``gpu_jobs.train.ranks.worker`` started once by torchrun, serving
+"""A warm rank group: N ranks of ``gpu_jobs.train.ranks.worker`` started once by a launcher, serving
 every later command of the run over a control channel (the trainer on top: ranks/trainer.py).
 
-    group = RankGroup(2).start()                 # torchrun, then rank 0's hello
+    group = RankGroup(2).start()                 # the launcher, then rank 0's hello
     info = group.call("init", model_path=..., config=...)   # every rank runs it; rank 0's result
     for kind, payload in group.stream("weights", ...): ...  # messages before the result
     group.close()                                # shutdown; SIGTERM, then SIGKILL what is left
 
 How it runs: the parent listens on a loopback ``multiprocessing.connection.Listener`` (random
-authkey); ``python -m torch.distributed.run --standalone --nproc_per_node N -m
-gpu_jobs.train.ranks.worker`` starts the ranks; rank 0 connects, receives each command and
+authkey); a launcher starts the ranks (launch.launcher_for): on one node without CUDA,
+``python -m gpu_jobs.train.ranks.forked``, which imports torch and DeepSpeed once and forks the
+ranks from itself; otherwise ``python -m torch.distributed.run --standalone --nproc_per_node N -m
+gpu_jobs.train.ranks.worker``. Rank 0 connects, receives each command and
 broadcasts it to the others (``broadcast_object_list``).
 
 Failures: a rank that raises or dies fails the call with a ``RankGroupError`` carrying that
@@ -93,6 +95,7 @@ class RankGroup:
         self._teardown_at: float | None = None
         self._sent_at = 0.0
         self.log_path = ""
+        self.launcher = ""  # "fork" or "torchrun" (launch.launcher_for), once started
         self.start_seconds: float | None = None
 
     def __repr__(self) -> str:
@@ -103,6 +106,8 @@ class RankGroup:
     def start(self) -> "RankGroup":
         from multiprocessing.connection import Listener
 
+        from .launch import launcher_for
+
         root = self._workdir_root if self._workdir_root is not None else workdir_root()
         remove_stale_workdirs(root or tempfile.gettempdir())
         self.workdir = tempfile.mkdtemp(prefix="rlmill-group-", dir=root)
@@ -111,8 +116,9 @@ class RankGroup:
         authkey = os.urandom(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = self._listener.address
-        cmd = self.layout.command(self.python, 0, f"{host}:{port}", self.workdir)
         env = self._child_env(authkey)
+        self.launcher = launcher_for(self.layout, env)
+        cmd = self.layout.command(self.python, 0, f"{host}:{port}", self.workdir, self.launcher)
         self._wake_r, self._wake_w = os.pipe()
         _LIVE.add(self)
         t0 = time.monotonic()
@@ -318,7 +324,7 @@ class RankGroup:
         if timed_out:
             return f"no reply {where} within the timeout (the ranks were killed)"
         code = self.proc.returncode if self.proc is not None else None
-        return (f"the launcher (torchrun, pid {self.proc.pid if self.proc else '?'}) exited with "
+        return (f"the launcher ({self.launcher}, pid {self.proc.pid if self.proc else '?'}) exited with "
                 f"code {code} {where}")
 
     # ---- teardown -------------------------------------------------------------------------

@@ -20,6 +20,8 @@ import os
 import sys
 
 _WORKER = "gpu_jobs.train.ranks.worker"
+_FORKED = "gpu_jobs.train.ranks.forked"
+LAUNCHERS = ("fork", "torchrun")
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -50,9 +52,15 @@ class NodeLayout:
         return [f"--nnodes={self.nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={self.nproc_per_node}",
                 f"--master_addr={self.master_addr}", f"--master_port={self.master_port}"]
 
-    def command(self, python: str, node_rank: int, address: str, workdir: str) -> list[str]:
+    def command(self, python: str, node_rank: int, address: str, workdir: str, launcher: str = "torchrun"
+                ) -> list[str]:
         """The launcher command of node `node_rank`; `address` is the parent's control channel
-        (used by rank 0 only, so 'none' on the other nodes)."""
+        (used by rank 0 only, so 'none' on the other nodes). `launcher`: see launcher_for."""
+        if launcher == "fork":
+            if self.nnodes != 1:
+                raise ValueError(f"the fork launcher starts one node's ranks; this group has {self.nnodes} nodes")
+            return [python, "-m", _FORKED, "--nproc-per-node", str(self.nproc_per_node), "--address", address,
+                    "--workdir", workdir]
         return [python, "-m", "torch.distributed.run", *self.torchrun_args(node_rank),
                 "--log-dir", os.path.join(workdir, "torchelastic"),  # torchrun's own files: the caller removes them
                 "-m", _WORKER, "--address", address, "--workdir", workdir]
@@ -88,6 +96,19 @@ def rank_env(n_local_ranks: int, nnodes: int = 1, extra: dict[str, str] | None =
         except ImportError:
             env["DS_ACCELERATOR"] = "cpu"
     return env
+
+
+def launcher_for(layout: NodeLayout, env: dict[str, str]) -> str:
+    """How node 0 starts its ranks: "fork" (gpu_jobs.train.ranks.forked: one interpreter imports
+    torch and DeepSpeed once and forks the ranks) for a one-node group without CUDA, else
+    "torchrun". RLMILL_RANK_LAUNCHER=torchrun in `env` asks for torchrun anyway; "fork" cannot be
+    forced where it is unsafe (CUDA) or cannot work (several nodes)."""
+    asked = env.get("RLMILL_RANK_LAUNCHER", "").strip().lower()
+    if asked and asked not in LAUNCHERS:
+        raise ValueError(f"RLMILL_RANK_LAUNCHER={asked!r}: use one of {', '.join(LAUNCHERS)} (or leave it unset)")
+    if asked == "torchrun" or layout.nnodes != 1 or env.get("DS_ACCELERATOR") != "cpu":
+        return "torchrun"
+    return "fork"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -133,7 +133,7 @@ def test_rollout_deployment_defaults_to_the_stage_deployment(tiny_config):
 
 def test_a_stage_that_runs_in_the_flow_is_refused_by_the_stage_deployment(tiny_config):
     with pytest.raises(ValueError, match=r"stage 'gate' does not run on a work pool; the stages that do: "
-                                         r"logprobs, rollout, update, validate"):
+                                         r"logprobs, preference_ref, rollout, update, validate"):
         rl_stage.fn("/nowhere", "r", 1, "gate")
 
 

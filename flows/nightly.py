@@ -364,10 +364,8 @@ def rl_nightly(config: str | None = "examples/grpo_arith.yaml", overrides: list[
     UTC) names the run; heldout_files: the held-out set (default: data.val_files, else generated);
     export_merged_hf: also write the promoted version as a plain HF folder with full weights under
     models/<name>/merged/<version> (a LoRA run promotes its adapter + base pointer; this is the
-    merged model for serving without peft); canary_share: > 0 sends that share of live users to a
-    candidate that passed the gate instead of promoting it (a canary, decided by rl-canary), 0.0
-    promotes directly; canary_test: the canary's test settings (storage.canary.CanaryPolicy:
-    min_samples, confidence, margin, max_duration_s).
+    merged model for serving without peft); canary_share, canary_test: as rl-retrain's (a canary
+    of that share of live users instead of a direct promotion; 0.0 promotes directly).
     """
     try:
         canary = canary_policy(canary_share, canary_test)

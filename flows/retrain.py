@@ -249,6 +249,26 @@ def _done_record(window: Window, n_rows: int, base: str, out: Any) -> dict[str, 
             "canary": out.canary}
 
 
+def _checked_parameters(model: Any, root: Any, epochs: Any, eval_size: Any, canary_share: Any, canary_test: Any,
+                        config: str | None, overrides: list[str] | None) -> str | tuple[Any, Any, list[str]]:
+    """(the run config, the canary policy, the overrides with root) or the one line that refuses them."""
+    from flows.config import ConfigError, load_run_config
+    from flows.nightly import canary_policy
+
+    if (line := check_inputs(model, root, epochs, eval_size)) is not None:
+        return line
+    try:
+        canary = canary_policy(canary_share, canary_test)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    overrides = [*(overrides or []), f"root={json.dumps(root)}"]
+    try:
+        cfg = load_run_config(config, overrides)
+    except (ConfigError, ValueError) as exc:
+        return f"config: {exc}"
+    return check_reward(cfg) or (cfg, canary, overrides)
+
+
 @flow(name="rl-retrain", log_prints=True)
 def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None = "examples/grpo_arith.yaml",
                overrides: list[str] | None = None, run_id: str | None = None, epochs: int = 1,
@@ -266,22 +286,12 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
     confidence, margin, max_duration_s; storage.canary.CanaryPolicy). A wrong parameter or reward
     ends the run Failed with one line and the fix, before any window is taken.
     """
-    from flows.config import ConfigError, load_run_config
-    from flows.nightly import canary_policy, ensure_heldout, gate_new_data, outcome_status, run_summary, train_and_gate
+    from flows.nightly import ensure_heldout, gate_new_data, outcome_status, run_summary, train_and_gate
 
-    if (line := check_inputs(model, root, epochs, eval_size)) is not None:
-        return _failed(line)
-    try:
-        canary = canary_policy(canary_share, canary_test)
-    except (TypeError, ValueError) as exc:
-        return _failed(str(exc))
-    overrides = [*(overrides or []), f"root={json.dumps(root)}"]
-    try:
-        cfg = load_run_config(config, overrides)
-    except (ConfigError, ValueError) as exc:
-        return _failed(f"config: {exc}")
-    if (line := check_reward(cfg)) is not None:
-        return _failed(line)
+    checked = _checked_parameters(model, root, epochs, eval_size, canary_share, canary_test, config, overrides)
+    if isinstance(checked, str):
+        return _failed(checked)
+    cfg, canary, overrides = checked
     models = ModelLayout(root, model, cfg.storage)
     logger = get_run_logger()
     if run_id is not None and WindowLog(models).find(run_id) is None:

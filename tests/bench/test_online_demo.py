@@ -61,8 +61,11 @@ def test_two_cycles_with_a_planted_bad_candidate(tmp_path):
     from storage import ModelLayout
     from storage.canary import read_canary
 
+    # 4 passes at 3e-4 over the 32-row window: the flipped candidate is far worse live (a weaker
+    # one, 2 passes at 1e-4, once passed a 0.05 margin on 16 samples); margin 0.02 makes the test strict.
     cfg = demo.DemoConfig(cycles=2, bad_cycle=2, requests=32, users=8, pool=16, canary_requests=48,
-                          canary_rounds=3, min_samples=16, epochs=2, eval_size=32, work=str(tmp_path / "work"))
+                          canary_rounds=3, min_samples=16, margin=0.02, epochs=4, lr=3e-4, eval_size=32,
+                          work=str(tmp_path / "work"))
     lines: list[str] = []
     rows = demo.run_demo(cfg, out=lines.append)
     assert [r.cycle for r in rows] == [1, 2] and [r.planted_bad for r in rows] == [False, True]

@@ -148,7 +148,7 @@ def cmd_train(args) -> None:
     from flows.training import rl_training
 
     summary = rl_training(config=args.config, overrides=_secrets_to_env(overrides))
-    _print_summary(summary)
+    _print_summary(summary, PREFERENCE_LABEL if cfg.preference is not None else SUMMARY_LABEL)
 
 
 def cmd_run(args) -> None:
@@ -177,18 +177,21 @@ def cmd_run(args) -> None:
 # val/acc is the mean reward score of greedy answers on the held-out set (for the built-in
 # arithmetic task, whose reward is 1 for the right sum and 0 otherwise, that is exact match).
 SUMMARY_LABEL = "held-out mean score (val/acc)"
+# A DPO/KTO run (a `preference:` section) validates on held-out pairs: the share its implicit reward orders right.
+PREFERENCE_LABEL = "held-out preference accuracy (val/acc)"
 
 
-def _print_summary(summary: dict) -> None:
+def _print_summary(summary: dict, label: str = SUMMARY_LABEL) -> None:
     before, after = summary["val/acc before"], summary["val/acc after"]
-    width = 41
+    what = "training" if label == PREFERENCE_LABEL else "RL"
+    width = max(41, len(f"{label}, before {what}") + 1)
     print()
     print(f"{'run':<{width}} {summary['run_id']}")
     if before is None:
-        print(f"{SUMMARY_LABEL + ', before RL':<{width}} not measured (trainer.val_before_train=false)")
+        print(f"{label + f', before {what}':<{width}} not measured (trainer.val_before_train=false)")
     else:
-        print(f"{SUMMARY_LABEL + ', before RL':<{width}} {100 * before:6.1f} %")
-    print(f"{SUMMARY_LABEL + ', after RL':<{width}} {100 * after:6.1f} %")
+        print(f"{label + f', before {what}':<{width}} {100 * before:6.1f} %")
+    print(f"{label + f', after {what}':<{width}} {100 * after:6.1f} %")
     if before is not None:
         print(f"{'change':<{width}} {100 * (after - before):+6.1f} points")
     print(f"{'iterations':<{width}} {summary['iterations']}")

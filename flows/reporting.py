@@ -339,6 +339,10 @@ def check_startable(cfg: Any) -> None:
         raise UserError(f"model.path {model} is not a folder (relative paths start at {os.getcwd()}): name a "
                         f"Hugging Face model folder, a storage URL, or one of the aliases {aliases_text()}")
     _check_data_files(cfg)
+    if cfg.preference is not None:  # DPO/KTO files: read and checked as the preference_batch stage will
+        from gpu_jobs.stages.preference_data import preference_frames
+
+        preference_frames(cfg)
     rm = cfg.reward_model.model.path
     if cfg.reward_model.enable and rm != "builtin" and local(rm) and not os.path.isdir(rm.removeprefix("file://")):
         raise UserError(f"reward_model.model.path {rm} is not a folder (relative paths start at {os.getcwd()}): "

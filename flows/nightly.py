@@ -103,14 +103,17 @@ def ensure_heldout(cfg: "RunConfig", models: ModelLayout, size: int, heldout_fil
 
 # ------------------------------------------------------------------------------------ training
 def train_night(config: str | None, overrides: list[str], *, base: str, train_files: list[str],
-                heldout: list[str], run_id: str, iterations: int) -> dict[str, Any]:
+                heldout: list[str], run_id: str, iterations: int, preference: bool = False) -> dict[str, Any]:
     """The `rl-training` subflow on `train_files` (tonight's, or a retraining window's), from
-    `base`; returns its summary."""
+    `base`; returns its summary. `preference`: the files are DPO/KTO preference files (a run with
+    a `preference:` section validates on held-out pairs of its own, not on `heldout` prompts)."""
     from flows.training import rl_training
 
+    data = ([f"preference.train_files={json.dumps(train_files)}"] if preference else
+            [f"data.train_files={json.dumps(train_files)}", f"data.val_files={json.dumps(heldout)}"])
     return rl_training(config=config, overrides=[
-        *overrides, f"model.path={json.dumps(base)}", f"data.train_files={json.dumps(train_files)}",
-        f"data.val_files={json.dumps(heldout)}", f"run_id={run_id}", f"trainer.total_iterations={iterations}"])
+        *overrides, f"model.path={json.dumps(base)}", *data, f"run_id={run_id}",
+        f"trainer.total_iterations={iterations}"])
 
 
 def run_summary(run: dict[str, Any]) -> dict[str, Any]:
@@ -337,7 +340,7 @@ def train_and_gate(config: str | None, overrides: list[str], cfg: "RunConfig", m
     canary of it started (see `_publish`). Every step is idempotent, so a resumed run id re-does
     nothing committed."""
     run = train_night(config, overrides, base=base, train_files=train_files, heldout=heldout, run_id=run_id,
-                      iterations=iterations)
+                      iterations=iterations, preference=cfg.preference is not None)
     new_url = RunLayout(cfg.root, run_id, cfg.storage).policy(iterations)
     new_eval = evaluate.with_options(task_run_name="evaluate-new")(new_url, heldout, eval_size, cfg)
     cur_eval = evaluate.with_options(task_run_name="evaluate-promoted")(base, heldout, eval_size, cfg)

@@ -15,13 +15,16 @@ is cancelled, and the consumer's next drain announces what is still waiting.
 
 One run, as Prefect tasks and one `rl-training` subflow:
   1. the reward check: the feedback rows' only ground truth is the logged answer's own text, so a
-     built-in rule reward (which compares against a ground truth) is refused in one line;
+     built-in rule reward (which compares against a ground truth) is refused in one line (a config
+     with a `preference:` section trains DPO/KTO on the window's ratings and needs no reward);
   2. the window (storage.windows): the run's own window when it is a retry or resume (run_id
      given, or a window whose run never finished), else a new one holding every committed
      feedback segment no window holds, committed create-only; none -> a "nothing new" artifact,
      Completed. The run id is retrain-<model>-w<seq>, so a resume finds its committed stages;
   3. the rows: gpu_jobs.serve.dataset's training rows of the window's feedback, written once as a
-     verl-format prompt file under models/<name>/retrain/<run id>/, through the nightly's gate;
+     verl-format prompt file under models/<name>/retrain/<run id>/, through the nightly's gate --
+     or, for a preference run, the window's DPO pairs / KTO examples (window_preferences) as a
+     preference file, preference.val_size of them (at most a quarter) held out for val/acc;
   4. train, evaluate, promote if not worse: flows.nightly.train_and_gate, the nightly's own path
      (history records the move as "retrain"); with canary_share > 0 a canary of the version starts
      instead of the move (models/<name>/CANARY; the first promotion of a model is direct);
@@ -46,8 +49,8 @@ from storage.windows import Piece, Readiness, Window, WindowLog, backlog, readin
 if TYPE_CHECKING:
     from flows.config import RunConfig
 
-__all__ = ["DEPLOYMENT", "check_reward", "feedback_pieces", "plan_training", "rl_retrain", "run_id_for",
-           "window_readiness", "window_rows"]
+__all__ = ["DEPLOYMENT", "check_reward", "feedback_pieces", "plan_training", "preference_held_out", "rl_retrain",
+           "run_id_for", "window_preferences", "window_readiness", "window_rows"]
 
 DEPLOYMENT = "rl-retrain/on-feedback"
 FEEDBACK_ROWS = "feedback"  # the segment table whose rows the readiness rule counts
@@ -207,16 +210,44 @@ def open_window(root: str, model: str, run_id: str | None, storage: Any) -> Wind
                                         run_id_for=lambda seq: run_id_for(model, seq))
 
 
+def window_preferences(rows: list[dict[str, Any]], algorithm: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """A window's feedback rows as preference-file rows (TRL's columns) for a DPO or KTO run, and
+    the builder's counts of what it dropped (gpu_jobs/data/preferences.py: votes merged per pair,
+    KTO labels from thumbs)."""
+    from gpu_jobs.data.preferences import kto_examples, preference_file_rows, preference_pairs
+
+    items, counts = preference_pairs(rows) if algorithm == "dpo" else kto_examples(rows)
+    return preference_file_rows(items), counts
+
+
+def preference_held_out(n: int, val_size: int) -> int:
+    """Pairs/examples of a window of `n` held out for the run's val/acc: preference.val_size, at
+    most a quarter of the window, at least 2 (the key's floor).
+
+    >>> preference_held_out(400, 64), preference_held_out(40, 64), preference_held_out(5, 64)
+    (64, 10, 2)
+    """
+    return max(2, min(val_size, n // 4))
+
+
 @task(name="write-window-rows", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def write_window_rows(root: str, model: str, window: Window, dest: str, storage: Any) -> int:
-    """The window's training rows as one verl Parquet file at `dest`, written once: a resumed
-    run reads the file it wrote (the rows of committed segments never change anyway)."""
-    from storage.datasets import read_prompts, write_prompts
+def write_window_rows(root: str, model: str, window: Window, dest: str, storage: Any,
+                      preference: str | None = None) -> int:
+    """The window's training rows as one Parquet file at `dest`, written once: verl prompt rows,
+    or with `preference` ("dpo" | "kto") preference rows. A resumed run reads the file it wrote
+    (the rows of committed segments never change anyway)."""
+    import pyarrow.parquet as pq
+
+    from storage.datasets import write_prompts
 
     fs, path = url_to_fs(dest, storage)
     if fs.exists(path):
-        return len(read_prompts([dest], storage=storage))
+        with fs.open(path, "rb") as f:
+            return pq.ParquetFile(f).metadata.num_rows
     rows = window_rows(root, model, window, storage)
+    if preference is not None:
+        rows, counts = window_preferences(rows, preference)
+        get_run_logger().info("window %d as %s rows: %s", window.seq, preference, counts)
     if rows:
         write_prompts(rows, dest, storage=storage)
     return len(rows)
@@ -266,7 +297,7 @@ def _checked_parameters(model: Any, root: Any, epochs: Any, eval_size: Any, cana
         cfg = load_run_config(config, overrides)
     except (ConfigError, ValueError) as exc:
         return f"config: {exc}"
-    return check_reward(cfg) or (cfg, canary, overrides)
+    return (check_reward(cfg) if cfg.preference is None else None) or (cfg, canary, overrides)
 
 
 @flow(name="rl-retrain", log_prints=True)
@@ -302,17 +333,23 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
         if window is None:
             return _nothing_new(root, model)
         work = join(models.root, "retrain", window.run_id)
-        n_rows = write_window_rows(root, model, window, join(work, "window.parquet"), cfg.storage)
+        pref = cfg.preference
+        dest = join(work, "window.parquet")
+        n_rows = write_window_rows(root, model, window, dest, cfg.storage, pref.algorithm if pref else None)
         _window_artifact(window, n_rows)
         logger.info("window %d: %d segment(s), %d feedback row(s) -> %d training row(s); run %s", window.seq,
                     len(window.pieces), window.rows("feedback"), n_rows, window.run_id)
-        if n_rows == 0:  # e.g. only answers, or ratings of answers the window cannot see
-            WindowLog(models).finish(window, {"decision": "nothing to train", "rows": 0})
+        held = preference_held_out(n_rows, pref.val_size) if pref else 0
+        if n_rows - held < 1:  # e.g. only answers, ratings of answers the window cannot see, no pair
+            WindowLog(models).finish(window, {"decision": "nothing to train", "rows": n_rows})
             return {"status": "nothing to train", "model": model, "window": window.seq, "run_id": window.run_id}
         plan, iterations, left_out = plan_training(cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size,
-                                                   n_rows, epochs)
+                                                   n_rows - held, epochs)
         base_version, base = models.current_version(), models.current_url() or cfg.model.path
-        train_files = gate_new_data([join(work, "window.parquet")], cfg, base, work)
+        if pref:  # preference rows: the run's own checks read them (gpu_jobs/stages/preference_data.py)
+            plan, train_files = [*plan, f"preference.val_size={held}"], [dest]
+        else:
+            train_files = gate_new_data([dest], cfg, base, work)
         heldout = ensure_heldout(cfg, models, max(eval_size, cfg.data.val_size), heldout_files)
         out = train_and_gate(config, [*overrides, *plan], cfg, models, base=base, train_files=train_files,
                              heldout=heldout, run_id=window.run_id, iterations=iterations, eval_size=eval_size,

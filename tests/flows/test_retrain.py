@@ -253,3 +253,40 @@ def test_ready_event_and_docstring_examples(tmp_path):
     # What the deployment trigger's parameters read: {{ event.payload.model }} and {{ event.payload.root }}.
     assert e["payload"] == {"model": "arith", "root": str(tmp_path), "rows": 3, "oldest_age_s": 400.0,
                             "reason": "3 rows, the oldest waiting 400 s >= 300 s"}
+
+
+def test_a_kto_retrain_trains_the_windows_thumbs(tiny, tmp_path):
+    """A config with a `preference:` section (examples/kto_feedback.yaml): the window's thumbs
+    become KTO examples (up = desirable), a quarter held out for val/acc, no reward needed; the
+    candidate goes through the same gate and promotion."""
+    import pyarrow.parquet as pq
+    import redis
+
+    from flows.retrain import rl_retrain
+    from gpu_jobs.serve.broker import STREAM
+    from gpu_jobs.serve.consumer import consume
+    from gpu_jobs.serve.events import encode, feedback_event
+    from tests.serve.conftest import redis_server
+    from tests.tiny import REPO
+
+    root = str(tmp_path / "root")
+    with redis_server(tmp_path) as url:
+        r = redis.Redis.from_url(url)
+        for i in range(16):  # right sums thumbed up, wrong ones down
+            right = i % 2 == 0
+            a = _answer(f"{10 + i}+{20 + i}=", str(30 + 2 * i + (0 if right else 7)))
+            r.xadd(STREAM, encode(a))
+            r.xadd(STREAM, encode(feedback_event(a["answer_id"], model="arith", version="v0",
+                                                 thumbs="up" if right else "down")))
+        assert consume(root, url).feedback == 16
+    overrides = tiny(root, "actor.ppo_micro_batch_size_per_gpu=4", "trainer.val_before_train=false",
+                     "data.val_size=8")
+    out = rl_retrain(model="arith", root=root, config=str(REPO / "examples" / "kto_feedback.yaml"),
+                     overrides=overrides, eval_size=8, min_gain=-1.0)
+    assert out["status"] == "promoted" and out["rows"] == 16, out
+    window_file = tmp_path / "root" / "models" / "arith" / "retrain" / out["run_id"] / "window.parquet"
+    table = pq.read_table(window_file)
+    assert table.column_names == ["prompt", "completion", "label"]
+    assert sorted(table.column("label").to_pylist()) == [False] * 8 + [True] * 8
+    assert 0.0 <= out["run"]["val/acc after"] <= 1.0  # the run validated on its 4 held-out examples
+    assert ModelLayout(root, "arith").current_version() == out["run_id"]

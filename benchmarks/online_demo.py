@@ -400,7 +400,7 @@ def run_demo(cfg: DemoConfig, out=print) -> list[CycleRow]:
     return rows
 
 
-def parse(argv: list[str] | None = None) -> DemoConfig:
+def parse(argv: list[str] | None = None) -> tuple[DemoConfig, str | None]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.online_demo", description=__doc__.split("\n\n")[0])
     defaults = DemoConfig()
     for f in DemoConfig.__dataclass_fields__.values():

@@ -230,12 +230,103 @@ def preference_held_out(n: int, val_size: int) -> int:
     return max(2, min(val_size, n // 4))
 
 
+# Replay: besides the window, rows from older windows ("feedback") and from the user's cold-start
+# data ("cold_start", the files in "cold_start_files"), each as a share of the window's rows, so an
+# incremental update also sees what it learnt before (the online loop's cold-start/online mix).
+REPLAY_SOURCES = ("feedback", "cold_start")
+
+
+def check_replay(replay: Any) -> str | None:
+    """Why `replay` cannot be used, as one line with the fix; None when it can.
+
+    >>> check_replay({"feedback": 0.2}) is None, check_replay({"cold_start": 0.5})
+    (True, "replay['cold_start'] needs replay['cold_start_files']: the cold-start data files (verl prompt files; preference files for a preference run)")
+    """
+    if replay is None:
+        return None
+    example = "e.g. {'feedback': 0.2, 'cold_start': 0.1, 'cold_start_files': ['s3://bucket/data/train.parquet']}"
+    if not isinstance(replay, dict) or set(replay) - {*REPLAY_SOURCES, "cold_start_files"}:
+        return (f"replay={replay!r}: give the rows replayed per window row for each source ({', '.join(REPLAY_SOURCES)}: "
+                f"older windows' feedback, cold-start files), {example}")
+    for k in REPLAY_SOURCES:
+        v = replay.get(k, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 10:
+            return f"replay[{k!r}]={v!r}: a share between 0 and 10 (rows replayed per window row)"
+    files = replay.get("cold_start_files") or []
+    if replay.get("cold_start") and not (isinstance(files, list) and files and all(isinstance(f, str) for f in files)):
+        return ("replay['cold_start'] needs replay['cold_start_files']: the cold-start data files (verl prompt files; "
+                "preference files for a preference run)")
+    return None
+
+
+def replay_counts(n_window: int, replay: dict[str, Any] | None) -> dict[str, int]:
+    """Rows to replay per source for a window of `n_window` training rows.
+
+    >>> replay_counts(40, {"feedback": 0.25, "cold_start": 0.1, "cold_start_files": ["a.parquet"]})
+    {'feedback': 10, 'cold_start': 4}
+    """
+    return {k: int(round(n_window * float(replay[k]))) for k in REPLAY_SOURCES if (replay or {}).get(k)}
+
+
+def sample_rows(rows: list[Any], k: int, seed: int) -> list[Any]:
+    """`k` of `rows` without replacement, the same ones for the same seed (all of them when k >= len).
+
+    >>> sample_rows([1, 2, 3], 5, 0), len(sample_rows(list(range(10)), 4, 7)), sample_rows([1, 2, 3, 4], 2, 1) == sample_rows([1, 2, 3, 4], 2, 1)
+    ([1, 2, 3], 4, True)
+    """
+    import random
+
+    return list(rows) if k >= len(rows) else random.Random(seed).sample(list(rows), k)
+
+
+def _run_log() -> Any:
+    """The flow run's logger (the UI shows it), or this module's outside a run (a task called as .fn)."""
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return log
+
+
+def _training_rows(rows: list[dict[str, Any]], preference: str | None, what: str) -> list[dict[str, Any]]:
+    if preference is None:
+        return rows
+    rows, counts = window_preferences(rows, preference)
+    _run_log().info("%s as %s rows: %s", what, preference, counts)
+    return rows
+
+
+def _older_rows(root: str, model: str, window: Window, storage: Any) -> list[dict[str, Any]]:
+    """The training rows of every window before `window` (each with its own ratings)."""
+    from gpu_jobs.serve.dataset import training_rows
+
+    uris = [u for w in WindowLog(ModelLayout(root, model, storage)).windows() if w.seq < window.seq for u in w.uris]
+    return training_rows(root, model, storage, feedback_from=uris) if uris else []
+
+
+def _cold_start_rows(files: list[str], preference: str | None, storage: Any) -> list[dict[str, Any]]:
+    if preference is None:
+        from storage.datasets import read_prompts
+
+        return read_prompts(files, storage=storage).to_dict("records")
+    import pyarrow.parquet as pq
+
+    rows = []
+    for url in files:
+        fs, path = url_to_fs(url, storage)
+        with fs.open(path, "rb") as f:
+            rows += pq.read_table(f).to_pylist()
+    return rows
+
+
 @task(name="write-window-rows", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def write_window_rows(root: str, model: str, window: Window, dest: str, storage: Any,
-                      preference: str | None = None) -> int:
+                      preference: str | None = None, replay: dict[str, Any] | None = None) -> int:
     """The window's training rows as one Parquet file at `dest`, written once: verl prompt rows,
-    or with `preference` ("dpo" | "kto") preference rows. A resumed run reads the file it wrote
-    (the rows of committed segments never change anyway)."""
+    or with `preference` ("dpo" | "kto") preference rows; then the `replay` rows (replay_counts,
+    sampled with the window's seq as seed). A resumed run reads the file it wrote (the rows of
+    committed segments never change anyway)."""
     import pyarrow.parquet as pq
 
     from storage.datasets import write_prompts
@@ -244,10 +335,18 @@ def write_window_rows(root: str, model: str, window: Window, dest: str, storage:
     if fs.exists(path):
         with fs.open(path, "rb") as f:
             return pq.ParquetFile(f).metadata.num_rows
-    rows = window_rows(root, model, window, storage)
-    if preference is not None:
-        rows, counts = window_preferences(rows, preference)
-        get_run_logger().info("window %d as %s rows: %s", window.seq, preference, counts)
+    rows = _training_rows(window_rows(root, model, window, storage), preference, f"window {window.seq}")
+    counts = replay_counts(len(rows), replay)
+    parts = {"window": rows}
+    if counts.get("feedback"):
+        older = _training_rows(_older_rows(root, model, window, storage), preference, "older windows")
+        parts["feedback"] = sample_rows(older, counts["feedback"], window.seq)
+    if counts.get("cold_start"):
+        cold = _cold_start_rows(replay["cold_start_files"], preference, storage)
+        parts["cold_start"] = sample_rows(cold, counts["cold_start"], window.seq)
+    if len(parts) > 1:
+        _run_log().info("window %d: %s training rows", window.seq, {k: len(v) for k, v in parts.items()})
+    rows = [r for part in parts.values() for r in part] if rows else []  # nothing new: nothing to replay for
     if rows:
         write_prompts(rows, dest, storage=storage)
     return len(rows)
@@ -305,7 +404,7 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
                overrides: list[str] | None = None, run_id: str | None = None, epochs: int = 1,
                eval_size: int = 300, min_gain: float = 0.0, heldout_files: list[str] | None = None,
                export_merged_hf: bool = False, canary_share: float = 0.0,
-               canary_test: dict[str, Any] | None = None) -> dict[str, Any]:
+               canary_test: dict[str, Any] | None = None, replay: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train `model`'s promoted version on the next feedback window (see the module docstring).
 
     model, root: the model and storage root (the trigger passes the event's); config/overrides:
@@ -314,12 +413,14 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
     over the window; eval_size, min_gain, heldout_files, export_merged_hf: the nightly's gate
     (flows/nightly.py); canary_share: > 0 starts a canary of a candidate that passed the gate, with
     that share of live users (0.0 promotes directly); canary_test: its test settings (min_samples,
-    confidence, margin, max_duration_s; storage.canary.CanaryPolicy). A wrong parameter or reward
-    ends the run Failed with one line and the fix, before any window is taken.
+    confidence, margin, max_duration_s; storage.canary.CanaryPolicy); replay: rows replayed per
+    window row, by source (check_replay). A wrong parameter or reward ends the run Failed with one
+    line and the fix, before any window is taken.
     """
     from flows.nightly import ensure_heldout, gate_new_data, outcome_status, run_summary, train_and_gate
 
-    checked = _checked_parameters(model, root, epochs, eval_size, canary_share, canary_test, config, overrides)
+    checked = check_replay(replay) or _checked_parameters(model, root, epochs, eval_size, canary_share, canary_test,
+                                                          config, overrides)
     if isinstance(checked, str):
         return _failed(checked)
     cfg, canary, overrides = checked
@@ -335,7 +436,7 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
         work = join(models.root, "retrain", window.run_id)
         pref = cfg.preference
         dest = join(work, "window.parquet")
-        n_rows = write_window_rows(root, model, window, dest, cfg.storage, pref.algorithm if pref else None)
+        n_rows = write_window_rows(root, model, window, dest, cfg.storage, pref.algorithm if pref else None, replay)
         _window_artifact(window, n_rows)
         logger.info("window %d: %d segment(s), %d feedback row(s) -> %d training row(s); run %s", window.seq,
                     len(window.pieces), window.rows("feedback"), n_rows, window.run_id)
@@ -358,8 +459,7 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
                   f"Window {window.seq}: {outcome_status(out)}")
         record = _done_record(window, n_rows, base, out)
         WindowLog(models).finish(window, record)
-        return {"status": outcome_status(out), "model": model, **record,
-                "run": run_summary(out.run)}
+        return {"status": outcome_status(out), "model": model, **record, "run": run_summary(out.run)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -377,13 +477,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--canary-share", type=float, default=0.0,
                    help="> 0: a candidate that passes the gate gets this share of live users (a canary that "
                         "rl-canary decides) instead of being promoted; 0 promotes directly (default)")
+    p.add_argument("--replay", default=None, metavar="JSON",
+                   help="rows replayed per window row, by source, e.g. '{\"feedback\": 0.2, \"cold_start\": 0.1, "
+                        "\"cold_start_files\": [\"data/train.parquet\"]}' (default: the window only)")
     p.add_argument("overrides", nargs="*", help="dotted run-config overrides; root=... names the storage root")
     a = p.parse_args(argv)
+    try:
+        replay = json.loads(a.replay) if a.replay else None
+    except ValueError as exc:
+        raise SystemExit(f"rlmill: --replay {a.replay!r} is not JSON ({exc}): give e.g. '{{\"feedback\": 0.2}}'")
     _quiet_env()
     roots = [o.split("=", 1)[1] for o in a.overrides if o.startswith("root=")]
     state = rl_retrain(model=a.model, root=roots[-1] if roots else ".rlmill", config=a.config,
                        overrides=a.overrides, run_id=a.run_id, epochs=a.epochs, eval_size=a.eval_size,
-                       min_gain=a.min_gain, canary_share=a.canary_share, return_state=True)
+                       min_gain=a.min_gain, canary_share=a.canary_share, replay=replay, return_state=True)
     if not state.is_completed():  # a refused input: its one line, no traceback
         raise SystemExit(f"rlmill: {state.message}")
     print(json.dumps(state.result(), indent=1, default=str))

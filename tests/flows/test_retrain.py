@@ -290,3 +290,37 @@ def test_a_kto_retrain_trains_the_windows_thumbs(tiny, tmp_path):
     assert sorted(table.column("label").to_pylist()) == [False] * 8 + [True] * 8
     assert 0.0 <= out["run"]["val/acc after"] <= 1.0  # the run validated on its 4 held-out examples
     assert ModelLayout(root, "arith").current_version() == out["run_id"]
+
+
+def test_replay_adds_older_windows_and_cold_start_rows_by_share(tmp_path):
+    """Window 2 with replay {feedback: 0.5, cold_start: 1.0}: its own 4 rows, 2 of window 1's 6
+    (seeded: the same 2 on a retry) and 4 cold-start rows; refusals are one line each."""
+    from flows.retrain import check_replay, open_window, write_window_rows
+    from gpu_jobs.data.generators import arith_pairs, arith_row
+    from storage.datasets import read_prompts, write_prompts
+
+    root = str(tmp_path / "root")
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    _commit_feedback(root, tmp_path / "a", 6)
+    first = open_window.fn(root, "arith", None, None)
+    _commit_feedback(root, tmp_path / "b", 4)
+    WindowLog(ModelLayout(root, "arith")).finish(first, {"decision": "promote"})  # window 1 trained
+    second = open_window.fn(root, "arith", None, None)
+    assert (first.seq, second.seq) == (1, 2)
+    cold = write_prompts([arith_row(a, b, "train", i) for i, (a, b) in enumerate(arith_pairs(20, 3))],
+                         str(tmp_path / "cold.parquet"))
+    replay = {"feedback": 0.5, "cold_start": 1.0, "cold_start_files": [cold]}
+    dest = str(tmp_path / "w2.parquet")
+    assert write_window_rows.fn(root, "arith", second, dest, None, None, replay) == 4 + 2 + 4
+    rows = read_prompts([dest])
+    sources = rows["data_source"].tolist()
+    assert sources.count("rlmill/feedback/arith") == 6 and len(sources) - 6 == 4  # 4 own + 2 replayed; 4 cold
+    own = {p[0]["content"] for p in rows["prompt"][:4]}
+    assert own == {f"{10 + i}+{20 + i}=" for i in range(4)}  # window 2's own answers first
+    again = str(tmp_path / "again.parquet")
+    write_window_rows.fn(root, "arith", second, again, None, None, replay)
+    assert read_prompts([again])["prompt"].tolist() == rows["prompt"].tolist()  # seeded by the window
+    assert check_replay({"cold_start": 0.5}).startswith("replay['cold_start'] needs replay['cold_start_files']")
+    assert check_replay({"feedbak": 0.5}).startswith("replay={'feedbak': 0.5}: give the rows replayed")
+    assert check_replay({"feedback": -1}) == \
+        "replay['feedback']=-1: a share between 0 and 10 (rows replayed per window row)"

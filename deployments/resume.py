@@ -1,8 +1,8 @@
-"""Automatic resume: a deployment run of rl-training or rl-nightly that failed, crashed or went
+"""Automatic resume: a deployment run of rl-training, rl-nightly or rl-retrain that failed, crashed or went
 silent is started again with the same run_id, after a delay, a bounded number of times.
 
 `make deploy` ships the `rl-resume/auto` deployment with two automations (deployments/prefect.yaml):
-  - a deployment run of rl-training or rl-nightly enters Failed, TimedOut or Crashed (the worker
+  - a deployment run of rl-training, rl-nightly or rl-retrain enters Failed, TimedOut or Crashed (the worker
     reports Crashed when the run's process dies);
   - a running one sends no heartbeat for 90 s (its process died with its worker or its machine:
     nobody is left to report it). Unless one arrives in the next 45 s (heartbeats also go unheard
@@ -30,7 +30,7 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 
-RESUMABLE_FLOWS = ("rl-training", "rl-nightly")
+RESUMABLE_FLOWS = ("rl-training", "rl-nightly", "rl-retrain")
 INPUT_ERROR_TAG = "input-error"  # rl-training tags a run that failed because of its config or data
 _SUFFIX = re.compile(r" \(auto-resume \d+/\d+\)$")
 SILENT_RECHECK_S = 45.0  # 1.5 heartbeat periods (PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 in prefect.yaml)

@@ -354,9 +354,14 @@ def write_window_rows(root: str, model: str, window: Window, dest: str, storage:
 
 # ------------------------------------------------------------------------------------ the flow
 def _failed(line: str):
+    """The run's Failed state for a refused input, tagged input-error so that the automatic resume
+    (deployments/resume.py) leaves it: it would fail the same way."""
     from prefect.states import Failed
 
+    from flows.training import INPUT_ERROR_TAG, _tag_flow_run
+
     get_run_logger().error("rlmill: %s", line)
+    _tag_flow_run(INPUT_ERROR_TAG, quiet=True)
     return Failed(message=line)
 
 

@@ -60,6 +60,14 @@ def test_nightly_runs_resume_with_their_own_parameters():
     assert d.resume and d.parameters == {"model_name": "arith", "iterations": 10}  # its run id is the night's
 
 
+def test_retrain_runs_resume_with_their_own_parameters():
+    """A resumed rl-retrain without a run_id takes its crashed run's window (the pending one)."""
+    params = {"model": "arith", "root": "/r", "overrides": ["actor.lr=1.0e-5"]}
+    d = decide(**{**FAILED, "flow_name": "rl-retrain", "tags": ["rlmill", "retrain", "model:arith"],
+                  "parameters": params})
+    assert d.resume and d.parameters == params
+
+
 def test_settings_come_from_the_runs_own_config_and_overrides():
     params = {"config": str(REPO / "examples" / "grpo_arith.yaml"),
               "overrides": ["tasks.auto_resumes=1", "tasks.auto_resume_delay_seconds=5"]}

@@ -206,6 +206,10 @@ def test_rl_retrain_trains_the_pending_window_once(tiny, example_path, tmp_path)
     state = rl_retrain(**kw, overrides=tiny(root), return_state=True)
     assert state.is_failed() and state.message.startswith("reward: the built-in rule scorers")
     assert WindowLog(ModelLayout(root, "arith")).windows() == []
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:  # so the automatic resume leaves it
+        assert "input-error" in client.read_flow_run(state.state_details.flow_run_id).tags
 
     state = rl_retrain(**kw, overrides=tiny(root), run_id="retrain-arith-w7", return_state=True)
     assert state.is_failed() and state.message.startswith("reward:")  # the reward is checked first

@@ -102,17 +102,19 @@ def window_rows(root: str, model: str, window: Window, storage: Any = None) -> l
 def check_reward(cfg: "RunConfig") -> str | None:
     """Why the run's reward cannot score re-rolled feedback prompts, as one line with the fix;
     None when it can. A feedback row's ground truth is the logged answer's own text and its
-    data_source rlmill/feedback/<model> has no built-in scorer: only the user's function decides
-    what a good answer is (it gets that text as ground_truth and the feedback in extra_info)."""
+    data_source rlmill/feedback/<model> has no built-in scorer: the user's function decides what a
+    good answer is (it gets that text as ground_truth and the feedback in extra_info), or a reward
+    model alone does (combine=rm_only: the rule score is then only logged, where one exists)."""
     if cfg.reward.custom_reward_function.path is not None:
         return None
-    rm = " (reward_model.enable=true still computes the rule score it adds to or logs beside the model's)" \
-        if cfg.reward_model.enable else ""
+    if cfg.reward_model.enable and cfg.reward_model.combine == "rm_only":
+        return None  # the reward model's score trains; the rule score is only logged where it exists
+    rm = " (reward_model.combine=add adds the rule score to the model's)" if cfg.reward_model.enable else ""
     return ("reward: the built-in rule scorers compare answers with a ground truth, and a feedback window has "
             f"none (its rows' ground_truth is the logged answer's own text){rm}: set "
             "reward.custom_reward_function.path=<file.py> to a function that scores without one (it gets the "
-            "feedback in extra_info); to train on a reward model's score (gpu_jobs/reward/model_reward.py), add "
-            "reward_model.enable=true reward_model.combine=rm_only to it")
+            "feedback in extra_info), or train on a reward model's score alone (gpu_jobs/reward/model_reward.py): "
+            "reward_model.enable=true reward_model.combine=rm_only")
 
 
 def plan_training(batch_size: int, mini_batch_size: int, n_rows: int, epochs: int) -> tuple[list[str], int, int]:

@@ -13,6 +13,7 @@ once, in `graph.py`:
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -143,22 +144,47 @@ def reward(run: Run, roles: Roles, k: int, batch_uri: str, rm_uri: str | None = 
     """The training score of each response: the rule reward, or with a reward model (rm_uri)
     reward_model.combined(rule score, rm score) (coef * rm, or rule + coef * rm), both kept as
     columns `rule_score` and `rm_score`."""
-    from gpu_jobs.reward import score_batch
-
     table = read(run, batch_uri, ["uid", "data_source", "response_ids", "ground_truth", "extra_info"])
     rows = reward_rows(run.tokenizer, table)
-    scores, extras, metrics = score_batch(rows, run.cfg.reward)
+    rm_only = bool(rm_uri) and run.cfg.reward_model.combine == "rm_only"
+    scores, extras, metrics = rule_scores(rows, run.cfg, rm_only)
     cols = {"uid": table.column("uid")}
     if rm_uri:
         rm_scores = join_by_uid(table.select(["uid"]), read(run, rm_uri)).column("rm_score").to_pylist()
         cols.update(rule_score=pa.array(scores, pa.float32()), rm_score=pa.array(rm_scores, pa.float32()))
-        metrics.update(_score_metrics("critic/rule_score", scores))
+        metrics.update(_score_metrics("critic/rule_score", [x for x in scores if not np.isnan(x)]))
         scores = [run.cfg.reward_model.combined(r, m) for r, m in zip(scores, rm_scores)]
         metrics.update(_score_metrics("critic/score", scores))
     out = pa.table({**cols, "score": pa.array(scores, pa.float32()),
                     "reward_extra": pa.array([json.dumps(e, default=str) for e in extras]),
                     "response_text": pa.array([r["solution_str"] for r in rows])})
     return Output(out, metrics, [batch_uri, rm_uri])
+
+
+def rule_scores(rows: list[dict], cfg: Any, rm_only: bool) -> tuple[list[float], list[dict], dict[str, float]]:
+    """score_batch's (scores, extras, metrics) for `rows`. Under reward_model.combine=rm_only the
+    rule score is only logged, so rows whose data_source no built-in rule scores (e.g. served
+    feedback, rlmill/feedback/<model>, whose ground truth is the answer itself) get NaN instead of
+    failing the run; everywhere else such a row is the configuration error score_batch raises."""
+    from gpu_jobs.reward import score_batch
+    from gpu_jobs.reward.registry import UnknownDataSourceError, get_reward_fn
+
+    if not rm_only or cfg.reward.custom_reward_function.path is not None:
+        return score_batch(rows, cfg.reward)
+
+    def scored(ds: str) -> bool:
+        try:
+            return get_reward_fn(ds) is not None
+        except UnknownDataSourceError:
+            return False
+
+    known = {ds: scored(ds) for ds in {r["data_source"] for r in rows}}
+    keep = [i for i, r in enumerate(rows) if known[r["data_source"]]]
+    part, part_extras, metrics = score_batch([rows[i] for i in keep], cfg.reward)
+    scores, extras = [math.nan] * len(rows), [{} for _ in rows]
+    for i, score, extra in zip(keep, part, part_extras):
+        scores[i], extras[i] = score, extra
+    return scores, extras, metrics
 
 
 def _score_metrics(prefix: str, scores: list[float]) -> dict[str, float]:

@@ -114,10 +114,31 @@ def test_reward_refused_without_a_function(tiny_config, tmp_path):
 
     line = check_reward(tiny_config())
     assert "reward.custom_reward_function.path" in line and "ground truth" in line
-    assert "still computes the rule score" in check_reward(tiny_config("reward_model.enable=true"))
+    assert check_reward(tiny_config("reward_model.enable=true")) is None  # combine=rm_only: the model's score alone
+    assert "combine=add adds the rule score" in check_reward(tiny_config("reward_model.enable=true",
+                                                                          "reward_model.combine=add"))
     custom = tmp_path / "r.py"
     custom.write_text("def compute_score(*a, **k):\n    return 0.0\n")
     assert check_reward(tiny_config(f"reward.custom_reward_function.path={custom}")) is None
+
+
+def test_under_rm_only_rows_no_rule_scores_get_nan_not_an_error(tiny_config):
+    """A feedback row (data_source rlmill/feedback/arith) has no rule scorer: with a reward model
+    alone it is logged as NaN; an arith row beside it is still rule-scored; without rm_only the
+    unknown source is the configuration error it always was."""
+    import math
+
+    from gpu_jobs.data.generators import ARITH_SOURCE
+    from gpu_jobs.reward.registry import UnknownDataSourceError
+    from gpu_jobs.stages.iteration import rule_scores
+
+    rows = [{"data_source": "rlmill/feedback/arith", "solution_str": "5", "ground_truth": "5"},
+            {"data_source": ARITH_SOURCE, "solution_str": "5", "ground_truth": "5"}]
+    cfg = tiny_config("reward_model.enable=true")
+    scores, extras, metrics = rule_scores(rows, cfg, rm_only=True)
+    assert math.isnan(scores[0]) and scores[1] == 1.0 and extras[0] == {} and metrics["reward/n"] == 1.0
+    with pytest.raises(UnknownDataSourceError, match="rlmill/feedback/arith"):
+        rule_scores(rows, cfg, rm_only=False)
 
 
 # ------------------------------------------------------------------------------------ the flow

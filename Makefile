@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run run-smollm2 serve image test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
+.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -14,6 +14,7 @@ venv:
 help:
 	@echo 'make run           train GRPO on the built-in task (a new run each time) and print accuracy before/after'
 	@echo 'make serve         an OpenAI-compatible API over the built-in model on :8000, answers and feedback to Redis (README "Serving and feedback")'
+	@echo 'make online-demo   simulated users, serve, retrain on each feedback window, a canary that promotes or rolls back (README "Online learning")'
 	@echo 'make test          the test suite but its whole user journeys, in 12 minutes on 2 cores (starts the servers it needs)'
 	@echo 'make e2e           the whole user journeys: the README walkthrough, every example, the chaos quick set (CI runs both)'
 	@echo 'make test-fast     the tests not marked slow'
@@ -51,6 +52,12 @@ serve: venv
 	    && echo "[rlmill] started redis-server on 127.0.0.1:$(REDIS_PORT) (stop it: kill \$$(cat .rlmill/redis.pid))"; \
 	fi
 	$(PY) -m flows.cli serve --port $(SERVE_PORT) --redis $(REDIS) $(SERVE_ARGS)
+
+# The online loop with no one at the keyboard (README "Online learning"): redis, rlmill serve,
+# simulated users (rlmill simulate), retrain on each window, a canary and its decision; 5 cycles,
+# cycle 3 planted bad. ARGS="--cycles 2 --bad-cycle 2" for a shorter one.
+online-demo: venv
+	$(PY) -m benchmarks.online_demo $(ARGS)
 
 test:
 	@bash scripts/run_tests.sh test

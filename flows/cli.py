@@ -38,6 +38,7 @@ from flows.cli_help import CONFIG_SHOW_HELP, MAIN_HELP, RUN_HELP, TRAIN_HELP, VE
 from flows.cli_models import add_models_parser
 from flows.cli_prefect import _start_ephemeral_api
 from flows.cli_serve import add_serve_parsers
+from flows.cli_simulate import add_simulate_parser
 from flows.reporting import UserError, check_startable, user_error_line, user_error_types  # light: no heavy imports
 
 # `rlmill run`'s config: examples/grpo_arith.yaml, embedded so that an installed wheel (which has
@@ -276,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_parser(sub, RAW)
     add_models_parser(sub)
     add_serve_parsers(sub)
+    add_simulate_parser(sub)
     _add_config_parser(sub)
     return p
 

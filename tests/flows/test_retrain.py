@@ -264,11 +264,12 @@ def test_rl_retrain_trains_the_pending_window_once(tiny, example_path, tmp_path)
 def test_ready_event_and_docstring_examples(tmp_path):
     import doctest
 
+    import flows.replay
     import flows.retrain
     import storage.windows
     from flows.feedback import READY_EVENT, feedback_models, ready_event
 
-    for module in (storage.windows, flows.retrain):
+    for module in (storage.windows, flows.retrain, flows.replay):
         assert doctest.testmod(module).failed == 0, module.__name__
     (tmp_path / "feedback" / "_quarantine").mkdir(parents=True)  # no model name: never announced
     (tmp_path / "feedback" / "arith").mkdir()

@@ -1,6 +1,6 @@
 """End to end against a real local Prefect (server, `make deploy`, a process worker; see conftest):
 the nightly schedule, a manual deployment run through the worker, what the UI shows of it, and
-the nightly retraining flow on tiny data. ~5 minutes on two busy cores.
+(make e2e) the nightly retraining flow on tiny data, three nights. ~5 minutes on two busy cores.
 
     .venv/bin/python -m pytest -q tests/deployments -m prefect
 """
@@ -133,6 +133,7 @@ def _nightly_cli(tools, args: list[str]) -> dict:
     return json.JSONDecoder().raw_decode(out[m.start():])[0]
 
 
+@pytest.mark.e2e  # three nights, one through the worker: ~55 s on 2 cores (the nightly's parts: test_nightly_unit)
 def test_nightly_promotes_refuses_and_skips(prefect_worker, api, tools, tmp_path):
     """Night 1 (flow run in-process against the server): new data -> train -> evaluate ->
     promote. Night 2 (the deployment, through the worker): more data, trained from the promoted

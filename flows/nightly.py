@@ -46,7 +46,7 @@ from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.config import load_run_config
 from flows.nightly_run_id import pick_run_id
-from flows.reporting import artifact_key
+from flows.reporting import artifact_key, run_logger
 from storage import ModelLayout, RunLayout, copy_checkpoint, join, url_to_fs
 from storage.canary import CanaryPolicy, CanaryRunning, start_canary
 from storage.incoming import NewFile, list_new_files, read_state, record_success, state_url
@@ -72,7 +72,7 @@ def gate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: str) 
     result = validate_prompts(df, gate, join(out_dir, "_QUALITY.json"),
                               render=functools.partial(render_many, tokenizer=tok),
                               quarantine_url=join(out_dir, "quarantine.parquet"), storage=cfg.storage)
-    _logger().info("new data: %d rows in %d file(s), %d quarantined", result.n_rows, len(files),
+    run_logger().info("new data: %d rows in %d file(s), %d quarantined", result.n_rows, len(files),
                    result.n_quarantined)
     if not result.n_quarantined:
         return list(files)
@@ -216,16 +216,6 @@ def _markdown_artifact(model_name: str, markdown: str, description: str) -> None
 
 
 # ------------------------------------------------------------------------------------ tasks
-def _logger():
-    """The Prefect run logger inside a run (shown in the UI), else the module's (task.fn in tests)."""
-    from prefect.exceptions import MissingContextError
-
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return log
-
-
 # Each step is idempotent on its own (files are compared by name, the copy commits create-only),
 # so no Prefect result cache is needed: NO_CACHE also avoids hashing the config on every call.
 @task(name="find-new-data", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
@@ -260,7 +250,7 @@ def canary_version(src_url: str, models: ModelLayout, version: str, policy: Cana
     try:
         return start_canary(models, version, policy, by=by).id
     except CanaryRunning as exc:
-        _logger().warning("rlmill: %s published as a version, no canary started: %s", version, exc)
+        run_logger().warning("rlmill: %s published as a version, no canary started: %s", version, exc)
         return None
 
 
@@ -347,7 +337,7 @@ def train_and_gate(config: str | None, overrides: list[str], cfg: "RunConfig", m
     decision = decide(new_eval["mean_reward"], cur_eval["mean_reward"], min_gain)
     promoted_to, merged_to, canary_id = _publish(decision, new_url, models, run_id, export_merged_hf, cfg.storage,
                                                  by, canary)
-    _logger().info("decision: %s (%s)%s", "promote" if decision.promote else "refuse", decision.reason,
+    run_logger().info("decision: %s (%s)%s", "promote" if decision.promote else "refuse", decision.reason,
                    f"; canary {canary_id} started" if canary_id else "")
     return Outcome(run, new_url, new_eval, cur_eval, decision, promoted_to, merged_to, canary_id)
 

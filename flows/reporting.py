@@ -21,6 +21,18 @@ HEADLINE = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/pg_clip
             "timing_s/update_actor", "timing_s/step", "perf/throughput", "val/acc")
 
 
+def run_logger() -> Any:
+    """The Prefect run logger inside a flow or task run (the UI shows it), else the "rlmill" logger
+    (a task called as .fn, e.g. in tests)."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return log
+
+
 def artifact_key(run_id: str, what: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
     safe = "".join(c if c.isalnum() else "-" for c in run_id.lower()).strip("-")

@@ -43,7 +43,7 @@ from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.replay import check_replay, cold_start_rows, older_rows, replay_counts, sample_rows
-from flows.reporting import artifact_key
+from flows.reporting import artifact_key, run_logger
 from storage import ModelLayout, join, url_to_fs
 from storage.windows import Piece, Readiness, Window, WindowLog, backlog, readiness
 
@@ -233,21 +233,11 @@ def preference_held_out(n: int, val_size: int) -> int:
     return max(2, min(val_size, n // 4))
 
 
-def _run_log() -> Any:
-    """The flow run's logger (the UI shows it), or this module's outside a run (a task called as .fn)."""
-    from prefect.exceptions import MissingContextError
-
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return log
-
-
 def _training_rows(rows: list[dict[str, Any]], preference: str | None, what: str) -> list[dict[str, Any]]:
     if preference is None:
         return rows
     rows, counts = window_preferences(rows, preference)
-    _run_log().info("%s as %s rows: %s", what, preference, counts)
+    run_logger().info("%s as %s rows: %s", what, preference, counts)
     return rows
 
 
@@ -276,7 +266,7 @@ def write_window_rows(root: str, model: str, window: Window, dest: str, storage:
         cold = cold_start_rows(replay["cold_start_files"], preference, storage)
         parts["cold_start"] = sample_rows(cold, counts["cold_start"], window.seq)
     if len(parts) > 1:
-        _run_log().info("window %d: %s training rows", window.seq, {k: len(v) for k, v in parts.items()})
+        run_logger().info("window %d: %s training rows", window.seq, {k: len(v) for k, v in parts.items()})
     rows = [r for part in parts.values() for r in part] if rows else []  # nothing new: nothing to replay for
     if rows:
         write_prompts(rows, dest, storage=storage)

@@ -111,7 +111,7 @@ class HotSwap:
 
     @property
     def watching(self) -> bool:
-        return self.watch_s > 0 and self.source is not None and not self.source.builtin
+        return self.watch_s > 0 and self.registered
 
     @property
     def registered(self) -> bool:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # System tools the tests use beyond the Python environment: Debian's chromium for the headless
 # check of the Prefect UI, Debian's redis-server (Redis Streams) for the broker between
-# `rlmill serve` and `rlmill feedback consume` (tests/serve/ start their own on a free port), and
-# Debian's postgresql for Prefect on PostgreSQL (scripts/postgres_local.sh; tests/test_prefect_postgres.py
-# starts a throwaway cluster on a free port). Installed once per machine (CI runs as root with
+# `rlmill serve` and `rlmill feedback consume` (tests/serve/ start their own on a free port),
+# Debian's podman for the container image's checks (tests/test_image.py), and Debian's postgresql
+# for Prefect on PostgreSQL (scripts/postgres_local.sh; tests/test_prefect_postgres.py starts a
+# throwaway cluster on a free port). Installed once per machine (CI runs as root with
 # Debian's registry).
 set -euo pipefail
 can_install() { [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; }
@@ -23,6 +24,7 @@ ensure() {  # ensure <command> <debian package> <what it is for>
 }
 ensure chromium chromium "the UI test"
 ensure redis-server redis-server "the serve/feedback tests (tests/serve)"
+ensure podman podman "the container image's refusal test (tests/test_image.py; building the image is make image)"
 
 # PostgreSQL: Debian keeps initdb off PATH (/usr/lib/postgresql/<version>/bin), so the check is
 # scripts/postgres_local.sh's own preflight. As root the cluster runs as the `postgres` account

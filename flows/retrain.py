@@ -20,7 +20,9 @@ One run, as Prefect tasks and one `rl-training` subflow:
   2. the window (storage.windows): the run's own window when it is a retry or resume (run_id
      given, or a window whose run never finished), else a new one holding every committed
      feedback segment no window holds, committed create-only; none -> a "nothing new" artifact,
-     Completed. The run id is retrain-<model>-w<seq>, so a resume finds its committed stages;
+     Completed; its run training in another live process (its run lock held: the trigger fired
+     again meanwhile) -> "in progress", Completed, nothing touched. The run id is
+     retrain-<model>-w<seq>, so a resume finds its committed stages;
   3. the rows: gpu_jobs.serve.dataset's training rows of the window's feedback, written once as a
      verl-format prompt file under models/<name>/retrain/<run id>/, through the nightly's gate --
      or, for a preference run, the window's DPO pairs / KTO examples (window_preferences) as a
@@ -296,6 +298,29 @@ def _nothing_new(root: str, model: str) -> dict[str, Any]:
     return {"status": "nothing new", "model": model}
 
 
+def live_holder(root: str, run_id: str) -> str | None:
+    """Who trains `run_id` now (the run lock's refusal, naming the live process), None when no live
+    process holds it. Takes and drops the lock, as the training run's own start check does."""
+    from flows.run_lock import RunLock, RunLockedError
+
+    lock = RunLock(root, run_id)
+    try:
+        lock.acquire()
+    except RunLockedError as exc:
+        return str(exc)
+    lock.release()
+    return None
+
+
+def _in_progress(model: str, window: Window, holder: str) -> dict[str, Any]:
+    """The window's run is training in another live process (the trigger fired again while it
+    trains): nothing to do here, Completed, and nothing of that run touched."""
+    get_run_logger().info("window %d of %s is in progress: %s", window.seq, model, holder)
+    _markdown(model, f"## Retraining `{model}`: window {window.seq} in progress\n\nIts run `{window.run_id}` is "
+                     f"training in another process ({holder}); this run did nothing.\n", "in progress")
+    return {"status": "in progress", "model": model, "window": window.seq, "run_id": window.run_id}
+
+
 def _done_record(window: Window, n_rows: int, base: str, out: Any) -> dict[str, Any]:
     """The window's done record: what it trained, both scores, the decision (train_and_gate's `out`)."""
     return {"window": window.seq, "run_id": window.run_id, "segments": window.uris, "rows": n_rows,
@@ -359,6 +384,8 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
         window = open_window(root, model, run_id, cfg.storage)
         if window is None:
             return _nothing_new(root, model)
+        if (holder := live_holder(cfg.root, window.run_id)) is not None:  # before any write of the window's run
+            return _in_progress(model, window, holder)
         work = join(models.root, "retrain", window.run_id)
         pref = cfg.preference
         dest = join(work, "window.parquet")

@@ -1,0 +1,110 @@
+"""rl-canary/decide (deployments/prefect.yaml, flows/canary.py) as `make deploy` creates it: one
+decider at a time (CANCEL_NEW) and a trigger on rlmill.feedback.segment.committed; and (e2e) the
+journey through the worker: a canary runs, users rate both arms, the feedback consumer's deployment
+commits the segment, its event starts rl-canary/decide, and the decision promotes the candidate.
+
+    .venv/bin/python -m pytest -q tests/deployments/test_canary_trigger.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.prefect]
+
+RUN_TIMEOUT_S = 300  # two small flow runs through the worker (no training): ~1 min idle
+TRIGGER = "rlmill canary decision (feedback segment committed)"
+
+
+def _decide(api):
+    return api(lambda c: c.read_deployment_by_name("rl-canary/decide"))
+
+
+def test_canary_deployment_is_triggered_by_each_committed_segment_one_at_a_time(deployed, api, tools):
+    from flows.feedback import SEGMENT_EVENT
+
+    d = _decide(api)
+    assert d.entrypoint == "flows/canary.py:rl_canary" and d.work_pool_name == tools.pool
+    assert d.global_concurrency_limit.limit == 1
+    assert d.concurrency_options.collision_strategy.value == "CANCEL_NEW"
+    (automation,) = api(lambda c: c.read_automations_by_name(TRIGGER))
+    trigger = automation.trigger
+    assert trigger.expect == {SEGMENT_EVENT} and trigger.posture.value == "Reactive" and trigger.threshold == 1
+    (action,) = automation.actions
+    assert action.deployment_id == d.id
+    assert json.dumps(action.parameters).count("event.payload.model") == 1
+    assert json.dumps(action.parameters).count("event.payload.root") == 1
+
+
+def _runs_of(api, deployment_id) -> list:
+    from prefect.client.schemas import filters as F
+
+    return api(lambda c: c.read_flow_runs(deployment_filter=F.DeploymentFilter(id=F.DeploymentFilterId(
+        any_=[deployment_id]))))
+
+
+def _plant(url: str, arms: dict[str, tuple[int, int]]) -> int:
+    """For each version of `arith`: (ups, downs) answers with their thumbs, into the stream as
+    `rlmill serve` puts them (one user per answer); returns the feedback events written."""
+    import redis
+
+    from gpu_jobs.serve.answers import new_answer_id
+    from gpu_jobs.serve.broker import STREAM
+    from gpu_jobs.serve.events import answer_event, encode, feedback_event
+
+    r, n = redis.Redis.from_url(url), 0
+    for version, (ups, downs) in arms.items():
+        for i, thumbs in enumerate(["up"] * ups + ["down"] * downs):
+            user = f"{version}-u{i}"
+            a = answer_event(new_answer_id("chatcmpl"), endpoint="chat.completions", model="arith", version=version,
+                             created=time.time(), latency_s=0.01, prompt=[{"role": "user", "content": f"{i}+1="}],
+                             prompt_ids=[5, 6], choices=[{"index": 0, "text": str(i + 1), "token_ids": [7],
+                                                          "logprobs": [-0.5], "finish_reason": "stop"}],
+                             sampling={"temperature": 1.0}, user=user)
+            r.xadd(STREAM, encode(a))
+            r.xadd(STREAM, encode(feedback_event(a["answer_id"], model="arith", version=version, thumbs=thumbs,
+                                                 user=user)))
+            n += 1
+    return n
+
+
+@pytest.mark.e2e  # two flow-run processes through the worker (the drain, then the decider its event starts)
+def test_a_committed_segment_starts_the_decision_that_promotes_the_candidate(prefect_worker, api, tools, tmp_path):
+    from storage import ModelLayout
+    from storage.canary import CanaryPolicy, read_canary, read_outcome, start_canary
+    from tests.serve.conftest import redis_server
+
+    root = tmp_path / "store"
+    models = ModelLayout(str(root), "arith")
+    models.promote("v1")
+    canary = start_canary(models, "v2", CanaryPolicy(share=0.5, min_samples=10, confidence=0.95, margin=0.05,
+                                                     max_duration_s=3600.0), by="test")
+    d = _decide(api)
+    before = {r.id for r in _runs_of(api, d.id)}
+    with redis_server(tmp_path) as url:
+        # baseline 10 up / 2 down, candidate 12 up: the 95 % lower bound of the difference is -0.035,
+        # above -0.05 (tests/flows/test_canary_flow.py checks these numbers by hand): promote.
+        n = _plant(url, {"v1": (10, 2), "v2": (12, 0)})
+        drain = tools.trigger("rl-feedback/consume", {"root": str(root), "redis_url": url, "window_s": 0,
+                                                      "ready_rows": 0})  # 0: no retraining announced
+        run = tools.wait_final(api, drain, RUN_TIMEOUT_S, prefect_worker)
+        assert run.state.is_completed(), run.state
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:  # the segment's event -> the automation -> a run of rl-canary/decide, then its end
+        runs = [r for r in _runs_of(api, d.id) if r.id not in before]
+        if runs and all(r.state is not None and r.state.is_final() for r in runs):
+            break
+        assert time.monotonic() < deadline, (f"waited {RUN_TIMEOUT_S} s for the rl-canary/decide run that the "
+                                             f"committed segment ({n} feedback) should start; have "
+                                             f"{[(r.name, r.state_type) for r in runs]}\n"
+                                             f"{prefect_worker.read_text()[-4000:]}")
+        time.sleep(2)
+    assert any(r.state.is_completed() for r in runs), [(r.name, r.state) for r in runs]
+    assert all(r.parameters == {"model": "arith", "root": str(root)} for r in runs), [r.parameters for r in runs]
+    assert models.current_version() == "v2" and read_canary(models) is None
+    assert read_outcome(models, canary.id)["outcome"] == "promote"
+    move = models.history()[-1]
+    assert (move["by"], move["from"], move["to"]) == ("canary", "v1", "v2")

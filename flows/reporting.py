@@ -327,7 +327,7 @@ def check_startable(cfg: Any) -> None:
     `rlmill train` before Prefect starts, and first thing by the rl-training flow."""
 
     from flows.config import frozen_config
-    from flows.run_lock import RunLock
+    from flows.run_lock import RunLock, RunLockedError
     from gpu_jobs.models.loading import aliases_text, is_alias, smollm2_available
     from gpu_jobs.stages.run import check_config_matches
     from storage import RunLayout, StorageError
@@ -368,9 +368,8 @@ def check_startable(cfg: Any) -> None:
         frozen = None  # storage trouble (a missing bucket, bad credentials) is the run's to report
     if frozen is not None:
         check_config_matches(layout, frozen, frozen_config(cfg))
-    lock = RunLock(cfg.root, cfg.run_id)
-    lock.acquire()  # raises RunLockedError naming the live holder
-    lock.release()  # the flow takes it for the run itself
+    if (holder := RunLock(cfg.root, cfg.run_id).live_holder()) is not None:
+        raise RunLockedError(holder)  # the flow takes the lock for the run itself
 
 
 def _check_data_files(cfg: Any) -> None:

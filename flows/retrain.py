@@ -46,6 +46,7 @@ from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.replay import check_replay, cold_start_rows, older_rows, replay_counts, sample_rows
 from flows.reporting import artifact_key, run_logger
+from flows.run_lock import RunLock
 from storage import ModelLayout, join, url_to_fs
 from storage.windows import Piece, Readiness, Window, WindowLog, backlog, readiness
 
@@ -298,20 +299,6 @@ def _nothing_new(root: str, model: str) -> dict[str, Any]:
     return {"status": "nothing new", "model": model}
 
 
-def live_holder(root: str, run_id: str) -> str | None:
-    """Who trains `run_id` now (the run lock's refusal, naming the live process), None when no live
-    process holds it. Takes and drops the lock, as the training run's own start check does."""
-    from flows.run_lock import RunLock, RunLockedError
-
-    lock = RunLock(root, run_id)
-    try:
-        lock.acquire()
-    except RunLockedError as exc:
-        return str(exc)
-    lock.release()
-    return None
-
-
 def _in_progress(model: str, window: Window, holder: str) -> dict[str, Any]:
     """The window's run is training in another live process (the trigger fired again while it
     trains): nothing to do here, Completed, and nothing of that run touched."""
@@ -394,7 +381,7 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
         window = open_window(root, model, run_id, cfg.storage)
         if window is None:
             return _nothing_new(root, model)
-        if (holder := live_holder(cfg.root, window.run_id)) is not None:  # before any write of the window's run
+        if (holder := RunLock(cfg.root, window.run_id).live_holder()) is not None:  # before any write of its run
             return _in_progress(model, window, holder)
         work, pref = join(models.root, "retrain", window.run_id), cfg.preference
         dest = join(work, "window.parquet")

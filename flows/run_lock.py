@@ -185,6 +185,16 @@ class RunLock:
                                           daemon=True)
             self._beat.start()
 
+    def live_holder(self) -> str | None:
+        """The refusal naming the live process that holds this run now, None when none does. Takes and
+        drops the lock, as a start check does (a dead holder's lock is cleared on the way)."""
+        try:
+            self.acquire()
+        except RunLockedError as exc:
+            return str(exc)
+        self.release()
+        return None
+
     def _write(self, fd: int) -> None:
         data = json.dumps(self._record).encode()[:RECORD_BYTES]
         os.pwrite(fd, data.ljust(RECORD_BYTES), 0)  # in place, one size: a reader never sees it half gone

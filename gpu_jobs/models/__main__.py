@@ -49,10 +49,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--only {args.only!r} is none of {', '.join(known)}")
         known[args.only]()
         return 0
-    (first, build_first), rest = builds[0], [name for name, _ in missing if name != builds[0][0]]
-    if first in dict(missing):
-        build_first()
-    return _side_by_side(rest)
+    names = [name for name, _ in missing]
+    if names[:1] == [builds[0][0]]:  # the built-in policy first: the others start from its weights
+        builds[0][1]()
+        names = names[1:]
+    return _side_by_side(names)
 
 
 def _side_by_side(names: list[str]) -> int:

@@ -105,6 +105,46 @@ def wait_final(api, flow_run_id: str, timeout: float, worker_log: Path | None = 
         time.sleep(2)
 
 
+def deployment_runs(api, deployment_id, ignore: frozenset = frozenset()) -> list:
+    """The flow runs of a deployment, but those whose id is in `ignore` (runs from before a step)."""
+    from prefect.client.schemas import filters as F
+
+    runs = api(lambda c: c.read_flow_runs(deployment_filter=F.DeploymentFilter(id=F.DeploymentFilterId(
+        any_=[deployment_id]))))
+    return [r for r in runs if r.id not in ignore]
+
+
+def wait_runs(api, deployment_id, n: int, timeout: float, worker_log: Path, what: str,
+              ignore: frozenset = frozenset()) -> list:
+    """Until at least `n` runs of the deployment (but `ignore`) exist and all are final; returns
+    them. `what` names the runs in the message when the wait gives up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = deployment_runs(api, deployment_id, ignore)
+        if len(runs) >= n and all(r.state is not None and r.state.is_final() for r in runs):
+            return runs
+        if time.monotonic() > deadline:
+            states = [(r.name, r.state_type) for r in runs]
+            raise AssertionError(f"waited {timeout:.0f} s for {n} final {what}, have {states}\n"
+                                 f"{worker_log.read_text()[-4000:]}")
+        time.sleep(2)
+
+
+def check_model_trigger(api, deployment, automation: str, event: str) -> None:
+    """`deployment` runs one at a time (a run that would overlap is cancelled) and `automation`
+    starts it on each `event`, with the event payload's model and root as its parameters."""
+    assert deployment.global_concurrency_limit.limit == 1
+    assert deployment.concurrency_options.collision_strategy.value == "CANCEL_NEW"
+    (found,) = api(lambda c: c.read_automations_by_name(automation))
+    trigger = found.trigger
+    assert trigger.expect == {event} and trigger.posture.value == "Reactive" and trigger.threshold == 1
+    (action,) = found.actions
+    assert action.deployment_id == deployment.id
+    # The model and root come from the event's payload (Prefect's templating, rendered per firing).
+    assert json.dumps(action.parameters).count("event.payload.model") == 1
+    assert json.dumps(action.parameters).count("event.payload.root") == 1
+
+
 def logs_after_exit(api, flow_run_id: str, worker_log: Path, timeout: float) -> list[str]:
     """Every log message the API stored for a final flow run, once the worker saw its process
     exit (a process sends the rest of its logs before it exits): what the UI's log tab and
@@ -226,4 +266,5 @@ def tools(local_prefect):
 
     return SimpleNamespace(repo=REPO, script=SCRIPT, venv_bin=VENV_BIN, pool=POOL, tiny=list(TINY),
                            env=local_prefect.env, prefect=local_prefect, cli=local_prefect.cli,
-                           trigger=local_prefect.trigger, wait_final=wait_final, logs_after_exit=logs_after_exit)
+                           trigger=local_prefect.trigger, wait_final=wait_final, logs_after_exit=logs_after_exit,
+                           deployment_runs=deployment_runs, wait_runs=wait_runs, check_model_trigger=check_model_trigger)

@@ -8,7 +8,6 @@ commits the segment, its event starts rl-canary/decide, and the decision promote
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -28,22 +27,7 @@ def test_canary_deployment_is_triggered_by_each_committed_segment_one_at_a_time(
 
     d = _decide(api)
     assert d.entrypoint == "flows/canary.py:rl_canary" and d.work_pool_name == tools.pool
-    assert d.global_concurrency_limit.limit == 1
-    assert d.concurrency_options.collision_strategy.value == "CANCEL_NEW"
-    (automation,) = api(lambda c: c.read_automations_by_name(TRIGGER))
-    trigger = automation.trigger
-    assert trigger.expect == {SEGMENT_EVENT} and trigger.posture.value == "Reactive" and trigger.threshold == 1
-    (action,) = automation.actions
-    assert action.deployment_id == d.id
-    assert json.dumps(action.parameters).count("event.payload.model") == 1
-    assert json.dumps(action.parameters).count("event.payload.root") == 1
-
-
-def _runs_of(api, deployment_id) -> list:
-    from prefect.client.schemas import filters as F
-
-    return api(lambda c: c.read_flow_runs(deployment_filter=F.DeploymentFilter(id=F.DeploymentFilterId(
-        any_=[deployment_id]))))
+    tools.check_model_trigger(api, d, TRIGGER, SEGMENT_EVENT)
 
 
 def _plant(url: str, arms: dict[str, tuple[int, int]]) -> int:
@@ -83,7 +67,7 @@ def test_a_committed_segment_starts_the_decision_that_promotes_the_candidate(pre
     canary = start_canary(models, "v2", CanaryPolicy(share=0.5, min_samples=10, confidence=0.95, margin=0.05,
                                                      max_duration_s=3600.0), by="test")
     d = _decide(api)
-    before = {r.id for r in _runs_of(api, d.id)}
+    before = frozenset(r.id for r in tools.deployment_runs(api, d.id))
     with redis_server(tmp_path) as url:
         # baseline 10 up / 2 down, candidate 12 up: the 95 % lower bound of the difference is -0.035,
         # above -0.05 (tests/flows/test_canary_flow.py checks these numbers by hand): promote.
@@ -92,16 +76,10 @@ def test_a_committed_segment_starts_the_decision_that_promotes_the_candidate(pre
                                                       "ready_rows": 0})  # 0: no retraining announced
         run = tools.wait_final(api, drain, RUN_TIMEOUT_S, prefect_worker)
         assert run.state.is_completed(), run.state
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while True:  # the segment's event -> the automation -> a run of rl-canary/decide, then its end
-        runs = [r for r in _runs_of(api, d.id) if r.id not in before]
-        if runs and all(r.state is not None and r.state.is_final() for r in runs):
-            break
-        assert time.monotonic() < deadline, (f"waited {RUN_TIMEOUT_S} s for the rl-canary/decide run that the "
-                                             f"committed segment ({n} feedback) should start; have "
-                                             f"{[(r.name, r.state_type) for r in runs]}\n"
-                                             f"{prefect_worker.read_text()[-4000:]}")
-        time.sleep(2)
+    # The segment's event -> the automation -> a run of rl-canary/decide, then its end.
+    runs = tools.wait_runs(api, d.id, 1, RUN_TIMEOUT_S, prefect_worker,
+                           f"rl-canary/decide run(s) that the committed segment ({n} feedback) should start",
+                           ignore=before)
     assert any(r.state.is_completed() for r in runs), [(r.name, r.state) for r in runs]
     assert all(r.parameters == {"model": "arith", "root": str(root)} for r in runs), [r.parameters for r in runs]
     assert models.current_version() == "v2" and read_canary(models) is None

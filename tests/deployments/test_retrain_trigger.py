@@ -32,37 +32,7 @@ def test_retrain_deployment_is_triggered_by_the_ready_event_one_at_a_time(deploy
 
     d = _retrain(api)
     assert d.entrypoint == "flows/retrain.py:rl_retrain" and d.work_pool_name == tools.pool
-    assert d.global_concurrency_limit.limit == 1
-    assert d.concurrency_options.collision_strategy.value == "CANCEL_NEW"
-    (automation,) = api(lambda c: c.read_automations_by_name("rlmill retrain on arrival (feedback window ready)"))
-    trigger = automation.trigger
-    assert trigger.expect == {READY_EVENT} and trigger.posture.value == "Reactive" and trigger.threshold == 1
-    (action,) = automation.actions
-    assert action.deployment_id == d.id
-    # The model and root come from the event's payload (Prefect's templating, rendered per firing).
-    assert json.dumps(action.parameters).count("event.payload.model") == 1
-    assert json.dumps(action.parameters).count("event.payload.root") == 1
-
-
-def _runs_of(api, deployment_id):
-    from prefect.client.schemas import filters as F
-
-    return api(lambda c: c.read_flow_runs(deployment_filter=F.DeploymentFilter(id=F.DeploymentFilterId(
-        any_=[deployment_id]))))
-
-
-def _wait_runs(api, deployment_id, n: int, timeout: float, worker_log) -> list:
-    """Until `n` runs of the deployment exist and all are final; returns them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        runs = _runs_of(api, deployment_id)
-        if len(runs) >= n and all(r.state is not None and r.state.is_final() for r in runs):
-            return runs
-        if time.monotonic() > deadline:
-            states = [(r.name, r.state_type) for r in runs]
-            raise AssertionError(f"waited {timeout:.0f} s for {n} final rl-retrain run(s) (the trigger's), "
-                                 f"have {states}\n{worker_log.read_text()[-4000:]}")
-        time.sleep(2)
+    tools.check_model_trigger(api, d, "rlmill retrain on arrival (feedback window ready)", READY_EVENT)
 
 
 @pytest.mark.e2e  # three flow-run processes through the worker, one of them training: minutes on busy cores
@@ -105,7 +75,7 @@ def test_committed_feedback_fires_one_retraining(prefect_worker, api, tools, tmp
     for _ in range(2):
         tools.cli([str(tools.venv_bin / "prefect"), "event", "emit", READY_EVENT, "--resource-id",
                    "rlmill.model.arith", "--payload", json.dumps({"model": "arith", "root": str(root)})])
-    runs = _wait_runs(api, d.id, 3, RUN_TIMEOUT_S, prefect_worker)
+    runs = tools.wait_runs(api, d.id, 3, RUN_TIMEOUT_S, prefect_worker, "rl-retrain runs (the trigger's)")
     assert len(runs) == 3 and all(r.parameters["root"] == str(root) for r in runs), runs
     # Each run either trained, found nothing new, or was cancelled as overlapping: one window, trained once.
     assert all(r.state.is_completed() or r.state.is_cancelled() for r in runs), [(r.name, r.state) for r in runs]

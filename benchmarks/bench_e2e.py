@@ -103,6 +103,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -396,8 +397,9 @@ def worker_main(spec_path: str) -> None:
 
 
 # ------------------------------------------------------------------------------ the A/B driver
-def run_worker(spec: dict, tmp: str) -> dict:
-    """Run one spec in a fresh interpreter; its output goes to a log, shown when it fails."""
+def run_worker(spec: dict, tmp: str, keep: bool = False) -> dict:
+    """Run one spec in a fresh interpreter; its output goes to a log, shown when it fails. Its run
+    folder is removed afterwards unless `keep` (its result and log stay)."""
     name = f"{spec['row']}-{spec['tag']}"
     spec = {**spec, "root": os.path.join(tmp, name), "run_id": f"bench-e2e-{name}",
             "result": os.path.join(tmp, f"{name}.json")}
@@ -411,15 +413,18 @@ def run_worker(spec: dict, tmp: str) -> dict:
         tail = Path(log_path).read_text().splitlines()[-15:]
         raise RuntimeError(f"{name} exited {rc} (peak resident {memory['rss_peak'] / 2**30:.1f} GB); "
                            f"last lines of {log_path}:\n  " + "\n  ".join(tail))
-    return {**json.loads(Path(spec["result"]).read_text()), **memory}
+    result = {**json.loads(Path(spec["result"]).read_text()), **memory}
+    if not keep:  # a flow's accuracy run checkpoints every iteration (1.6 GB each on SmolLM2)
+        shutil.rmtree(spec["root"], ignore_errors=True)
+    return result
 
 
-def throughput_phase(rows, base: dict, steps: int, repeats: int, tmp: str) -> dict[str, list[dict]]:
+def throughput_phase(rows, base: dict, steps: int, repeats: int, tmp: str, keep: bool = False) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {row: [] for row in rows}
     for rep in range(repeats):
         for row in (rows if rep % 2 == 0 else rows[::-1]):  # A/B, B/A, ...
             try:
-                r = run_worker({**base, "row": row, "tag": f"t{rep + 1}", "steps": steps}, tmp)
+                r = run_worker({**base, "row": row, "tag": f"t{rep + 1}", "steps": steps}, tmp, keep)
             except RuntimeError as e:
                 print(f"  {row} failed: {e}", file=sys.stderr, flush=True)
                 continue
@@ -435,9 +440,9 @@ def accuracy_phase(rows, base: dict, args, tmp: str, s_step: dict) -> dict[str, 
     out = {}
     for row in rows:
         # A flow's length is fixed up front (margin 1.3); TRL and the stage loop stop on the clock.
-        steps = budget_steps(args.seconds, s_step.get(row), 1.3 if "flow" in row or "vllm" in row else 3.0)
+        steps = budget_steps(args.seconds, s_step.get(row), 1.3 if WORKERS[row] is run_flow else 3.0)
         try:
-            r = run_worker({**base, "row": row, "tag": "acc", "steps": steps, "budget": args.seconds}, tmp)
+            r = run_worker({**base, "row": row, "tag": "acc", "steps": steps, "budget": args.seconds}, tmp, bool(args.keep))
         except RuntimeError as e:
             print(f"  {row} failed: {e}", file=sys.stderr, flush=True)
             continue
@@ -535,7 +540,7 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
     acc_before = greedy_accuracy(policy, tok, problems, w.max_len, score) if scored else None
     base = {"workload": asdict(w), "threads": args.threads, "heldout": heldout,
             "model_path": model_path, "data_dir": data_dir}
-    runs = throughput_phase(rows, base, steps, repeats, case_tmp)
+    runs = throughput_phase(rows, base, steps, repeats, case_tmp, bool(args.keep))
     results = {row: median_summary(runs[row]) if runs[row] else {} for row in rows}
     if scored:
         # A flow's length is sized from its fastest throughput run: running out of steps

@@ -74,12 +74,20 @@ def eos_token_ids(model, tokenizer=None) -> list[int]:
     return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
+def model_device() -> str:
+    """Where a model this engine loads itself runs: the current CUDA device when torch sees one,
+    else the CPU (a trainer's module is used where the trainer put it)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class HFRolloutEngine:
     """Rollouts from a transformers causal LM, held in memory.
 
     `model` is an nn.Module (used as-is: a trainer's module shares its weights, so no
     update_weights call is needed after an in-place optimizer step) or a path / URL / alias,
-    loaded with `gpu_jobs.models.load_model` in `config.dtype`.
+    loaded with `gpu_jobs.models.load_model` in `config.dtype` and placed on `model_device()`.
     """
 
     def __init__(self, model, tokenizer=None, config: RolloutEngineConfig | None = None, storage=None):
@@ -89,6 +97,7 @@ class HFRolloutEngine:
             from gpu_jobs.models.loading import load_model
 
             model, tokenizer = load_model(model, dtype=self.config.dtype, storage=storage)
+            model = model.to(model_device())  # load_model reads onto the CPU
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = eos_token_ids(model, tokenizer)

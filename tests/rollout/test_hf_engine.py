@@ -226,3 +226,18 @@ def test_update_weights_from_storage_url(builtin, prompts, tmp_path):
     ea.update_weights(perturbed)
     eb.update_weights(url)
     assert ea.generate(prompts, 1, GREEDY) == eb.generate(prompts, 1, GREEDY)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_model_loaded_from_a_path_goes_where_torch_sees_a_device(builtin_path, monkeypatch, cuda):
+    # This machine has no GPU, so the CUDA side records where the model is sent instead of moving it;
+    # without the move the engine would decode on the CPU of a GPU machine (found for gpu-check).
+    import torch
+
+    sent = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    real_to = torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **kw: sent.append(a[0]) or real_to(self, "cpu"))
+    engine = HFRolloutEngine(builtin_path)
+    assert sent == ["cuda" if cuda else "cpu"]
+    assert next(engine.model.parameters()).device.type == "cpu"

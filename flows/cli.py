@@ -203,7 +203,7 @@ def _print_summary(summary: dict, label: str = SUMMARY_LABEL) -> None:
         change = "" if before is None else f"  ({100 * (acc - before):+.1f})"
         print(f"{label:<{width}} {100 * acc:6.1f} %{change}")
     print(f"{'training wall time (s)':<{width}} {summary['train seconds (this process)']}")
-    print(f"{'curves':<{width}} {summary['curves']}")
+    print(f"{'curves':<{width}} {summary['curves'] or '(none: matplotlib is not installed)'}")
 
 
 def cmd_verify(args) -> None:

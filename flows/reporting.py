@@ -150,9 +150,15 @@ class MetricLoggers:
         return [(k, s["val/acc"]) for k, s in self.history if "val/acc" in s]
 
 
-def curves_png(history: list[tuple[int, dict]], val: list[tuple[int, float]]) -> bytes:
-    """Reward (critic/score/mean) and validation accuracy per iteration, as PNG bytes."""
-    import matplotlib
+def curves_png(history: list[tuple[int, dict]], val: list[tuple[int, float]]) -> bytes | None:
+    """Reward (critic/score/mean) and validation accuracy per iteration, as PNG bytes; None, with
+    one warning, where matplotlib is not installed (a slim environment such as the GPU bundle's:
+    the run's numbers are all in its manifests, only the picture is missing)."""
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("matplotlib is not installed: no curves.png for this run (pip install matplotlib)")
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -221,15 +227,16 @@ def validation_artifact(run_id: str, k: int, metrics: dict[str, Any]) -> None:
                              description=f"Run {run_id}: validation after iteration {k} (verl val-core metrics)")
 
 
-def final_artifact(run_id: str, summary: dict[str, Any], png_url: str,
+def final_artifact(run_id: str, summary: dict[str, Any], png_url: str | None,
                    val_metrics: dict[str, Any] | None = None) -> None:
     """The run's summary; with `val_metrics` (the last validation's manifest metrics) also
     verl's val-core metrics per data source."""
     from prefect.artifacts import create_markdown_artifact
 
     rows = "\n".join(f"| {k} | {_fmt(v)} |" for k, v in summary.items())
-    md = (f"## Run {run_id}\n\n| | |\n|---|---|\n{rows}\n\n"
-          f"Reward and validation-accuracy curves: [{png_url}]({png_url})\n")
+    md = f"## Run {run_id}\n\n| | |\n|---|---|\n{rows}\n\n"
+    if png_url:
+        md += f"Reward and validation-accuracy curves: [{png_url}]({png_url})\n"
     if table := validation_markdown(val_metrics or {}):
         md += f"\n### Validation (verl val-core: mean@N, best@N, maj@N ± bootstrap std)\n\n{table}\n"
     create_markdown_artifact(key=artifact_key(run_id, "summary"), markdown=md, description=f"Run {run_id} summary")

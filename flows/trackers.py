@@ -44,7 +44,7 @@ class Tracker(Protocol):
 
     def log(self, k: int, scalars: dict[str, float]) -> None: ...
 
-    def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes) -> None:
+    def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes | None) -> None:
         """The report, then the run's final status; the status is set even when the report fails."""
 
     def abort(self, reason: str) -> None:
@@ -75,7 +75,7 @@ def open_trackers(run_id: str, names: list[str], config: dict[str, Any]) -> list
     return opened
 
 
-def finish_trackers(trackers: list[Tracker], failed: bool, summary: dict[str, Any], curves_png: bytes) -> None:
+def finish_trackers(trackers: list[Tracker], failed: bool, summary: dict[str, Any], curves_png: bytes | None) -> None:
     """Finish every tracker, even after one raised (each would otherwise stay RUNNING). With the
     run failed, a tracker that cannot be told is a warning: the run's own error is the one to
     surface. With the run finished, the trackers' errors are raised once all were tried."""
@@ -169,14 +169,15 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self.client.log_batch(self.id, metrics=[Metric(mlflow_name(m), v, now, k) for m, v in scalars.items()])
 
-    def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes) -> None:
+    def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes | None) -> None:
         try:
             self.client.log_text(self.id, json.dumps(summary, indent=1, sort_keys=True, default=str),
                                  "rlmill/summary.json")
-            with tempfile.TemporaryDirectory(prefix="rlmill-mlflow-") as tmp:
-                png = Path(tmp) / "curves.png"
-                png.write_bytes(curves_png)
-                self.client.log_artifact(self.id, str(png), "rlmill")
+            if curves_png is not None:  # None: matplotlib not installed
+                with tempfile.TemporaryDirectory(prefix="rlmill-mlflow-") as tmp:
+                    png = Path(tmp) / "curves.png"
+                    png.write_bytes(curves_png)
+                    self.client.log_artifact(self.id, str(png), "rlmill")
         except Exception:  # no report, but the run still ends, and FAILED: its report is missing
             self.client.set_terminated(self.id, "FAILED")
             raise
@@ -203,12 +204,13 @@ class WandbTracker:
     def log(self, k: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=k)
 
-    def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes) -> None:
+    def finish(self, failed: bool, summary: dict[str, Any], curves_png: bytes | None) -> None:
         # Files in run.dir are the run's files: uploaded with it (offline: by `wandb sync`).
         files = Path(self.run.dir)
         try:
             (files / "rlmill-summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
-            (files / "curves.png").write_bytes(curves_png)
+            if curves_png is not None:  # None: matplotlib not installed
+                (files / "curves.png").write_bytes(curves_png)
         except Exception:  # no report, but the run still ends, and failed: its report is missing
             self.run.finish(exit_code=1)
             raise

@@ -301,8 +301,11 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
         acc_after = float(last_val["val/acc"])
         reach("run:report")
         hist, val = _history(run, total)
-        png_url = join(run.layout.root, "report", "curves.png")
-        overwrite(png_url, curves_png(hist, val), run.storage)
+        png_url, png = join(run.layout.root, "report", "curves.png"), curves_png(hist, val)
+        if png is None:  # matplotlib not installed (warned)
+            png_url = None
+        else:
+            overwrite(png_url, png, run.storage)
         summary = {"run_id": cfg.run_id, "iterations": total, "val/acc before": acc_before,
                    "val/acc after": acc_after, "train seconds (this process)": round(train_s, 1),
                    "resumed from iteration": done}

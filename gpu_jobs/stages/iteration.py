@@ -114,7 +114,8 @@ def gate(run: Run, roles: Roles, k: int, rollout_uri: str) -> Output:
     if result.n_quarantined:
         keep = set(result.clean["uid"].tolist())
         table = table.filter(pa.array([u in keep for u in table.column("uid").to_pylist()]))
-    return Output(table, {"gate/rows": result.n_rows, "gate/quarantined": result.n_quarantined}, [rollout_uri])
+    return Output(table, {"gate/rows": result.n_rows, "gate/quarantined": result.n_quarantined,
+                          "gate/checked": float(cfg.gate.enable)}, [rollout_uri])
 
 
 # -------------------------------------------------------------------------------- reward model

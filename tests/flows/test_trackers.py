@@ -230,3 +230,30 @@ def test_a_logger_whose_package_is_missing_is_refused_up_front(name, monkeypatch
     monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ConfigError, match=f"trainer.loggers names '{name}' but it is not installed: `bash scripts/ensure_venv.sh test`"):
         load_run_config(None, [f"trainer.loggers=[{name}]"])
+
+
+def test_without_matplotlib_a_run_has_no_curves_png_and_says_so(monkeypatch, caplog, tmp_path):
+    # A slim environment (the GPU bundle carries no matplotlib): the picture is skipped with one
+    # warning; every tracker still finishes with its summary.
+    import sys
+
+    from flows.reporting import curves_png
+    from flows.trackers import finish_trackers
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with caplog.at_level("WARNING", logger="rlmill"):
+        assert curves_png([(1, {"critic/score/mean": 0.5})], [(1, 0.4)]) is None
+    assert "matplotlib is not installed" in caplog.text
+
+    class Recorder:
+        finished = None
+
+        def finish(self, failed, summary, curves_png):
+            self.finished = (failed, summary, curves_png)
+
+    from flows import trackers
+
+    monkeypatch.setitem(trackers.TRACKER_NAMES, Recorder, "recorder")
+    t = Recorder()
+    finish_trackers([t], failed=False, summary={"status": "finished"}, curves_png=None)
+    assert t.finished == (False, {"status": "finished"}, None)

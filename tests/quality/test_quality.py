@@ -224,3 +224,19 @@ def test_validating_4096_rows_passes():
     t0 = time.process_time()
     assert validate_rollout(df, cfg).passed
     print(f"\nvalidate_rollout, 4096 rows: {time.process_time() - t0:.2f} s of CPU")
+
+
+def test_a_gate_that_is_off_passes_everything_unchecked_without_great_expectations(tokenizer, tmp_path, monkeypatch):
+    # gate.enable=false is for machines without great-expectations (the GPU bundle): the package
+    # must not even be imported, and nothing is written.
+    import sys
+
+    monkeypatch.setitem(sys.modules, "great_expectations", None)  # any import of it now raises
+    off = GateConfig(enable=False, max_response_length=16, score_range=(0.0, 1.0))
+    bad = _set(rollout_df(), 5, "score", 1.5)
+    res = validate_rollout(bad, off, str(tmp_path / "r.json"))
+    assert res.passed and res.n_rows == 64 and res.n_quarantined == 0 and res.clean is bad
+    prompts = _set(prompts_df(), 3, "data_source", None)
+    assert validate_prompts(prompts, off.model_copy(update={"max_prompt_length": 4}), str(tmp_path / "p.json"),
+                            render=tokenizer).passed
+    assert not list(tmp_path.iterdir())

@@ -32,11 +32,10 @@ PREFIX = "gpu-bundle:"
 LIMIT_MIB = 64
 # What `rlmill train` imports on the hf path and the GPU machine lacks (pins as in pyproject.toml,
 # versions as in .venv): DeepSpeed (the trainer always runs inside deepspeed.initialize), Prefect
-# (the flow and its ephemeral API server), great-expectations (the gate stage and the prompt gate
-# always run; no config key turns them off), pandas (prompt datasets), matplotlib (the run's
-# curves.png, written at every run's end).
-TOP = ("deepspeed==0.19.8", "prefect==3.7.7", "sqlalchemy==2.0.58", "great-expectations==1.24.1",
-       "pandas==3.1.1", "matplotlib==3.11.2")
+# (the flow and its ephemeral API server), pandas (prompt datasets, the gate's frames). Not carried:
+# great-expectations (scipy alone is 33.6 MiB; gpu_check runs with gate.enable=false where it is
+# missing) and matplotlib (23.5 MiB with its dependencies; a run without it writes no curves.png).
+TOP = ("deepspeed==0.19.8", "prefect==3.7.7", "sqlalchemy==2.0.58", "pandas==3.1.1")
 BUILT_HERE = ("deepspeed",)  # sdists: built into a wheel here, no ops compiled
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 # The files of a HF model folder that describe it without its weights.
@@ -130,6 +129,17 @@ def download(pins: list[tuple[str, str]], wheels: Path) -> None:
                             f"{name}=={version}"], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
 
 
+def drop_unlocked(pins: list[tuple[str, str]], wheels: Path) -> list[str]:
+    """Remove wheels that are no pin's (left by an older lock: they would travel for nothing);
+    their file names."""
+    wanted = {f"{n}=={v}" for n, v in pins}
+    stale = [p for p in sorted(wheels.glob("*.whl"))
+             if f"{wheel_name(p.name)}=={p.name.split('-')[1]}" not in wanted]
+    for path in stale:
+        path.unlink()
+    return [p.name for p in stale]
+
+
 def copy_model_files(src: Path, dest: Path) -> list[str]:
     """MODEL_FILES that `src` has, copied into `dest`; their names. config.json is required."""
     if not (src / "config.json").exists():
@@ -158,7 +168,11 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = REPO / args.out
-    download(read_lock(), out / "wheels")
+    pins = read_lock()
+    dropped = drop_unlocked(pins, out / "wheels") if (out / "wheels").is_dir() else []
+    if dropped:
+        print(f"{PREFIX} removed {len(dropped)} wheel(s) the lock no longer pins", flush=True)
+    download(pins, out / "wheels")
     copy_model_files(smollm2_folder(), out / "smollm2")
     fits, line = verdict(folder_items(out), tree_bytes(), int(args.limit_mib * 2 ** 20))
     print(f"{PREFIX} {line}", flush=True)

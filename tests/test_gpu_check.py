@@ -72,9 +72,12 @@ def test_install_problems_name_each_fix():
 
 def test_the_hf_path_needs_no_vllm_and_names_what_the_bundle_lacks():
     assert gc.install_problems({**HF_OK}, PY, engine="hf", random_config="gpu_bundle/smollm2") == []
-    (core,) = gc.install_problems({**HF_OK, "prefect": None, "great-expectations": None}, PY, engine="hf",
+    (core,) = gc.install_problems({**HF_OK, "prefect": None, "deepspeed": None}, PY, engine="hf",
                                   random_config="gpu_bundle/smollm2")
-    assert core.startswith("prefect, great-expectations not installed") and "make gpu-bundle" in core
+    assert core.startswith("deepspeed, prefect not installed") and "make gpu-bundle" in core
+    # what the bundle leaves out (size) is no problem: the run goes without the gate / the picture
+    assert gc.install_problems({**HF_OK, "great-expectations": None, "matplotlib": None}, PY, engine="hf",
+                               random_config="gpu_bundle/smollm2") == []
     (weights,) = gc.install_problems(HF_OK, PY, engine="hf")  # no random config: the real weights are needed
     assert "models fetch smollm2" in weights
 
@@ -189,6 +192,10 @@ def test_hf_overrides_on_the_times_workload_are_real_keys(tmp_path):
     cpu = load_run_config(gc.WORKLOADS["times"], gc.gpu_overrides(str(tmp_path), "r", 2, 2, 2, engine="hf",
                                                                    zero_stage=0, cuda=False))
     assert (cpu.rollout.engine_options.dtype, cpu.actor.dtype) == ("float32", "fp32")
+    assert cpu.gate.enable and cfg.gate.enable
+    ungated = load_run_config(gc.WORKLOADS["times"], gc.gpu_overrides(str(tmp_path), "r", 2, 2, 2, engine="hf",
+                                                                       gate=False))
+    assert not ungated.gate.enable  # no great-expectations on the GPU machine
 
 
 def test_run_problems_check_the_asked_zero_stage():

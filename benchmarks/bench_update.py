@@ -25,6 +25,12 @@ before the trainer and has it generate once, as a colocated run does, then times
 column: seconds per update against the row without vLLM). `--compare-dtype` runs fp32 and bf16
 (ActorConfig.dtype) side by side. Each row also records the process state the update ran in:
 torch threads, CPU affinity, the NUMA memory policy and the OpenMP variables.
+
+`--profile` runs one more update under torch's profiler and prints where its time goes: the
+self CPU time of each operator, summed into matmuls (mm, addmm, bmm, linear's kernels), attention
+(SDPA and its backward), the optimizer step's kernels and everything else (element-wise ops,
+norms, copies, the log-softmax over the vocabulary), with the top operators. Matmul time over
+the matmul FLOPs (6 x params x tokens) gives the rate the matmuls themselves reach.
 """
 
 from __future__ import annotations
@@ -104,8 +110,54 @@ def process_state() -> dict:
                     if k.startswith(("OMP_", "KMP_", "GOMP_", "LD_PRELOAD", "LOCAL_WORLD_SIZE"))}}
 
 
+# Operator names (self CPU time) by what they do; the first matching prefix wins.
+OP_KINDS = (
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation",
+                "mkldnn::", "aten::mkldnn_")),
+    ("attention", ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::scaled_dot_product")),
+    ("optimizer", ("Optimizer.step", "aten::_foreach", "aten::addcdiv", "aten::addcmul", "aten::lerp",
+                   "aten::sqrt")),
+)
+
+
+def op_shares(ops: list[tuple[str, float]], top: int = 8) -> dict:
+    """Where a profiled update's time went. ``ops``: (operator name, self CPU seconds) pairs.
+    Returns {"total_s", "kinds": {kind: seconds} over OP_KINDS plus "other", "top": the `top`
+    operators by self time as (name, seconds)}."""
+    kinds = {kind: 0.0 for kind, _ in OP_KINDS} | {"other": 0.0}
+    for name, sec in ops:
+        kind = next((k for k, prefixes in OP_KINDS if name.startswith(prefixes)), "other")
+        kinds[kind] += sec
+    ranked = sorted(ops, key=lambda op: op[1], reverse=True)[:top]
+    return {"total_s": sum(kinds.values()), "kinds": kinds, "top": ranked}
+
+
+def _profiled_update(trainer, batch) -> dict:
+    """op_shares of one update run under torch's CPU profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.update(batch)
+    return op_shares([(e.key, e.self_cpu_time_total / 1e6) for e in prof.key_averages()])
+
+
+def profile_lines(r: dict, params: int) -> list[str]:
+    """The `--profile` report of one configuration's result `r` (needs r["profile"])."""
+    prof, tokens = r["profile"], r["perf/total_num_tokens"]
+    total = prof["total_s"] or 1.0
+    lines = [f"  where one update's {prof['total_s']:.2f} s went (self CPU time, profiled):"]
+    for kind, sec in sorted(prof["kinds"].items(), key=lambda kv: kv[1], reverse=True):
+        lines.append(f"    {kind:<10} {sec:7.2f} s  {100 * sec / total:5.1f} %")
+    mm = prof["kinds"].get("matmul", 0.0)
+    if mm > 0:
+        lines.append(f"    the matmuls alone run at {6 * params * tokens / mm / 1e9:.0f} GFLOP/s "
+                     f"(6 x params x {tokens:,.0f} tokens / matmul seconds)")
+    lines.append("    top operators: " + ", ".join(f"{name} {sec:.2f} s" for name, sec in prof["top"]))
+    return lines
+
+
 def worker(model_dir: str, updates: int, out: str, overrides: dict, threads: int = 1,
-           with_vllm: bool = False, prompts: int = 8, samples: int = 4) -> None:
+           with_vllm: bool = False, prompts: int = 8, samples: int = 4, profile: bool = False) -> None:
     """One configuration, in this process (1 rank, or one of N under torchrun)."""
     import torch
 
@@ -140,6 +192,7 @@ def worker(model_dir: str, updates: int, out: str, overrides: dict, threads: int
               flush=True)
         if i:
             runs.append(r)
+    profiled = _profiled_update(trainer, batch) if profile else None
     t0 = time.perf_counter()
     trainer.gathered_state_dict()
     gather = time.perf_counter() - t0
@@ -153,12 +206,14 @@ def worker(model_dir: str, updates: int, out: str, overrides: dict, threads: int
         mean["threads"] = threads
         mean["process_state"] = state
         mean["all_s"] = [r["timing_s/update_actor"] + r.get("timing_s/old_log_prob", 0.0) for r in runs]
+        if profiled is not None:
+            mean["profile"] = profiled
         with open(out, "w") as f:
             json.dump(mean, f)
 
 
 def _launch(model_dir: str, ranks: int, updates: int, out: str, overrides: dict, threads: int = 1,
-            with_vllm: bool = False, prompts: int = 8, samples: int = 4) -> dict:
+            with_vllm: bool = False, prompts: int = 8, samples: int = 4, profile: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
@@ -170,6 +225,8 @@ def _launch(model_dir: str, ranks: int, updates: int, out: str, overrides: dict,
             "--prompts", str(prompts), "--samples", str(samples)]
     if with_vllm:
         cmd.append("--with-vllm-unfixed" if with_vllm == "unfixed" else "--with-vllm")
+    if profile:
+        cmd.append("--profile")
     # The worker's stderr (its per-update times as they happen, and any traceback) goes straight to ours.
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     if proc.returncode != 0:
@@ -254,6 +311,8 @@ def parse_args(argv=None):
     p.add_argument("--compare-vllm", action="store_true", help="each configuration without and with vLLM")
     p.add_argument("--unfixed", action="store_true", help="with --compare-vllm: also the --with-vllm-unfixed row")
     p.add_argument("--compare-dtype", action="store_true", help="each configuration in fp32 and in bf16")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more update per configuration and print where its time goes")
     args = p.parse_args(argv)
     if min(args.threads, args.prompts, args.samples) < 1:
         p.error("--threads, --prompts and --samples must be >= 1")
@@ -274,14 +333,15 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         return worker(args.worker, args.updates, args.out, json.loads(args.overrides), args.threads,
-                      "unfixed" if args.with_vllm_unfixed else args.with_vllm, args.prompts, args.samples)
+                      "unfixed" if args.with_vllm_unfixed else args.with_vllm, args.prompts, args.samples,
+                      args.profile)
     overrides = args.overrides_dict
     if overrides:
         print("ActorConfig overrides:", overrides, file=sys.stderr)
     configs = variants(overrides, args.compare_vllm, args.compare_dtype,
                        "unfixed" if args.with_vllm_unfixed else args.with_vllm, args.unfixed)
     started, load0 = time.strftime("%Y-%m-%d %H:%M:%S %Z"), os.getloadavg()
-    lines, results = [HEADER], []
+    lines, results, profiles = [HEADER], [], []
     with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
         if args.model == SMOLLM2:
             from gpu_jobs.models import ensure_smollm2
@@ -300,17 +360,22 @@ def main(argv=None) -> None:
                 base = None
                 for j, (ov, with_vllm) in enumerate(configs):
                     r = _launch(model_dir, ranks, args.updates, os.path.join(tmp, f"r{i}-{ranks}-{j}.json"),
-                                ov, args.threads, with_vllm, args.prompts, args.samples)
+                                ov, args.threads, with_vllm, args.prompts, args.samples, args.profile)
                     results.append({"model": name, "params": params, "overrides": ov, **r})
                     lines.append(_row(name, params, r, variant_name(ov, with_vllm), base))
                     base = base or r
                     print(lines[-1], file=sys.stderr, flush=True)
+                    if "profile" in r:
+                        profiles += [f"{name}, {variant_name(ov, with_vllm)}, {ranks} rank(s):",
+                                     *profile_lines(r, params)]
                     print("  state:", json.dumps(r["process_state"]), file=sys.stderr, flush=True)
     load1 = os.getloadavg()
     print(f"started {started}; load average {load0[0]:.2f} at start, {load1[0]:.2f} at end; "
           f"{args.threads} torch thread(s) per rank; batch {args.prompts} prompts x {args.samples}; mean of {args.updates} timed updates after one warm-up; "
           f"vs base: seconds per update against the first row of its model and rank count\n")
     print("\n".join(lines))
+    if profiles:
+        print("\n" + "\n".join(profiles))
     os.makedirs(os.path.join(ROOT, "bench-results"), exist_ok=True)
     with open(os.path.join(ROOT, "bench-results", "update.json"), "w") as f:
         json.dump({"started": started, "loadavg": [load0, load1], "results": results}, f, indent=1)

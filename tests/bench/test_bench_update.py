@@ -76,3 +76,15 @@ def test_tiny_update_runs_with_and_without_vllm(tmp_path):
     assert rows[1]["vllm_start_s"] > 0 and rows[0]["vllm_start_s"] == 0
     for r in rows:
         assert r["timing_s/update_actor"] > 0 and r["process_state"]["torch_threads"] == 1
+
+
+def test_op_shares_sums_self_time_by_kind_and_reports_the_matmul_rate():
+    ops = [("aten::mm", 6.0), ("aten::addmm", 1.0), ("aten::_scaled_dot_product_flash_attention_for_cpu", 0.5),
+           ("aten::_foreach_addcdiv_", 0.25), ("aten::mul", 2.0), ("aten::copy_", 0.25)]
+    shares = bu.op_shares(ops, top=2)
+    assert shares["kinds"] == {"matmul": 7.0, "attention": 0.5, "optimizer": 0.25, "other": 2.25}
+    assert shares["total_s"] == 10.0 and shares["top"] == [("aten::mm", 6.0), ("aten::mul", 2.0)]
+    lines = bu.profile_lines({"profile": shares, "perf/total_num_tokens": 1000.0}, params=1_000_000)
+    assert lines[1].split() == ["matmul", "7.00", "s", "70.0", "%"]
+    assert "run at 1 GFLOP/s" in lines[-2]  # 6 x 1e6 x 1000 / 7.0 s / 1e9 = 0.86
+    assert bu.parse_args(["--profile"]).profile

@@ -114,7 +114,7 @@ from benchmarks.bench_e2e_long import (DEFAULT_CASES, GOALS, LONG_ROWS, MODELS, 
                                        check_context, heldout_problems, matmul_peak, model_folder, pick_cases,
                                        prompt_text, task_score, task_splits, trl_forcing, trl_reward, trl_rows,
                                        trl_vllm_args, trl_vllm_setup)
-from benchmarks.bench_e2e_report import (budget_steps, check_lines, evaluate_folder, first_crossing, flops_lines,
+from benchmarks.bench_e2e_report import (after_warmup, budget_steps, check_lines, evaluate_folder, first_crossing, flops_lines,
                                          format_table, goal_lines, greedy_accuracy, median_summary,
                                          run_measured, summarize, token_counts)
 
@@ -546,7 +546,7 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
         # A flow's length is sized from its fastest throughput step (after each run's warm-up):
         # running out of steps before the budget would cut its accuracy short (a run slowed by
         # other work on the box once left rlmill-flow at 179 of 200 s); extra steps only cost waiting.
-        fastest = {row: min(s for r in runs[row] for s in (r["step_seconds"][1:] or r["step_seconds"]))
+        fastest = {row: min(s for r in runs[row] for s in r["step_seconds"][after_warmup(r["step_seconds"])])
                    for row in rows if runs[row]}
         for row, acc in accuracy_phase(rows, base, args, case_tmp, fastest).items():
             results[row].update(acc)

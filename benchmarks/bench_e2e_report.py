@@ -100,10 +100,16 @@ def run_measured(cmd: list[str], *, cwd, stdout, every: float = 0.5) -> tuple[in
     return proc.returncode, {"rss_peak": peak, "rss_tree": max(highest[0], peak)}
 
 
+def after_warmup(step_seconds, skip: int = 1) -> slice:
+    """The steps a run is measured on: those after the first `skip` (one-time warm-up), or all
+    of them when the run has no more."""
+    return slice(skip, None) if len(step_seconds) > skip else slice(None)
+
+
 def summarize(step_seconds, gen_tokens, train_tokens, skip: int = 1) -> dict:
     """One run's s/step (median of steps after the first `skip`) and tokens/s (mean tokens per
     step of the same steps over that median)."""
-    keep = slice(skip, None) if len(step_seconds) > skip else slice(None)
+    keep = after_warmup(step_seconds, skip)
     s = statistics.median(step_seconds[keep])
     return {"s_step": s, "gen_tps": statistics.mean(gen_tokens[keep]) / s,
             "train_tps": statistics.mean(train_tokens[keep]) / s}

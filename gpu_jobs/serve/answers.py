@@ -7,6 +7,10 @@
 An id is `<prefix>-<uuid>` with a version-7 uuid (48-bit Unix milliseconds, then random bits), so
 its age is known from the id alone: feedback for an answer older than the retention window is
 refused as such even when the index no longer holds it (evicted, or a restarted server).
+
+The index also holds the votes each answer took (`vote`): one per (answer, choice, voter), so
+the same caller cannot post the same judgement twice while the answer is in memory, and at most
+MAX_VOTES per answer in all (an answer is one caller's; many voters on it is stuffing).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["AnswerIndex", "KnownAnswer", "id_time", "new_answer_id", "new_event_id"]
+__all__ = ["AnswerIndex", "KnownAnswer", "MAX_VOTES", "id_time", "new_answer_id", "new_event_id"]
+
+MAX_VOTES = 64  # votes one answer takes at most, all choices and voters together
 
 
 def _uuid7(at: float | None = None) -> uuid.UUID:
@@ -65,6 +71,8 @@ class AnswerIndex:
     >>> for i in "abc": idx.add(KnownAnswer(i, 0.0, "m", "v1", 1))
     >>> idx.get("a") is None, idx.get("c").version
     (True, 'v1')
+    >>> idx.vote("c", 0, "alice"), idx.vote("c", 0, "alice"), idx.vote("c", 0, "bob"), idx.vote("a", 0, "bob")
+    ('ok', 'duplicate', 'ok', 'unknown')
     """
 
     def __init__(self, capacity: int = 200_000):
@@ -72,13 +80,29 @@ class AnswerIndex:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._items: OrderedDict[str, KnownAnswer] = OrderedDict()
+        self._votes: dict[str, set[tuple[int, str]]] = {}  # answer id -> {(choice, voter)}
         self._lock = threading.Lock()
 
     def add(self, answer: KnownAnswer) -> None:
         with self._lock:
             self._items[answer.answer_id] = answer
             while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+                old, _ = self._items.popitem(last=False)
+                self._votes.pop(old, None)
+
+    def vote(self, answer_id: str, index: int, voter: str) -> str:
+        """Record a vote by `voter` on choice `index`: "ok", "duplicate" (this voter's second on
+        that choice), "full" (the answer took MAX_VOTES) or "unknown" (not in the index)."""
+        with self._lock:
+            if answer_id not in self._items:
+                return "unknown"
+            votes = self._votes.setdefault(answer_id, set())
+            if (index, voter) in votes:
+                return "duplicate"
+            if len(votes) >= MAX_VOTES:
+                return "full"
+            votes.add((index, voter))
+            return "ok"
 
     def get(self, answer_id: str) -> KnownAnswer | None:
         with self._lock:

@@ -9,9 +9,20 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (non-streaming, and `stream: true` as
 server-sent events ending `data: [DONE]`), GET /v1/models, POST /v1/feedback, GET /health, and
 GET /metrics (Prometheus text: requests, generate calls, events logged, buffered and dropped,
-swaps, requests per canary arm). Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, one line
-each: bad sampling parameters 400, an unknown model 404; for feedback, a malformed body 422
-naming the field, an unknown answer 404, an answer older than the retention window 410.
+swaps, requests per canary arm). Errors have OpenAI's shape, {"error": {"message", "type", "param",
+"code"}}, one line each, and a client's mistake is always a 4xx: bad sampling parameters, a token
+id outside the vocabulary or a prompt over --max-prompt-chars 400, a missing or wrong API key 401,
+a key without the path's role 403, an unknown model or path 404, a body over --max-body-bytes 413,
+over the caller's rate or a full engine queue 429 (with Retry-After), no answer within
+--request-timeout-s 504; for feedback, a malformed body or an index past the answer's choices 422
+naming the field, an unknown answer 404, a second vote by the same voter on the same choice 409,
+an answer older than the retention window 410. Keys, rate limits and the body cap are checked by
+the Gate middleware before the body is parsed (limits.py, auth.py); tokenisation runs off the
+event loop (a worker thread), so one huge prompt never stalls the others.
+
+Votes: one per (answer, choice, voter) while the answer is in the index (answers.py), the voter
+being the key's principal, else the request's `user`, else its `session_id`, else the client
+address. Events record the principal (None without keys), never the key.
 
 A request holds the generation (version) that was current when it arrived, from tokenizing its
 prompt to publishing its event (swap.py): a hot swap never cuts it, and its event names the
@@ -28,24 +39,29 @@ its arm, which is how the rl-canary flow counts each arm's feedback.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpu_jobs.serve.answers import AnswerIndex, KnownAnswer, id_time, new_answer_id
-from gpu_jobs.serve.batching import Batcher
+from gpu_jobs.serve.batching import Batcher, QueueFull
 from gpu_jobs.serve.events import answer_event, feedback_event
-from gpu_jobs.serve.protocol import (ChatRequest, CompletionRequest, FeedbackRequest, ParamError, chat_response,
-                                     completion_response, make_choices, refused_param, sampling_of, stream_chunks)
+from gpu_jobs.serve.limits import Gate, RateLimiter, ServeLimits, client_key, principal_of
+from gpu_jobs.serve.protocol import (ApiError, ChatRequest, CompletionRequest, FeedbackRequest, ParamError,
+                                     chat_response, check_token_ids, completion_response, error_body, make_choices,
+                                     refused_param, sampling_of, stream_chunks)
 from gpu_jobs.serve.swap import Generation, HotSwap, route_key
 
 __all__ = ["Server", "ServeSettings", "create_app"]
 
 EVENT_HEADER = "X-Rlmill-Event"
+log = logging.getLogger("rlmill.serve")
 
 
 @dataclass(frozen=True)
@@ -56,21 +72,26 @@ class ServeSettings:
     answer_index_size: int = 200_000  # recent answer ids kept for feedback checks
     event_wait_ms: float = 250.0  # how long a response waits for its event's XADD (0: never waits)
     watch_s: float = 0.0  # how often CURRENT is read for a hot swap (0: never; needs a source)
+    limits: ServeLimits = field(default_factory=ServeLimits)  # body, prompt, queue, deadline and rate bounds
 
 
 class Server:
-    """The served model (swapped when CURRENT moves), the recent-answer index and the event
-    publisher (or None). It owns `served`: its engine is closed when retired or at close()."""
+    """The served model (swapped when CURRENT moves), the recent-answer index, the event
+    publisher (or None) and the API keys (an auth.ApiKeys, or None: no keys asked for). It owns
+    `served`: its engine is closed when retired or at close()."""
 
     def __init__(self, served: Any, publisher: Any = None, settings: ServeSettings = ServeSettings(),
-                 source: Any = None):
-        self.publisher, self.settings = publisher, settings
+                 source: Any = None, keys: Any = None):
+        self.publisher, self.settings, self.keys = publisher, settings, keys
         self.models = HotSwap(served, self._batcher, source=source, watch_s=settings.watch_s)
         self.answers = AnswerIndex(settings.answer_index_size)
-        self.counts = {"answers": 0, "feedback": 0, "events_not_logged": 0}
+        self.rates = RateLimiter(settings.limits)
+        self.counts = {"answers": 0, "feedback": 0, "events_not_logged": 0, "refused_votes": 0, "timeouts": 0,
+                       "queue_full": 0}
 
     def _batcher(self, engine: Any) -> Batcher:
-        return Batcher(engine, max_batch=self.settings.max_batch, max_wait_s=self.settings.batch_wait_ms / 1000)
+        return Batcher(engine, max_batch=self.settings.max_batch, max_wait_s=self.settings.batch_wait_ms / 1000,
+                       max_queue=self.settings.limits.max_queue)
 
     @property
     def served(self) -> Any:
@@ -102,15 +123,17 @@ class Server:
             out.update({f"rlmill_serve_events_{k}_total": v for k, v in stats.items()})
         return out
 
-    def close(self) -> None:
+    def close(self, events_timeout_s: float = 5.0) -> None:
+        """Close the engines (each batcher finishes what it holds), then send the queued events
+        to the broker for up to `events_timeout_s` (what is left is counted as dropped)."""
         self.models.close()
         if self.publisher is not None:
-            self.publisher.close()
+            self.publisher.close(events_timeout_s)
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    message = " ".join(message.split())
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, kind), status, headers=headers)
 
 
 def _validation_line(exc: RequestValidationError) -> tuple[str | None, str]:
@@ -121,21 +144,46 @@ def _validation_line(exc: RequestValidationError) -> tuple[str | None, str]:
         return None, "the body is not valid JSON"
     msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
     field = ".".join(loc) if loc else None
-    return field, f"field {field!r}: {msg}" if field else msg
+    return field, f"field {field!r}: {msg}"[:1000] if field else msg[:1000]
 
 
-def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="rlmill serve")
+_HTTP_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               429: "rate_limit_error"}
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: the API's refusals, pydantic's, Starlette's (an unknown path
+    404, a wrong method 405, a body FastAPI cannot parse 400), and a server bug (500, logged)."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         field, line = _validation_line(exc)
-        status = 422 if request.url.path.endswith("/feedback") else 400
+        status = 422 if request.url.path.rstrip("/").endswith("/feedback") else 400
         return _error(status, line, field)
 
-    @app.exception_handler(ParamError)
-    async def _param(request: Request, exc: ParamError):
-        return _error(400, str(exc), exc.param)
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        status = exc.status_code
+        kind = _HTTP_KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
+        return _error(status, str(exc.detail), None, kind, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        log.error("rlmill serve: %s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__,
+                  " ".join(str(exc).split())[:300], exc_info=exc)
+        return _error(500, f"internal error ({type(exc).__name__}); the server's log has the traceback", None,
+                      "server_error")
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="rlmill serve")
+    _install_error_handlers(app)
+    app.add_middleware(Gate, keys=server.keys, limits=server.settings.limits, rates=server.rates)
+    limits = server.settings.limits
 
     @app.get("/health")
     async def health():
@@ -154,48 +202,84 @@ def create_app(server: Server) -> FastAPI:
         return PlainTextResponse("".join(f"{k} {v}\n" for k, v in server.metrics().items()))
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
+        req.check_size(limits.max_prompt_chars)
         prompt = req.single_prompt()
         with server.models.lease(route_key(req.user, req.session_id)) as gen:
-            ids = prompt if isinstance(prompt, list) else gen.served.tokenizer.encode(prompt, add_special_tokens=False)
-            return await _answer(server, gen, "completion", req, prompt, list(ids))
+            tok = gen.served.tokenizer
+            if isinstance(prompt, list):
+                ids = list(prompt)
+                check_token_ids(ids, gen.served.vocab)
+            else:  # off the event loop: a long prompt must not stall the other requests
+                ids = list(await asyncio.to_thread(tok.encode, prompt, add_special_tokens=False))
+            return await _answer(server, gen, "completion", req, prompt, ids, principal_of(request.scope))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
-        from gpu_jobs.data import render_prompt
-
+    async def chat(req: ChatRequest, request: Request):
+        req.check_size(limits.max_prompt_chars, limits.max_messages)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         with server.models.lease(route_key(req.user, req.session_id)) as gen:
-            ids = render_prompt(messages, gen.served.tokenizer)
-            return await _answer(server, gen, "chat", req, messages, ids)
+            ids = await asyncio.to_thread(_render, messages, gen.served.tokenizer)
+            return await _answer(server, gen, "chat", req, messages, ids, principal_of(request.scope))
 
     @app.post("/v1/feedback")
-    async def feedback(req: FeedbackRequest):
-        return await _feedback(server, req)
+    async def feedback(req: FeedbackRequest, request: Request):
+        return await _feedback(server, req, request.scope)
 
     return app
 
 
-def _check_request(served: Any, req: Any, prompt_ids: list[int]) -> JSONResponse | None:
+def _render(messages: list[dict], tokenizer) -> list[int]:
+    """The chat template's token ids; a template that refuses the messages (roles out of the
+    order it wants, ...) is the caller's mistake: a 400."""
+    from jinja2 import TemplateError
+
+    from gpu_jobs.data import render_prompt
+
+    try:
+        return render_prompt(messages, tokenizer)
+    except (TemplateError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ParamError("messages", f"the model's chat template refuses these messages ({type(exc).__name__}: "
+                                     f"{' '.join(str(exc).split())[:200]})") from None
+
+
+def _check_request(served: Any, req: Any, prompt_ids: list[int]) -> None:
     if req.model is not None and req.model != served.name:
-        return _error(404, f"the model {req.model!r} does not exist: this server serves {served.name!r}",
-                      "model", "not_found_error")
+        raise ApiError(404, f"the model {req.model[:200]!r} does not exist: this server serves {served.name!r}",
+                       "model", "not_found_error")
     if (refused := refused_param(req)) is not None:
         raise refused
     limit = served.max_context
     if len(prompt_ids) + req.max_new_tokens() > limit:
-        return _error(400, f"this model's maximum context length is {limit} tokens; the prompt has "
-                           f"{len(prompt_ids)} and max_tokens asks for {req.max_new_tokens()} more", "max_tokens")
-    return None
+        raise ParamError("max_tokens", f"this model's maximum context length is {limit} tokens; the prompt has "
+                                       f"{len(prompt_ids)} and max_tokens asks for {req.max_new_tokens()} more")
 
 
-async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: Any, prompt_ids: list[int]):
+async def _generate(server: Server, gen: Generation, req: Any, prompt_ids: list[int]) -> list[dict]:
+    """The engine's rows for the request, within the request deadline; 429 when the engine's
+    queue is full, 504 past the deadline (the request is taken out of the queue if still there)."""
+    timeout = server.settings.limits.request_timeout_s or None
+    try:
+        sent = gen.batcher.submit([prompt_ids], req.n, sampling_of(req))
+    except QueueFull as exc:
+        server.counts["queue_full"] += 1
+        raise ApiError(429, f"the server is busy ({exc}); retry shortly", None, "rate_limit_error",
+                       {"Retry-After": "1"}) from None
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(sent), timeout)
+    except TimeoutError:
+        server.counts["timeouts"] += 1
+        raise ApiError(504, f"no answer within {timeout:g} s (--request-timeout-s): the engine is busy; retry "
+                            "later or ask for fewer max_tokens", None, "timeout_error") from None
+
+
+async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: Any, prompt_ids: list[int],
+                  principal: str | None):
     """Generate on `gen` (held by the caller), publish the event, then answer."""
     s = gen.served
-    if (refusal := _check_request(s, req, prompt_ids)) is not None:
-        return refusal
+    _check_request(s, req, prompt_ids)
     started, created = time.monotonic(), time.time()
-    rows = await asyncio.wrap_future(gen.batcher.submit([prompt_ids], req.n, sampling_of(req)))
+    rows = await _generate(server, gen, req, prompt_ids)
     choices = make_choices(rows, s.tokenizer, req.stop)
     answer_id = new_answer_id("chatcmpl" if kind == "chat" else "cmpl")
     server.answers.add(KnownAnswer(answer_id, created, s.name, s.version, len(choices)))
@@ -205,7 +289,8 @@ async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: 
     logged = await server.publish(answer_event(
         answer_id, endpoint="chat.completions" if kind == "chat" else "completions", model=s.name,
         version=s.version, created=created, latency_s=time.monotonic() - started, prompt=prompt,
-        prompt_ids=prompt_ids, choices=choices, sampling=settings, user=req.user, session_id=req.session_id))
+        prompt_ids=prompt_ids, choices=choices, sampling=settings, user=req.user, session_id=req.session_id,
+        principal=principal))
     args = (answer_id, int(created), s.name, f"{s.name}@{s.version}", prompt_ids, choices)
     headers = {EVENT_HEADER: logged}
     if req.stream:  # the chunks are cut from the finished answer: nothing left for the engine to do
@@ -216,27 +301,50 @@ async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: 
     return JSONResponse(body, headers=headers)
 
 
-async def _feedback(server: Server, req: FeedbackRequest):
+def _known(server: Server, answer_id: str, field: str) -> KnownAnswer:
+    """The answer `answer_id` names, or the 410 / 404 for it."""
     window_s = server.settings.retention_hours * 3600
-    known = server.answers.get(req.answer_id)
-    created = known.created if known else id_time(req.answer_id)
+    known = server.answers.get(answer_id)
+    created = known.created if known else id_time(answer_id)
     if created is not None and time.time() - created > window_s:
         hours = (time.time() - created) / 3600
-        return _error(410, f"answer {req.answer_id} is {hours:.1f} h old: feedback is taken for "
-                           f"{server.settings.retention_hours:g} h after an answer (--retention-hours)",
-                      "answer_id", "gone")
+        raise ApiError(410, f"answer {answer_id} is {hours:.1f} h old: feedback is taken for "
+                            f"{server.settings.retention_hours:g} h after an answer (--retention-hours)", field, "gone")
     if known is None:
-        return _error(404, f"no answer {req.answer_id} was served here in the last "
-                           f"{server.settings.retention_hours:g} h", "answer_id", "not_found_error")
+        what = "" if field == "answer_id" else f" ({field})"
+        raise ApiError(404, f"no answer {answer_id}{what} was served here in the last "
+                            f"{server.settings.retention_hours:g} h", field, "not_found_error")
+    return known
+
+
+def _voter(req: FeedbackRequest, scope: dict) -> str:
+    """Who a vote counts for: the key's principal, else the user, else the session, else the address."""
+    if (principal := principal_of(scope)) is not None:
+        return f"principal:{principal}"
+    return f"user:{req.user}" if req.user else f"session:{req.session_id}" if req.session_id else client_key(scope)
+
+
+async def _feedback(server: Server, req: FeedbackRequest, scope: dict):
+    known = _known(server, req.answer_id, "answer_id")
     if req.index >= known.n_choices:
-        return _error(422, f"field 'index': answer {req.answer_id} has {known.n_choices} choice(s)", "index")
-    if req.preferred_over is not None and server.answers.get(req.preferred_over) is None:
-        return _error(404, f"no answer {req.preferred_over} (preferred_over) was served here in the last "
-                           f"{server.settings.retention_hours:g} h", "preferred_over", "not_found_error")
+        raise ApiError(422, f"field 'index': answer {req.answer_id} has {known.n_choices} choice(s)", "index")
+    if req.preferred_over is not None:
+        other = _known(server, req.preferred_over, "preferred_over")
+        if req.preferred_over_index >= other.n_choices:
+            raise ApiError(422, f"field 'preferred_over_index': answer {req.preferred_over} has {other.n_choices} "
+                                "choice(s)", "preferred_over_index")
+    vote = server.answers.vote(req.answer_id, req.index, _voter(req, scope))
+    if vote != "ok":
+        server.counts["refused_votes"] += 1
+        why = ("this voter already gave feedback on this choice of this answer" if vote == "duplicate" else
+               "this answer has taken all the feedback it can" if vote == "full" else
+               "the answer left the server's memory meanwhile")
+        raise ApiError(409, f"feedback on choice {req.index} of {req.answer_id} refused: {why}", "answer_id",
+                       "conflict")
     event = feedback_event(req.answer_id, model=known.model, version=known.version, index=req.index,
                            score=req.score, thumbs=req.thumbs, preferred_over=req.preferred_over,
                            preferred_over_index=req.preferred_over_index, text=req.text, user=req.user,
-                           session_id=req.session_id)
+                           session_id=req.session_id, principal=principal_of(scope))
     server.counts["feedback"] += 1
     logged = await server.publish(event)
     return JSONResponse({"id": event["event_id"], "object": "feedback", "answer_id": req.answer_id,

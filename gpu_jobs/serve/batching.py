@@ -11,6 +11,10 @@ The worker takes the first waiting request, then collects more for up to `max_wa
 seed is a group of its own: the hf engine draws a whole call from one generator, so batching it
 with others would make the same seed give another answer. Async code awaits the Future with
 `asyncio.wrap_future`.
+
+The queue is bounded: with `max_queue` requests waiting (not yet taken into a batch), `submit`
+raises QueueFull at once, which the API answers 429 with Retry-After, instead of holding an
+unbounded backlog that would answer everyone late.
 """
 
 from __future__ import annotations
@@ -24,9 +28,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Batcher"]
+__all__ = ["Batcher", "QueueFull"]
 
 log = logging.getLogger("rlmill.serve")
+
+
+class QueueFull(RuntimeError):
+    """`max_queue` requests are waiting for the engine already."""
 
 
 @dataclass
@@ -41,10 +49,10 @@ class _Request:
 class Batcher:
     """One worker thread owning `engine`; see the module docstring."""
 
-    def __init__(self, engine: Any, *, max_batch: int = 16, max_wait_s: float = 0.005):
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.engine, self.max_batch, self.max_wait_s = engine, max_batch, max_wait_s
+    def __init__(self, engine: Any, *, max_batch: int = 16, max_wait_s: float = 0.005, max_queue: int = 1024):
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch} and {max_queue}")
+        self.engine, self.max_batch, self.max_wait_s, self.max_queue = engine, max_batch, max_wait_s, max_queue
         self._queue: queue.Queue = queue.Queue()
         self._counts = {"requests": 0, "batches": 0, "sequences": 0}
         self._lock = threading.Lock()
@@ -53,7 +61,10 @@ class Batcher:
         self._thread.start()
 
     def submit(self, prompts: list[list[int]], n: int, sampling: Any) -> Future:
-        """Queue `n` samples of each prompt; the Future gives the engine's rows (prompt-major)."""
+        """Queue `n` samples of each prompt; the Future gives the engine's rows (prompt-major).
+        Raises QueueFull when `max_queue` requests wait already."""
+        if self._queue.qsize() >= self.max_queue:
+            raise QueueFull(f"{self.max_queue} requests are waiting for the engine")
         req = _Request(prompts, n, sampling)
         req.key = (n, sampling, next(self._solo) if getattr(sampling, "seed", None) is not None else None)
         self._queue.put(req)

@@ -37,12 +37,14 @@ ANSWER_SCHEMA = pa.schema([
     ("logprobs", pa.list_(pa.float32())), ("finish_reason", pa.string()),
     ("sampling", pa.string()),  # JSON
     ("user", pa.string()), ("session_id", pa.string()),
+    ("principal", pa.string()),  # the API key's principal (None: served without keys)
 ])
 FEEDBACK_SCHEMA = pa.schema([
     ("event_id", pa.string()), ("answer_id", pa.string()), ("index", pa.int32()), ("model", pa.string()),
     ("version", pa.string()), ("created", pa.float64()), ("score", pa.float64()), ("thumbs", pa.string()),
     ("preferred_over", pa.string()), ("preferred_over_index", pa.int32()), ("text", pa.string()),
     ("user", pa.string()), ("session_id", pa.string()),
+    ("principal", pa.string()),  # the API key's principal (None: served without keys)
 ])
 QUARANTINE_SCHEMA = pa.schema([
     ("event_id", pa.string()), ("stream_id", pa.string()), ("reason", pa.string()), ("event", pa.string()),
@@ -52,23 +54,24 @@ SIGNALS = ("score", "thumbs", "preferred_over", "text")
 
 def answer_event(answer_id: str, *, endpoint: str, model: str, version: str, created: float, latency_s: float,
                  prompt: Any, prompt_ids: list[int], choices: list[dict], sampling: dict,
-                 user: str | None = None, session_id: str | None = None) -> dict:
-    """One answered request (all its choices)."""
+                 user: str | None = None, session_id: str | None = None, principal: str | None = None) -> dict:
+    """One answered request (all its choices); `principal`: who the API key names (never the key)."""
     return {"kind": "answer", "event_id": new_event_id(), "answer_id": answer_id, "endpoint": endpoint,
             "model": model, "version": version, "created": created, "latency_s": latency_s, "prompt": prompt,
             "prompt_ids": list(prompt_ids), "choices": choices, "sampling": sampling, "user": user,
-            "session_id": session_id}
+            "session_id": session_id, "principal": principal}
 
 
 def feedback_event(answer_id: str, *, model: str, version: str, index: int = 0, score: float | None = None,
                    thumbs: str | None = None, preferred_over: str | None = None, preferred_over_index: int = 0,
-                   text: str | None = None, user: str | None = None, session_id: str | None = None) -> dict:
+                   text: str | None = None, user: str | None = None, session_id: str | None = None,
+                   principal: str | None = None) -> dict:
     """One piece of feedback on choice `index` of answer `answer_id`."""
     return {"kind": "feedback", "event_id": new_event_id(), "answer_id": answer_id, "index": index,
             "model": model, "version": version, "created": time.time(), "score": score, "thumbs": thumbs,
             "preferred_over": preferred_over,
             "preferred_over_index": preferred_over_index if preferred_over else None, "text": text,
-            "user": user, "session_id": session_id}
+            "user": user, "session_id": session_id, "principal": principal}
 
 
 def encode(event: dict) -> dict[str, str]:
@@ -200,7 +203,7 @@ def answers_table(events: list[dict]) -> pa.Table:
     rows = []
     for e in events:
         common = {k: e.get(k) for k in ("event_id", "answer_id", "endpoint", "model", "version", "created",
-                                        "latency_s", "user", "session_id")}
+                                        "latency_s", "user", "session_id", "principal")}
         common["prompt"], common["prompt_ids"] = json.dumps(e["prompt"]), e["prompt_ids"]
         common["sampling"] = json.dumps(e.get("sampling") or {}, sort_keys=True)
         for c in e["choices"]:

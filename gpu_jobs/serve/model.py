@@ -34,6 +34,12 @@ class ServedModel:
     tokenizer: Any
     engine: Any  # a gpu_jobs.rollout RolloutEngine
     max_context: int
+    vocab_size: int | None = None  # the embedding's rows (config.json); None: the tokenizer's size
+
+    @property
+    def vocab(self) -> int:
+        """Token ids a prompt may hold are [0, vocab): known to both the embedding and the tokenizer."""
+        return min(self.vocab_size or len(self.tokenizer), len(self.tokenizer))
 
     def close(self) -> None:
         close = getattr(self.engine, "close", None)
@@ -114,7 +120,8 @@ class ModelSource:
         path = resolve_model_path(where, self.storage)
         tokenizer = AutoTokenizer.from_pretrained(path)
         engine = build_rollout_engine(self.backend, path, self.options or RolloutEngineConfig(), storage=self.storage)
-        return ServedModel(name, version, path, tokenizer, engine, _max_context(path, tokenizer))
+        return ServedModel(name, version, path, tokenizer, engine, _max_context(path, tokenizer),
+                           _config_int(path, "vocab_size"))
 
 
 def load_served_model(name: str | None, root: str | None = None, *, backend: str = "hf",
@@ -123,10 +130,15 @@ def load_served_model(name: str | None, root: str | None = None, *, backend: str
     return ModelSource(name, root, backend, options, storage).load()
 
 
-def _max_context(path: str, tokenizer) -> int:
+def _config_int(path: str, key: str) -> int | None:
     try:
         with open(os.path.join(path, "config.json")) as f:
-            n = json.load(f).get("max_position_embeddings")
-    except (OSError, ValueError):
+            n = json.load(f).get(key)
+    except (OSError, ValueError, AttributeError):
         n = None
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def _max_context(path: str, tokenizer) -> int:
+    n = _config_int(path, "max_position_embeddings")
     return int(n or getattr(tokenizer, "model_max_length", 2048) or 2048)

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["ChatRequest", "CompletionRequest", "FeedbackRequest", "ParamError", "refused_param", "sampling_of",
-           "make_choices", "chat_response", "completion_response", "stream_chunks"]
+__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "FeedbackRequest", "INT32_MAX", "ParamError",
+           "check_token_ids", "error_body", "refused_param", "sampling_of", "make_choices", "chat_response",
+           "completion_response", "stream_chunks"]
+
+INT32_MAX = 2**31 - 1  # what an index must fit in: the event tables store them as int32
+INT64 = (-(2**63), 2**63 - 1)  # what a seed must fit in (torch's generators take 64 bits)
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 # Parameters accepted only at their neutral value (what OpenAI does when they are left out).
 NEUTRAL: dict[str, tuple] = {
@@ -32,12 +37,29 @@ NEUTRAL: dict[str, tuple] = {
 IGNORED = ("metadata", "store", "service_tier")
 
 
-class ParamError(ValueError):
+def error_body(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error shape, on one line: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": " ".join(str(message).split()), "type": kind, "param": param, "code": status}}
+
+
+class ApiError(Exception):
+    """Any refusal the API answers with `status` in OpenAI's error shape (error_body), with
+    optional extra response headers (Retry-After on a 429)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.param, self.kind, self.headers = status, param, kind, headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, str(self), self.param, self.kind)
+
+
+class ParamError(ApiError, ValueError):
     """A request parameter the server cannot honour: a 400 naming `param`."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+        super().__init__(400, message, param)
 
 
 class StreamOptions(BaseModel):
@@ -51,10 +73,10 @@ class _Sampling(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    max_tokens: int | None = Field(None, ge=1)
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     n: int = Field(1, ge=1, le=64)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -65,8 +87,8 @@ class _Sampling(BaseModel):
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("give at most 4 non-empty stop strings")
+        if len(stops) > 4 or any(not s or len(s) > 256 for s in stops):
+            raise ValueError("give at most 4 non-empty stop strings of at most 256 characters")
         return stops or None
 
     def max_new_tokens(self) -> int:
@@ -75,23 +97,36 @@ class _Sampling(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[dict] | None = ""
 
     def text(self) -> str:
         if isinstance(self.content, list):  # [{"type": "text", "text": "..."}]
-            if any(part.get("type") != "text" for part in self.content):
-                raise ParamError("messages", "only text content parts are supported")
-            return "".join(str(part.get("text", "")) for part in self.content)
+            if any(part.get("type") != "text" or not isinstance(part.get("text", ""), str) for part in self.content):
+                raise ParamError("messages", "only text content parts ({\"type\": \"text\", \"text\": \"...\"}) "
+                                             "are supported")
+            return "".join(part.get("text", "") for part in self.content)
         return self.content or ""
 
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
     def max_new_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16
+
+    def check_size(self, max_chars: int, max_messages: int) -> None:
+        """ParamError when the messages are more than `max_messages` or longer than `max_chars`
+        characters in all (checked before the chat template tokenises them)."""
+        if len(self.messages) > max_messages:
+            raise ParamError("messages", f"{len(self.messages)} messages: this server takes at most {max_messages} "
+                                         "(--max-messages)")
+        chars = sum(len(m.text()) for m in self.messages)
+        if chars > max_chars:
+            raise ParamError("messages", f"the messages have {chars} characters: this server takes at most "
+                                         f"{max_chars} (--max-prompt-chars)")
 
 
 class CompletionRequest(_Sampling):
@@ -106,6 +141,22 @@ class CompletionRequest(_Sampling):
         if not p:
             raise ParamError("prompt", "prompt is empty")
         return p
+
+    def check_size(self, max_chars: int) -> None:
+        """ParamError when a text prompt is longer than `max_chars` characters (checked before it
+        is tokenised; a token-id prompt is bounded by the context length instead)."""
+        p = self.single_prompt()
+        if isinstance(p, str) and len(p) > max_chars:
+            raise ParamError("prompt", f"the prompt has {len(p)} characters: this server takes at most {max_chars} "
+                                       "(--max-prompt-chars)")
+
+
+def check_token_ids(ids: list[int], vocab: int) -> None:
+    """ParamError naming the first token id outside [0, vocab): an out-of-range id would index
+    past the embedding (an error for the whole batch on CPU, a dead engine on CUDA)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab:
+            raise ParamError("prompt", f"token id {t} at position {i} is outside this model's vocabulary [0, {vocab})")
 
 
 def refused_param(req: _Sampling) -> ParamError | None:
@@ -212,12 +263,12 @@ class FeedbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     answer_id: str = Field(min_length=1, max_length=128)
-    index: int = Field(0, ge=0, description="Which choice of the answer (n > 1).")
+    index: int = Field(0, ge=0, le=INT32_MAX, description="Which choice of the answer (n > 1).")
     score: float | None = Field(None, ge=0.0, le=1.0)
     thumbs: str | None = Field(None, pattern="^(up|down)$")
     preferred_over: str | None = Field(None, min_length=1, max_length=128,
                                        description="Another answer id this one was preferred over.")
-    preferred_over_index: int = Field(0, ge=0)
+    preferred_over_index: int = Field(0, ge=0, le=INT32_MAX, description="Which choice of preferred_over.")
     text: str | None = Field(None, max_length=10_000)
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=256)

@@ -1,0 +1,147 @@
+"""API keys and roles, per-principal rate limits and one vote per voter, on the built-in model:
+the `openai` package with `api_key=` against a real server, 401/403/409/429 in OpenAI's shape,
+the principal (never the key) in every event, and `rlmill serve`'s refusals of an open host."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gpu_jobs.serve.app import Server, ServeSettings, create_app
+from gpu_jobs.serve.auth import ApiKeys, ApiKeysError
+from gpu_jobs.serve.limits import ServeLimits
+
+ALICE, BOB, GRAFANA = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef", "sk-grafana-0123456789abcdef"
+KEYS = {ALICE: {"principal": "alice", "roles": ["query", "feedback"]},
+        BOB: {"principal": "bob", "roles": ["query"]},
+        GRAFANA: {"principal": "grafana", "roles": ["metrics"]}}
+COMPLETION = {"prompt": "12+34=", "max_tokens": 4, "temperature": 0}
+
+
+class Capture:
+    """An event publisher that keeps what it is given."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+
+    async def publish_async(self, event: dict, wait_s: float) -> str:
+        self.events.append(event)
+        return "logged"
+
+    def stats(self) -> dict:
+        return {"queued": 0}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        pass
+
+
+def _auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _is_openai_error(r, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "\n" not in err["message"], err
+    return err
+
+
+@pytest.fixture(scope="module")
+def keyed(served):
+    """A server with keys, feedback limited to 3 posts per principal (a refill every 1000 s)."""
+    limits = ServeLimits(feedback_rate_limit=0.001, rate_burst=3)
+    server = Server(served, Capture(), ServeSettings(limits=limits), keys=ApiKeys.parse(KEYS))
+    yield server
+    server.close()
+
+
+def test_the_openai_client_with_api_key(keyed, run_app):
+    import openai
+
+    with run_app(keyed) as base:
+        client = openai.OpenAI(api_key=ALICE, base_url=f"{base}/v1", max_retries=0)
+        chat = client.chat.completions.create(model="builtin", messages=[{"role": "user", "content": "12+34="}],
+                                              max_tokens=6, temperature=0, user="u-1")
+        assert chat.choices[0].message.content == "46"
+        done = client.completions.create(model="builtin", prompt="12+34=", max_tokens=4, temperature=0)
+        assert done.choices[0].text == "46" and [m.id for m in client.models.list()] == ["builtin"]
+        with pytest.raises(openai.AuthenticationError) as wrong:
+            openai.OpenAI(api_key="sk-nobody-0123456789", base_url=f"{base}/v1", max_retries=0).models.list()
+        assert wrong.value.status_code == 401 and wrong.value.body["message"] == "invalid API key"
+        with pytest.raises(openai.PermissionDeniedError) as denied:  # grafana may read /metrics only
+            openai.OpenAI(api_key=GRAFANA, base_url=f"{base}/v1", max_retries=0).models.list()
+        assert "lacks the role 'query'" in denied.value.body["message"]
+    answers = [e for e in keyed.publisher.events if e["answer_id"] in (chat.id, done.id)]
+    assert [e["principal"] for e in answers] == ["alice", "alice"] and answers[0]["user"] == "u-1"
+    assert ALICE not in json.dumps(keyed.publisher.events)  # the principal, never the key
+
+
+def test_keys_roles_and_votes(keyed):
+    client = TestClient(create_app(keyed))
+    assert client.get("/health").status_code == 200  # open: a load balancer's probe has no key
+    assert "no API key" in _is_openai_error(client.post("/v1/completions", json=COMPLETION), 401)["message"]
+    _is_openai_error(client.post("/v1/completions", json=COMPLETION, headers={"Authorization": ALICE}), 401)
+    _is_openai_error(client.post("/v1/completions", json=COMPLETION, headers=_auth(ALICE + "x")), 401)
+    _is_openai_error(client.post("/v1/completions", json=COMPLETION, headers=_auth(GRAFANA)), 403)
+    _is_openai_error(client.get("/metrics", headers=_auth(ALICE)), 403)
+    assert "rlmill_serve_answers_total" in client.get("/metrics", headers=_auth(GRAFANA)).text
+    # without a key the body is never read: a malformed one is still a 401, not a 400
+    _is_openai_error(client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+                     401)
+    answer = client.post("/v1/completions", json={**COMPLETION, "n": 2}, headers=_auth(BOB)).json()["id"]
+    vote = {"answer_id": answer, "thumbs": "up"}
+    assert "lacks the role 'feedback'" in _is_openai_error(client.post("/v1/feedback", json=vote,
+                                                                       headers=_auth(BOB)), 403)["message"]
+    ok = client.post("/v1/feedback", json=vote, headers=_auth(ALICE))
+    assert ok.status_code == 200, ok.text
+    # the same principal again on the same choice, under another self-asserted user: refused
+    again = client.post("/v1/feedback", json={**vote, "user": "someone-else"}, headers=_auth(ALICE))
+    assert _is_openai_error(again, 409)["param"] == "answer_id"
+    assert client.post("/v1/feedback", json={**vote, "index": 1}, headers=_auth(ALICE)).status_code == 200
+    # alice's 3 feedback posts (the 409 counts: the gate takes a token before the body is read)
+    # are spent: the next is a 429 with Retry-After
+    limited = client.post("/v1/feedback", json={**vote, "index": 1}, headers=_auth(ALICE))
+    assert _is_openai_error(limited, 429)["type"] == "rate_limit_error" and int(limited.headers["retry-after"]) >= 1
+    assert client.post("/v1/completions", json=COMPLETION, headers=_auth(ALICE)).status_code == 200  # query: no limit
+    feedback = [e for e in keyed.publisher.events if e["kind"] == "feedback"]
+    assert [(e["index"], e["principal"]) for e in feedback] == [(0, "alice"), (1, "alice")]
+
+
+def test_votes_without_keys_count_per_user(served):
+    client = TestClient(create_app(Server(served, None)))
+    answer = client.post("/v1/completions", json=COMPLETION).json()["id"]
+    for user, status in (("u1", 200), ("u1", 409), ("u2", 200)):
+        r = client.post("/v1/feedback", json={"answer_id": answer, "score": 1.0, "user": user})
+        assert r.status_code == status, r.text
+
+
+def test_keys_file_and_cli_refusals(tmp_path, monkeypatch):
+    from flows.cli import main
+
+    good = tmp_path / "keys.yaml"
+    good.write_text(f"{ALICE}: {{principal: alice, roles: [query]}}\n")
+    assert ApiKeys.from_file(str(good)).lookup(ALICE).name == "alice"
+    for text, expect in (("sk-short: {principal: a, roles: [query]}", "at least 16 characters"),
+                         (f"{ALICE}: {{principal: a, roles: [admin]}}", "roles ['admin']"),
+                         (f"{ALICE}: {{principal: 'a b', roles: [query]}}", "principal 'a b'"),
+                         ("[1, 2]", "must be a mapping"), ("{", "not valid YAML")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ApiKeysError) as exc:
+            ApiKeys.from_file(str(bad))
+        assert expect in str(exc.value) and ALICE not in str(exc.value), str(exc.value)
+
+    def line(*argv) -> str:
+        with pytest.raises(SystemExit) as exc:
+            main(list(argv))
+        text = str(exc.value.code)
+        assert text.startswith("rlmill: ") and "\n" not in text and "Traceback" not in text, text
+        return text
+
+    monkeypatch.delenv("RLMILL_API_KEYS", raising=False)
+    assert "no API keys are set" in line("serve", "--host", "0.0.0.0", "--port", "0", "--redis", "none")
+    assert "not valid YAML" in line("serve", "--host", "0.0.0.0", "--api-keys", str(bad), "--port", "0")
+    assert "--rate-limit -1 is negative" in line("serve", "--rate-limit", "-1", "--port", "0")
+    assert "--max-body-bytes 0 is below 1" in line("serve", "--max-body-bytes", "0", "--port", "0")

@@ -63,12 +63,16 @@ class Batcher:
     def submit(self, prompts: list[list[int]], n: int, sampling: Any) -> Future:
         """Queue `n` samples of each prompt; the Future gives the engine's rows (prompt-major).
         Raises QueueFull when `max_queue` requests wait already."""
-        if self._queue.qsize() >= self.max_queue:
+        if self.waiting() >= self.max_queue:
             raise QueueFull(f"{self.max_queue} requests are waiting for the engine")
         req = _Request(prompts, n, sampling)
         req.key = (n, sampling, next(self._solo) if getattr(sampling, "seed", None) is not None else None)
         self._queue.put(req)
         return req.future
+
+    def waiting(self) -> int:
+        """Requests queued and not yet taken into a batch."""
+        return self._queue.qsize()
 
     def stats(self) -> dict[str, int]:
         """requests served, batches (= generate calls) made, sequences generated."""

@@ -145,11 +145,36 @@ def cmd_train(args) -> None:
     cfg = _check_config(args.config, overrides)
     _check_startable(cfg)
     _announce(cfg, fresh)
-    _start_ephemeral_api()
-    from flows.training import rl_training
+    resume = ["rlmill", "train", *(["--config", args.config] if args.config else []),
+              *_plain_overrides(args.overrides), f"run_id={cfg.run_id}"]
+    with _stoppable(cfg, resume):
+        _start_ephemeral_api()
+        from flows.training import rl_training
 
-    summary = rl_training(config=args.config, overrides=_secrets_to_env(overrides))
+        summary = rl_training(config=args.config, overrides=_secrets_to_env(overrides))
     _print_summary(summary, PREFERENCE_LABEL if cfg.preference is not None else SUMMARY_LABEL)
+
+
+def _plain_overrides(overrides: list[str]) -> list[str]:
+    """The user's overrides but run_id= and the storage credentials (never printed)."""
+    keys = {*SECRET_OVERRIDES, "run_id"}
+    return [o for o in overrides if o.partition("=")[0].strip() not in keys]
+
+
+def _stoppable(cfg, resume: list[str]):
+    """SIGINT and SIGTERM stop the run (flows/stopping.py); the line printed then names the
+    committed iterations and `resume`, the command that goes on from them."""
+    import shlex
+
+    from flows import stopping
+
+    def line(signum: int) -> str:
+        from flows.training import committed_iterations
+
+        return stopping.stop_line(cfg.run_id, signum, committed_iterations(cfg), shlex.join(resume))
+
+    stopping.set_line(line, cfg.tasks.stop_grace_seconds)
+    return stopping.stop_signals(cfg.tasks.stop_grace_seconds)
 
 
 def cmd_run(args) -> None:
@@ -165,13 +190,14 @@ def cmd_run(args) -> None:
     _check_startable(cfg)
     print(f"rlmill: GRPO on the built-in arithmetic task ({DEFAULT_CONFIG_NAME}), run {run_id}; "
           f"to resume it: rlmill run --run-id {run_id}", flush=True)
-    _start_ephemeral_api()
-    import torch
+    with _stoppable(cfg, ["rlmill", "run", "--run-id", run_id, *_plain_overrides(args.overrides)]):
+        _start_ephemeral_api()
+        import torch
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    from flows.training import rl_training
+        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        from flows.training import rl_training
 
-    summary = rl_training(config=None, overrides=_secrets_to_env(overrides))
+        summary = rl_training(config=None, overrides=_secrets_to_env(overrides))
     _print_summary(summary)
 
 
@@ -340,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         args.fn(args)
+    except KeyboardInterrupt as stop:  # RunStopped: SIGINT/SIGTERM during a run (flows/stopping.py)
+        _stopped(stop)
     except BrokenPipeError:  # `rlmill config show | head`: the reader left; nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         sys.exit(1)
@@ -352,6 +380,20 @@ def main(argv: list[str] | None = None) -> None:
             print(f"rlmill: unexpected error: {what} (not a mistake rlmill recognises in the input; "
                   "the traceback follows)", file=sys.stderr, flush=True)
         raise
+
+
+def _stopped(stop: KeyboardInterrupt) -> None:
+    """The end of a run SIGINT or SIGTERM stopped: its one line, its ephemeral Prefect server
+    stopped (past the grace it dies with us instead), exit status 130 or 143."""
+    from flows import stopping
+
+    if not isinstance(stop, stopping.RunStopped):  # Ctrl-C outside a run (a command without a run)
+        raise stop
+    stopping.say_once(stop.signum)
+    from flows.cli_prefect import _stop_ephemeral_api
+
+    _stop_ephemeral_api()
+    stopping.hard_exit(stop.signum)  # Prefect's own exit hooks are done above; others may wait on threads
 
 
 def _user_line(exc: BaseException) -> str | None:

@@ -32,7 +32,8 @@ class _SubprocessDyingWithParent:
 
 
 def _die_with_parent_preexec():
-    """A preexec_fn (Linux) setting PR_SET_PDEATHSIG=SIGTERM on the child, or None elsewhere."""
+    """A preexec_fn (Linux) putting the child in a session of its own with PR_SET_PDEATHSIG=SIGTERM,
+    or None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
@@ -44,6 +45,10 @@ def _die_with_parent_preexec():
     pr_set_pdeathsig, parent = 1, os.getpid()
 
     def preexec() -> None:
+        # Its own session: Ctrl-C in a terminal and a SIGTERM to the run's process group (what
+        # `timeout` and a closing terminal send) reach the CLI only, which stops its run through
+        # this server (flows/stopping.py) and stops it at exit; it must not go first.
+        os.setsid()
         prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
@@ -79,3 +84,32 @@ def _start_ephemeral_api() -> None:
     if not isinstance(real, _SubprocessDyingWithParent):
         prefect_server.subprocess = _SubprocessDyingWithParent(real, preexec)
     ephemeral().start()  # the instance get_client() uses (port None); stopped at exit by Prefect
+
+
+def _stop_ephemeral_api(drain_s: float = 3.0, grace_s: float = 1.0) -> None:
+    """For a run stopped by a signal (flows/stopping.py), which cannot spend Prefect's own exit:
+    send the logs and events Prefect still holds (at most `drain_s`), then stop the ephemeral API
+    server: SIGTERM, SIGKILL after `grace_s` (Prefect's stop at exit waits 5 s for it, which it
+    nearly always takes). A no-op for the server when there is none."""
+    import subprocess
+
+    try:  # Prefect's log and event workers (what its own exit drains, without a bound)
+        from prefect._internal.concurrency.services import _QueueServiceBase
+
+        _QueueServiceBase.drain_all(timeout=drain_s)
+    except Exception:  # noqa: BLE001 -- a Prefect without them: nothing to send
+        pass
+    try:
+        from prefect.server.api.server import SubprocessASGIServer
+    except ImportError:
+        return
+    for server in list(getattr(SubprocessASGIServer, "_instances", {}).values()):
+        proc = getattr(server, "server_process", None)
+        if proc is None or proc.poll() is not None:
+            continue
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

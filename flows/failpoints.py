@@ -1,10 +1,10 @@
-"""Named moments of a run after its last commit, where a test or the chaos harness holds the
-process so it can be killed exactly there.
+"""Named moments of a run outside its stages (its setup, and after its last commit), where a test
+or the chaos harness holds the process so it can be killed or signalled exactly there.
 
     RLMILL_FAILPOINT=run:report RLMILL_FAILPOINT_MARKER=/tmp/m rlmill train --config examples/grpo_arith.yaml
 
 Stage boundaries are armed from outside by benchmarks/chaos/failpoints.py (it wraps the commit
-shell). The moments here have no stage to wrap: the final validation, the report, the flow's
+shell). The moments here have no stage to wrap: the setup before the first iteration, the final validation, the report, the flow's
 return and the flow run's final state are the flow's own code, and a deployment run loads that
 code from its entrypoint, where a wrapper installed from outside may not reach it. So the flow
 calls `reach(point)` at each; unarmed, that is one environment lookup.
@@ -23,6 +23,7 @@ from pathlib import Path
 __all__ = ["POINTS", "hold", "reach"]
 
 POINTS = {
+    "run:setup": "the run's engines loaded and its progress read; no iteration of this process started",
     "run:final-validation": "every iteration committed; the final validation not yet read",
     "run:report": "the final validation read; the curves and the final artifact not yet written",
     "run:return": "the report written; the flow function not yet returned",

@@ -29,7 +29,9 @@ from flows.failpoints import reach
 from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact, iteration_artifacts,
                              local_tb_dir, validation_artifact)
 from flows.remote import REMOTE_POOLS, run_remote
+from flows import stopping
 from flows.run_lock import RunLock
+from flows.stopping import RunStopped, stop_signals
 from gpu_jobs import stages
 from gpu_jobs.stages import Roles, Run, StageSpec, artifact_samples, last_committed, open_warm, run_iteration
 from storage import committed, join, overwrite, read_manifest
@@ -217,15 +219,39 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
         cfg = load_run_config(config, extra)
         logger.info("run %s (%s)", cfg.run_id, run_start_words(cfg, fresh))
         check_startable(cfg)
-        with RunLock(cfg.root, cfg.run_id), tags("rlmill", f"run:{cfg.run_id}"):
+        with RunLock(cfg.root, cfg.run_id), tags("rlmill", f"run:{cfg.run_id}"), \
+                stop_signals(cfg.tasks.stop_grace_seconds):
+            own_line = stopping.set_default_line(lambda signum: _deployment_stop_line(cfg, signum))
             if in_run:
                 _tag_flow_run(f"run:{cfg.run_id}")
-            return _train(cfg, logger)
+            try:
+                return _train(cfg, logger)
+            except RunStopped as stop:
+                if own_line:  # a deployment run: the line goes to its log (the CLI prints its own)
+                    stopping.say_once(stop.signum, emit=logger.warning)
+                raise
     except Exception as exc:
         failed = _failed_run(exc, cfg, logger) if in_run else None
         if failed is None:
             raise
         return failed
+
+
+def _deployment_stop_line(cfg: RunConfig, signum: int) -> str:
+    """The stop line of a run outside the CLI (a deployment run): how to start it again."""
+    from prefect.runtime import deployment
+
+    name = deployment.name
+    resume = (f"prefect deployment run 'rl-training/{name}' -p run_id={cfg.run_id} (a Crashed deployment run is "
+              "also resumed automatically)" if name else f"rlmill train run_id={cfg.run_id} with its config")
+    return stopping.stop_line(cfg.run_id, signum, committed_iterations(cfg), resume)
+
+
+def committed_iterations(cfg: RunConfig) -> int:
+    """How many iterations of the run have committed (its last `commit` stage)."""
+    from storage import RunLayout
+
+    return last_committed(RunLayout(cfg.root, cfg.run_id, cfg.storage), "commit", cfg.trainer.total_iterations)
 
 
 def _failed_run(exc: Exception, cfg: RunConfig | None, logger):
@@ -278,6 +304,7 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
     tb = MetricLoggers(cfg.run_id, local_tb_dir(cfg.root, cfg.run_id) if cfg.trainer.tensorboard else None,
                        cfg.trainer.loggers, frozen_config(cfg))
     try:
+        reach("run:setup")
         acc_before = (float(guard("validation before training", _validation_metrics, calls, 0)["val/acc"])
                       if cfg.trainer.val_before_train else None)  # None: trainer.val_before_train=false
         progress = guard("the progress artifact", Progress, cfg.run_id, total, done)
@@ -416,7 +443,8 @@ class OutageGuard:
             try:
                 return fn(*args)
             except Exception as exc:
-                if self.budget_s <= 0 or not self.api_url or repeats >= self.MAX_REPEATS or not (
+                # A run told to stop (SIGINT, SIGTERM) never waits: whatever failed, it is ending.
+                if stopping.requested() is not None or self.budget_s <= 0 or not self.api_url or repeats >= self.MAX_REPEATS or not (
                         api_fault(exc, self.api_url) or not api_answers(self.api_url)):
                     raise
                 repeats += 1

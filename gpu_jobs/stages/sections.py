@@ -252,13 +252,17 @@ class TaskConfig(_Section):
         "a task that fails for good costs 50 s more with the default 2 retries. 0 = immediately "
         "(all retries then fall inside the same outage).")
     timeout_seconds: float | None = Field(None, gt=0, description="Per-task timeout; None = none.")
-    # The next three are left out of run.json (exclude=True): they say how the run is operated, not
+    # The next four are left out of run.json (exclude=True): they say how the run is operated, not
     # what a stage computes, so a run frozen without them resumes and they may change between starts.
     api_outage_budget_seconds: float = Field(
         600.0, ge=0, exclude=True, description="How long a run waits for an unreachable Prefect API (server restarted or "
         "down) before it gives up: the run probes the API with backoff (1 s doubling to 10 s, jittered) and, "
         "once it answers, re-runs the interrupted iteration in the same process, where committed stages are "
         "not recomputed. 0 = fail at the first API error.")
+    stop_grace_seconds: float = Field(
+        8.0, gt=0, exclude=True, description="How long a run told to stop (Ctrl-C, SIGTERM, Prefect's Cancel) may "
+        "take to end its stage, close its engines and record its state before it ends at once (flows/stopping.py). "
+        "Within Kubernetes' 30 s grace and Prefect's worker's.")
     auto_resumes: int = Field(
         3, ge=0, exclude=True, description="Deployment runs only (the `auto-resume` deployment's automations, "
         "deployments/prefect.yaml): how many times a Failed or Crashed rl-training/rl-nightly run, or one "

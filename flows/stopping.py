@@ -172,17 +172,19 @@ def _handler(signum: int, frame) -> None:
 
 
 class _QuietCrashes:
-    """A logging filter for Prefect's console handlers: once the run was told to stop, Prefect's
-    "Crash detected! Execution was aborted by an interrupt signal" and "Finished in state
-    Crashed" records of its task and flow runs stay off the console (the API and the UI keep
-    them): the stop line says it once."""
+    """A logging filter for Prefect's console handlers: the "Crash detected! Execution was aborted
+    by an interrupt signal" (or "a termination signal") and "Finished in state Crashed(...)"
+    records Prefect writes for each task and flow run a signal ends stay off the console (the API
+    and the UI keep them): the stop line says it once. Inside a subflow Prefect's own SIGTERM
+    handler is the one that raises, before ours is asked, so the filter goes by the message."""
 
-    @staticmethod
-    def filter(record) -> bool:
-        if _STOP.signum is None:
-            return True
+    ABORTED = "Execution was aborted by a"
+
+    @classmethod
+    def filter(cls, record) -> bool:
         message = record.getMessage()
-        return not (message.startswith("Crash detected!") or message.startswith("Finished in state Crashed"))
+        return not ((message.startswith("Crash detected!") or message.startswith("Finished in state Crashed"))
+                    and cls.ABORTED in message)
 
 
 def _quiet_prefect_console() -> None:

@@ -100,9 +100,9 @@ def _add_limit_flags(parser) -> None:
 
     group = parser.add_argument_group("limits (per request and per caller)")
     for f in dataclasses.fields(ServeLimits):
+        shown = f"{f.default:g}" if isinstance(f.default, float) else f"{f.default}"
         group.add_argument("--" + f.name.replace("_", "-"), dest=f"limit_{f.name}", type=type(f.default),
-                           default=f.default, metavar="N", help=f"{f.metadata['help']} (default {f.default:g})" if isinstance(f.default, float)
-                           else f"{f.metadata['help']} (default {f.default})")
+                           default=f.default, metavar="N", help=f"{f.metadata['help']} (default {shown})")
 
 
 def _limits(args: argparse.Namespace):

@@ -86,6 +86,7 @@ class Server:
         self.models = HotSwap(served, self._batcher, source=source, watch_s=settings.watch_s)
         self.answers = AnswerIndex(settings.answer_index_size)
         self.rates = RateLimiter(settings.limits)
+        self.refused: dict[int, int] = {}  # status -> requests the Gate refused (keys, rates, body size)
         self.counts = {"answers": 0, "feedback": 0, "events_not_logged": 0, "refused_votes": 0, "timeouts": 0,
                        "queue_full": 0}
 
@@ -117,6 +118,8 @@ class Server:
         if (c := canary["canary"]) is not None:
             out[f'rlmill_serve_canary_info{{id="{c["id"]}",candidate="{c["candidate"]}",baseline="{s.version}",'
                 f'share="{c["share"]:g}"}}'] = 1
+        for status, n in sorted(self.refused.items()):
+            out[f'rlmill_serve_gate_refused_total{{status="{status}"}}'] = n
         if self.publisher is not None:
             stats = self.publisher.stats()
             out["rlmill_serve_events_queued"] = stats.pop("queued")
@@ -182,7 +185,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="rlmill serve")
     _install_error_handlers(app)
-    app.add_middleware(Gate, keys=server.keys, limits=server.settings.limits, rates=server.rates)
+    app.add_middleware(Gate, keys=server.keys, limits=server.settings.limits, rates=server.rates,
+                       refused=server.refused)
     limits = server.settings.limits
 
     @app.get("/health")

@@ -140,7 +140,7 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
-async def _refuse(send, status: int, message: str, kind: str = "invalid_request_error",
+async def _send_error(send, status: int, message: str, kind: str = "invalid_request_error",
                   headers: dict[str, str] | None = None) -> None:
     from gpu_jobs.serve.protocol import error_body
 
@@ -155,12 +155,18 @@ class Gate:
     """ASGI middleware: keys, rate limits and the body cap, before the app; see the module docstring."""
 
     def __init__(self, app: Any, *, keys: Any = None, limits: ServeLimits = ServeLimits(),
-                 rates: RateLimiter | None = None):
+                 rates: RateLimiter | None = None, refused: dict[int, int] | None = None):
         from gpu_jobs.serve.auth import OPEN_PATHS, role_of
 
         self.app, self.keys, self.limits = app, keys, limits
         self.rates = rates or RateLimiter(limits)
+        self.refused = refused if refused is not None else {}  # status -> requests refused here
         self._open, self._role_of = OPEN_PATHS, role_of
+
+    async def _refuse(self, send, status: int, message: str, kind: str = "invalid_request_error",
+                      headers: dict[str, str] | None = None) -> None:
+        self.refused[status] = self.refused.get(status, 0) + 1
+        await _send_error(send, status, message, kind, headers)
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in self._open:
@@ -170,12 +176,12 @@ class Gate:
         if self.keys is not None:
             refusal = self._authorize(scope, role)
             if isinstance(refusal, tuple):
-                return await _refuse(send, *refusal)
+                return await self._refuse(send, *refusal)
             principal = refusal
         scope[PRINCIPAL_KEY] = principal
         wait = self.rates.take(role, principal or client_key(scope))
         if wait > 0:
-            return await _refuse(send, 429, f"rate limit: {self.limits.rate_of(role):g} requests/s for "
+            return await self._refuse(send, 429, f"rate limit: {self.limits.rate_of(role):g} requests/s for "
                                             f"{principal or 'this client'}; retry in {wait:.1f} s",
                                  "rate_limit_error", {"Retry-After": str(max(1, math.ceil(wait)))})
         if scope.get("method") in ("POST", "PUT", "PATCH"):
@@ -208,10 +214,10 @@ class Gate:
         too_big = f"the request body is larger than {cap} bytes (--max-body-bytes)"
         if length is not None:
             if not length.strip().isdigit():
-                await _refuse(send, 400, f"Content-Length {length[:40]!r} is not a number of bytes")
+                await self._refuse(send, 400, f"Content-Length {length[:40]!r} is not a number of bytes")
                 return None
             if int(length) > cap:
-                await _refuse(send, 413, too_big)
+                await self._refuse(send, 413, too_big)
                 return None
         chunks, size = [], 0
         while True:
@@ -221,7 +227,7 @@ class Gate:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > cap:  # a chunked body (or a lying Content-Length): stop reading here
-                await _refuse(send, 413, too_big)
+                await self._refuse(send, 413, too_big)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):

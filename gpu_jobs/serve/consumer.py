@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 from gpu_jobs.serve.answers import id_time
 from gpu_jobs.serve.broker import GROUP, STREAM, BrokerUnreachable, connect
+from gpu_jobs.serve.deliveries import CLAIM_IDLE_S, MAX_DELIVERIES, Deliveries, trim_acknowledged
 from gpu_jobs.serve.events import (answers_table, check_event, decode, feedback_table, gate_columns,
                                    gate_expectations, quarantine_table)
 
@@ -83,6 +84,8 @@ class ConsumeResult:
     quarantined: int = 0
     reasons: dict[str, int] = field(default_factory=dict)  # quarantine reason -> count
     segments: list[str] = field(default_factory=list)  # manifest URIs committed
+    dead_lettered: int = 0  # entries delivered too often, moved to the dead-letter stream (deliveries.py)
+    claimed: int = 0  # entries taken over from a consumer that left them pending
     stopped_early: bool = False  # max_s ran out (or stop was set) with entries possibly still waiting
 
 
@@ -215,8 +218,11 @@ class _Round:
                 keep.append(e)
         if not keep:
             return
-        answers = [e for e in keep if e["kind"] == "answer"]
-        feedback = [e for e in keep if e["kind"] == "feedback"]
+        answers = self._storable([e for e in keep if e["kind"] == "answer"], items, answers_table)
+        feedback = self._storable([e for e in keep if e["kind"] == "feedback"], items, feedback_table)
+        keep = answers + feedback
+        if not keep:
+            return
         extra = {"event_ids": [e["event_id"] for e in keep], "answer_ids": [e["answer_id"] for e in answers]}
         from storage import join
 
@@ -230,6 +236,25 @@ class _Round:
         self.result.segments.append(uri)
         self._committed(Segment(uri, SEGMENT_KIND, model, hour, answers=len(answers), feedback=len(feedback)))
 
+    def _storable(self, events: list[dict], items: list[tuple[str, dict]], table: Callable) -> list[dict]:
+        """The events whose rows `table` can build; any other goes to quarantine with the error.
+        One table for all first; only when that fails, one per event to find which."""
+        try:
+            table(events)
+            return events
+        except Exception:  # noqa: BLE001 -- any error building rows is that data's problem
+            pass
+        sid_of = {id(e): sid for sid, e in items}
+        ok = []
+        for e in events:
+            try:
+                table([e])
+                ok.append(e)
+            except Exception as exc:  # noqa: BLE001
+                self.quarantine.append((sid_of[id(e)], e, f"cannot be stored: {type(exc).__name__}: "
+                                                         f"{' '.join(str(exc).split())[:200]}"))
+        return ok
+
     def _committed(self, segment: Segment) -> None:
         if self.on_segment is not None:
             self.on_segment(segment)
@@ -238,10 +263,8 @@ class _Round:
         from storage import join
 
         by_hour: dict[str, list] = {}
-        for sid, e, reason in self.quarantine:
-            created = e.get("created") if isinstance(e, dict) else None
-            ok = isinstance(created, (int, float)) and 0 < created < 4e9
-            by_hour.setdefault(hour_of(created if ok else id_time_of_stream(sid)), []).append((sid, e, reason))
+        for sid, e, reason in self.quarantine:  # filed by the entry's stream time: `created` may be anything
+            by_hour.setdefault(hour_of(entry_time(sid)), []).append((sid, e, reason))
         for hour, items in sorted(by_hour.items()):
             folder = join(self.root, FEEDBACK_DIR, QUARANTINE_DIR, hour)
             done = self.index.folder(folder)[0]
@@ -251,7 +274,7 @@ class _Round:
             if not fresh:
                 continue
             extra = {"event_ids": [k for k, _ in fresh], "answer_ids": []}
-            dest = join(folder, f"segment-{fresh[0][0].replace(':', '-')}")
+            dest = join(folder, f"segment-{fresh[0][1][0]}")  # a stream id: safe in a path
             uri = _commit_segment(dest, {"quarantine": quarantine_table([it for _, it in fresh])},
                                   QUARANTINE_KIND, extra, self.storage)
             done.update(extra["event_ids"])
@@ -276,11 +299,13 @@ def gate(entries: list[tuple[str, Any]]) -> dict[int, str]:
     from storage.quality import run_gate
 
     events = [e for _, e in entries]
+    received = [entry_time(sid) for sid, _ in entries]
     df = pd.DataFrame({"stream_id": [sid for sid, _ in entries]})
-    result = run_gate("feedback-events", df, gate_columns(events), gate_expectations, on_failure="quarantine")
+    result = run_gate("feedback-events", df, gate_columns(events, received), gate_expectations,
+                      on_failure="quarantine")
     if result.passed:
         return {}
-    return {int(row): check_event(events[int(row)]) or "failed " + ", ".join(failed)
+    return {int(row): check_event(events[int(row)], received[int(row)]) or "failed " + ", ".join(failed)
             for row, failed in zip(result.quarantined["dq_row"], result.quarantined["dq_failures"])}
 
 
@@ -292,9 +317,15 @@ def _reason_kind(reason: str) -> str:
 
 
 def _quarantine_key(sid: str, e: Any) -> str:
-    """An event's own id when it has one, else its stream entry id (stable across redelivery)."""
-    if isinstance(e, dict) and isinstance(e.get("event_id"), str) and e["event_id"]:
-        return e["event_id"]
+    """An event's own id when it has a valid one, else its stream entry id (stable across redelivery)."""
+    from storage.errors import InvalidNameError
+    from storage.layout import check_name
+
+    if isinstance(e, dict) and isinstance(e.get("event_id"), str):
+        try:
+            return check_name(e["event_id"])
+        except InvalidNameError:
+            pass
     return f"stream:{sid}"
 
 
@@ -304,6 +335,14 @@ def id_time_of_stream(sid: str) -> float:
         return int(str(sid).split("-")[0]) / 1000.0
     except ValueError:
         return 0.0
+
+
+def entry_time(sid: str) -> float:
+    """When an entry reached the stream, from its id, but never later than now: an id given
+    explicitly to XADD may claim any time."""
+    now = time.time()
+    t = id_time_of_stream(sid)
+    return t if 0 < t <= now else now
 
 
 def _ensure_group(client, stream: str, group: str) -> None:
@@ -323,7 +362,7 @@ def _entries(response) -> list[tuple[str, Any]]:
     for _stream, items in response:
         for sid, fields in items:
             sid = sid.decode() if isinstance(sid, bytes) else sid
-            out.append((sid, decode(fields) if fields else {"trimmed": "the entry was trimmed from the stream"}))
+            out.append((sid, decode(fields)))
     return out
 
 
@@ -331,38 +370,51 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
             batch: int = 500, follow: bool = False, block_ms: int = 1000, max_s: float | None = None, storage=None,
             after_commit: Callable[[ConsumeResult], None] | None = None,
             on_segment: Callable[[Segment], None] | None = None, stop: threading.Event | None = None,
-            linger_s: float = 1.0) -> ConsumeResult:
+            linger_s: float = 1.0, max_deliveries: int = MAX_DELIVERIES, claim_idle_s: float = CLAIM_IDLE_S,
+            trim: bool = True) -> ConsumeResult:
     """Read the stream with consumer group `group` as `consumer`, commit segments, ack; see the
     module docstring. Without `follow`, returns once nothing new is waiting. `max_s` (with or
     without `follow`): read no new batch after that many seconds, so a drain under steady traffic
     ends (`stopped_early`); the batch in hand is committed and acked first. `on_segment` runs
     for each segment right after its commit; `after_commit` after each batch committed and
     before its XACK (tests kill the process there). `stop`, once set, ends a following consumer
-    as `max_s` does. Following, a batch lingers `linger_s`, and outages are waited out (above)."""
+    as `max_s` does. Following, a batch lingers `linger_s`, and outages are waited out (above).
+    Entries pending under another consumer for `claim_idle_s` are taken over (at the start, and
+    every `claim_idle_s` while following); a pending entry delivered more than `max_deliveries`
+    times is dead-lettered (deliveries.py); with `trim`, what every group acknowledged is trimmed
+    from the stream after each batch (XTRIM MINID)."""
     import redis
 
     from storage.layout import check_root
 
     if max_s is not None and not max_s > 0:
         raise ValueError(f"max_s={max_s!r}: give a positive number of seconds, or None for no bound")
+    if not (isinstance(max_deliveries, int) and max_deliveries >= 1):
+        raise ValueError(f"max_deliveries={max_deliveries!r}: give 1 or more")
     client = connect(redis_url)
     check_root(root)
     _ensure_group(client, stream, group)
     index, result, cursor = _CommittedIds(storage), ConsumeResult(), "0"  # own pending entries first
     deadline = None if max_s is None else time.monotonic() + max_s
     outage = _Outage(redis_url)
+    ledger = Deliveries(client, stream, group, consumer, max_deliveries)
+    result.claimed += ledger.claim_abandoned(claim_idle_s, batch)
+    claimed_at = time.monotonic()
     while True:
         try:
             if outage.since is not None:  # back from an outage: the group may be new, pending first
                 _ensure_group(client, stream, group)
+            if follow and cursor == ">" and time.monotonic() - claimed_at > claim_idle_s:
+                if claimed := ledger.claim_abandoned(claim_idle_s, batch):
+                    result.claimed, cursor = result.claimed + claimed, "0"
+                claimed_at = time.monotonic()
             entries = _read_batch(client, group, consumer, stream, cursor, batch, block_ms if follow else None,
                                   linger_s if follow else 0.0, deadline)
             if entries:
-                _Round(root, index, result, storage, on_segment).run(entries)
-                if after_commit is not None:
-                    after_commit(result)
-                client.xack(stream, group, *[sid for sid, _ in entries])
-                result.read += len(entries)
+                _handle_batch(entries, cursor, ledger, result, lambda e: _Round(
+                    root, index, result, storage, on_segment).run(e), after_commit)
+                if trim:
+                    trim_acknowledged(client, stream)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if not follow:
                 raise BrokerUnreachable(f"the event broker at {redis_url} went away mid-drain "
@@ -387,6 +439,33 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
         if _ended(deadline, stop):
             result.stopped_early = True
             return result
+
+
+def _handle_batch(entries: list[tuple[str, Any]], cursor: str, ledger: Deliveries, result: ConsumeResult,
+                  commit: Callable[[list], None], after_commit: Callable[[ConsumeResult], None] | None) -> None:
+    """Screen pending entries for dead letters, commit the rest, ack them all. A failure other
+    than the broker's (storage down) gives the batch its delivery back before it propagates."""
+    import redis
+
+    counts = ledger.counts([sid for sid, _ in entries]) if cursor == "0" else {}
+    if cursor == "0":
+        live, dead = ledger.screen(entries)
+        result.dead_lettered += len(dead)
+    else:
+        live = entries
+    try:
+        if live:
+            commit(live)
+    except (redis.ConnectionError, redis.TimeoutError):
+        raise
+    except Exception:
+        ledger.forgive(live, counts)
+        raise
+    if after_commit is not None:
+        after_commit(result)
+    if live:
+        ledger.client.xack(ledger.stream, ledger.group, *[sid for sid, _ in live])
+    result.read += len(entries)
 
 
 def _read_batch(client, group: str, consumer: str, stream: str, cursor: str, batch: int, block_ms: int | None,

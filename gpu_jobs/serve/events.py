@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -27,7 +28,7 @@ from gpu_jobs.serve.answers import new_event_id
 
 __all__ = ["ANSWER_SCHEMA", "FEEDBACK_SCHEMA", "QUARANTINE_SCHEMA", "answer_event", "feedback_event",
            "check_event", "event_problem", "gate_columns", "gate_expectations", "encode", "decode", "answers_table",
-           "feedback_table", "quarantine_table"]
+           "feedback_table", "quarantine_table", "Unreadable", "event_json"]
 
 ANSWER_SCHEMA = pa.schema([
     ("event_id", pa.string()), ("answer_id", pa.string()), ("index", pa.int32()), ("endpoint", pa.string()),
@@ -50,6 +51,22 @@ QUARANTINE_SCHEMA = pa.schema([
     ("event_id", pa.string()), ("stream_id", pa.string()), ("reason", pa.string()), ("event", pa.string()),
 ])
 SIGNALS = ("score", "thumbs", "preferred_over", "text")
+ENDPOINTS = ("chat.completions", "completions")
+_COMMON = {"kind", "event_id", "answer_id", "model", "version", "created", "user", "session_id", "principal"}
+FIELDS = {"answer": _COMMON | {"endpoint", "latency_s", "prompt", "prompt_ids", "choices", "sampling"},
+          "feedback": _COMMON | {"index", "score", "thumbs", "preferred_over", "preferred_over_index", "text"}}
+CHOICE_FIELDS = {"index", "text", "token_ids", "logprobs", "finish_reason"}
+# Bounds of the strict schema: what one event may hold. An entry past them is quarantined, never
+# half-stored (e.g. an index past int32 no longer reaches Parquet's int32 column).
+MAX_ID_CHARS = 128
+MAX_ENTRY_BYTES = 4 << 20
+MAX_TEXT_CHARS = 100_000
+MAX_PROMPT_CHARS = 1_000_000
+MAX_MESSAGES = 256
+MAX_TOKENS = 131_072
+MAX_CHOICES = 128
+MAX_EVENT_AGE_S = 30 * 86400.0  # created at most this long before the entry reached the stream
+MAX_CLOCK_SKEW_S = 3600.0  # ... and at most this long after it
 
 
 def answer_event(answer_id: str, *, endpoint: str, model: str, version: str, created: float, latency_s: float,
@@ -79,32 +96,64 @@ def encode(event: dict) -> dict[str, str]:
     return {"event": json.dumps(event, separators=(",", ":"))}
 
 
-def decode(fields: dict) -> Any:
-    """The event of a stream entry (bytes or str keys), or the raw fields when it is not JSON."""
-    raw = fields.get(b"event", fields.get("event"))
-    if isinstance(raw, bytes):
-        raw = raw.decode("utf-8", "replace")
+@dataclass(frozen=True)
+class Unreadable:
+    """A stream entry that holds no event: the gate refuses it with `reason`; `raw` is what it
+    held, as text (cut), for the quarantine row."""
+
+    reason: str
+    raw: dict[str, str]
+
+
+def decode(fields: Any) -> Any:
+    """The event of a stream entry, or Unreadable: the entry must be exactly one field "event"
+    holding UTF-8 JSON of at most MAX_ENTRY_BYTES. Never raises, whatever the entry holds."""
+    if not isinstance(fields, dict) or not fields:
+        return Unreadable("an empty entry (trimmed from the stream before it was read)", {})
+    raw = {_text(k)[:64]: _text(v)[:200] for k, v in list(fields.items())[:8]}
+    if len(fields) != 1 or _text(next(iter(fields))) != "event":
+        return Unreadable(f"an entry with fields {', '.join(map(repr, raw))}, not one field 'event'", raw)
+    value = next(iter(fields.values()))
+    value = value if isinstance(value, (bytes, str)) else str(value)
+    if len(value) > MAX_ENTRY_BYTES:
+        return Unreadable(f"an entry of {len(value)} bytes (at most {MAX_ENTRY_BYTES})", raw)
     try:
-        return json.loads(raw) if raw is not None else dict(fields)
-    except ValueError:
-        return {"unparsed": raw}
+        text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return Unreadable(f"an entry that is not UTF-8 JSON ({type(exc).__name__})", raw)
 
 
-def _check_kind(e: Any) -> str | None:
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _check_kind(e: Any, received: float) -> str | None:
+    if isinstance(e, Unreadable):
+        return e.reason
     if not isinstance(e, dict):
         return f"not an event object ({type(e).__name__})"
+    if not all(isinstance(k, str) for k in e):
+        return "an event object with non-text keys"
     kind = e.get("kind")
-    return None if kind in ("answer", "feedback") else f"unknown kind {kind!r} (answer or feedback)"
+    return None if kind in FIELDS else f"unknown kind {_short(kind)} (answer or feedback)"
 
 
-def _check_ids(e: dict) -> str | None:
+def _check_ids(e: dict, received: float) -> str | None:
     for key in ("event_id", "answer_id", "model", "version"):
         if not isinstance(e.get(key), str) or not e[key]:
             return f"no {key.replace('_', ' ')}"
+    for key in ("event_id", "answer_id", "version"):
+        if (reason := _id(e[key], key.replace("_", " "))) is not None:
+            return reason
     return None
 
 
-def _check_model(e: dict) -> str | None:
+def _check_model(e: dict, received: float) -> str | None:
     from storage import check_name
     from storage.errors import InvalidNameError
 
@@ -115,14 +164,23 @@ def _check_model(e: dict) -> str | None:
     return None
 
 
-def _check_created(e: dict) -> str | None:
+def _check_created(e: dict, received: float) -> str | None:
     created = e.get("created")
-    if not isinstance(created, (int, float)) or not math.isfinite(created) or created <= 0:
-        return f"no valid created timestamp ({created!r})"
+    if not _is_number(created) or not math.isfinite(created) or created <= 0:
+        return f"no valid created timestamp ({_short(created)})"
+    if not received - MAX_EVENT_AGE_S <= created <= received + MAX_CLOCK_SKEW_S:
+        return (f"created {created!r} is not within {MAX_EVENT_AGE_S / 86400:g} days before and "
+                f"{MAX_CLOCK_SKEW_S:g} s after the entry reached the stream ({received:.0f})")
     return None
 
 
-def _check_body(e: dict) -> str | None:
+def _check_body(e: dict, received: float) -> str | None:
+    allowed = FIELDS[e["kind"]]
+    if unknown := sorted(set(e) - allowed):
+        return f"unknown field(s) {', '.join(_short(k) for k in unknown[:5])} in a {e['kind']} event"
+    for key in ("user", "session_id", "principal"):
+        if (reason := _optional_text(e.get(key), key, MAX_ID_CHARS)) is not None:
+            return reason
     return _check_answer(e) if e["kind"] == "answer" else _check_feedback(e)
 
 
@@ -132,35 +190,38 @@ CHECKS = (("kind", _check_kind), ("ids", _check_ids), ("model", _check_model), (
           ("body", _check_body))
 
 
-def event_problem(e: Any) -> tuple[str, str] | None:
-    """(check name, reason) of the first check the event fails, or None."""
+def event_problem(e: Any, received: float | None = None) -> tuple[str, str] | None:
+    """(check name, reason) of the first check the event fails, or None. `received`: when the
+    entry reached the stream (Unix s; its stream id's time), the reference for `created`; now
+    when None."""
+    received = time.time() if received is None else received
     for name, check in CHECKS:
-        if (reason := check(e)) is not None:
+        if (reason := check(e, received)) is not None:
             return name, reason
     return None
 
 
-def check_event(e: Any) -> str | None:
+def check_event(e: Any, received: float | None = None) -> str | None:
     """Why the event cannot be stored as data (the quarantine reason), or None when it can.
     Feedback for an answer never logged is the consumer's check: it needs the stored answers."""
-    problem = event_problem(e)
+    problem = event_problem(e, received)
     return None if problem is None else problem[1]
 
 
-def gate_columns(events: list[Any]) -> dict[str, list]:
+def gate_columns(events: list[Any], received: list[float] | None = None) -> dict[str, list]:
     """The derived columns the stream's great-expectations gate checks, one row per event:
     dq_<check>_ok (True, False for the first check that failed, None for the checks after it,
-    which did not run) and dq_score (a feedback's score, None without one)."""
+    which did not run) and dq_score (a feedback's score, None without one). `received`: each
+    event's stream time (event_problem)."""
     cols: dict[str, list] = {f"dq_{name}_ok": [] for name, _ in CHECKS}
     cols["dq_score"] = []
-    for e in events:
-        failed = event_problem(e)
+    for i, e in enumerate(events):
+        failed = event_problem(e, None if received is None else received[i])
         failed_at = len(CHECKS) if failed is None else [n for n, _ in CHECKS].index(failed[0])
         for i, (name, _) in enumerate(CHECKS):
             cols[f"dq_{name}_ok"].append(True if i < failed_at else False if i == failed_at else None)
         score = e.get("score") if isinstance(e, dict) else None
-        cols["dq_score"].append(float(score) if isinstance(score, (int, float)) and not isinstance(score, bool)
-                                else None)
+        cols["dq_score"].append(float(score) if _is_number(score) and math.isfinite(score) else None)
     return cols
 
 
@@ -171,17 +232,67 @@ def gate_expectations(gxe) -> list:
 
 
 def _check_answer(e: dict) -> str | None:
+    if e.get("endpoint") not in ENDPOINTS:
+        return f"endpoint {_short(e.get('endpoint'))} is not one of {', '.join(ENDPOINTS)}"
+    latency = e.get("latency_s")
+    if latency is not None and not (_is_number(latency) and math.isfinite(latency) and latency >= 0):
+        return f"latency_s {_short(latency)} is not a non-negative number"
+    if (reason := _check_prompt(e.get("prompt"))) is not None:
+        return reason
+    if (reason := _token_ids(e.get("prompt_ids"), "prompt_ids")) is not None:
+        return reason
+    if not e["prompt_ids"]:
+        return "an answer with no prompt_ids"
+    sampling = e.get("sampling")
+    if sampling is not None and (not isinstance(sampling, dict) or len(json.dumps(sampling, default=str)) > 4096):
+        return "sampling is not an object of at most 4096 characters"
     choices = e.get("choices")
     if not isinstance(choices, list) or not choices:
         return "answer without choices"
+    if len(choices) > MAX_CHOICES:
+        return f"{len(choices)} choices: at most {MAX_CHOICES}"
+    seen: set[int] = set()
     for c in choices:
-        if not isinstance(c, dict) or not isinstance(c.get("text"), str):
-            return "a choice without text"
-        ids, lps = c.get("token_ids"), c.get("logprobs")
-        if not isinstance(ids, list) or not isinstance(lps, list) or len(ids) != len(lps):
-            return f"choice {c.get('index')}: token_ids and logprobs missing or of different lengths"
-    if not isinstance(e.get("prompt_ids"), list):
-        return "no prompt_ids"
+        if (reason := _check_choice(c, seen)) is not None:
+            return reason
+    return None
+
+
+def _check_choice(c: Any, seen: set[int]) -> str | None:
+    if not isinstance(c, dict) or not isinstance(c.get("text"), str):
+        return "a choice without text"
+    if unknown := sorted(set(c) - CHOICE_FIELDS):
+        return f"unknown choice field(s) {', '.join(_short(k) for k in unknown[:5])}"
+    index = c.get("index", 0)
+    if not _is_int(index) or not 0 <= index < MAX_CHOICES or index in seen:
+        return f"choice index {_short(index)} is not a distinct int in [0, {MAX_CHOICES})"
+    seen.add(index)
+    if len(c["text"]) > MAX_TEXT_CHARS:
+        return f"choice {index}: text of {len(c['text'])} characters (at most {MAX_TEXT_CHARS})"
+    ids, lps = c.get("token_ids"), c.get("logprobs")
+    if not isinstance(ids, list) or not isinstance(lps, list) or len(ids) != len(lps):
+        return f"choice {index}: token_ids and logprobs missing or of different lengths"
+    if (reason := _token_ids(ids, f"choice {index}: token_ids")) is not None:
+        return reason
+    if not all(_is_number(x) and not math.isnan(x) and x <= 0 for x in lps):
+        return f"choice {index}: logprobs must be numbers <= 0"
+    if (reason := _optional_text(c.get("finish_reason"), "finish_reason", MAX_ID_CHARS)) is not None:
+        return f"choice {index}: {reason}"
+    return None
+
+
+def _check_prompt(prompt: Any) -> str | None:
+    """A completion's text, or chat messages: objects with a text role and content."""
+    if isinstance(prompt, str):
+        return None if len(prompt) <= MAX_PROMPT_CHARS else f"a prompt of {len(prompt)} characters " \
+                                                              f"(at most {MAX_PROMPT_CHARS})"
+    if not isinstance(prompt, list) or not prompt or len(prompt) > MAX_MESSAGES:
+        return f"prompt is not text or a list of 1 to {MAX_MESSAGES} chat messages"
+    size = len(json.dumps(prompt, default=str))
+    if size > MAX_PROMPT_CHARS:
+        return f"a prompt of {size} characters (at most {MAX_PROMPT_CHARS})"
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
+        return "a chat message without a role"
     return None
 
 
@@ -189,13 +300,65 @@ def _check_feedback(e: dict) -> str | None:
     if not any(e.get(k) is not None for k in SIGNALS):
         return f"feedback without a signal (one of {', '.join(SIGNALS)})"
     score = e.get("score")
-    if score is not None and (not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0):
-        return f"score {score!r} is outside [0, 1]"
+    if score is not None and (not _is_number(score) or not 0.0 <= score <= 1.0):
+        return f"score {_short(score)} is outside [0, 1]"
     if e.get("thumbs") not in (None, "up", "down"):
-        return f"thumbs {e.get('thumbs')!r} is not 'up' or 'down'"
-    if not isinstance(e.get("index", 0), int) or e.get("index", 0) < 0:
-        return f"choice index {e.get('index')!r} is not a non-negative int"
+        return f"thumbs {_short(e.get('thumbs'))} is not 'up' or 'down'"
+    if not _is_int(e.get("index", 0)) or not 0 <= e.get("index", 0) < MAX_CHOICES:
+        return f"choice index {_short(e.get('index'))} is not an int in [0, {MAX_CHOICES})"
+    if (reason := _optional_text(e.get("text"), "text", MAX_TEXT_CHARS)) is not None:
+        return reason
+    if e.get("preferred_over") is not None:
+        if (reason := _id(e["preferred_over"], "preferred_over")) is not None:
+            return reason
+        other = e.get("preferred_over_index", 0)
+        if other is not None and (not _is_int(other) or not 0 <= other < MAX_CHOICES):
+            return f"preferred_over_index {_short(other)} is not an int in [0, {MAX_CHOICES})"
+    elif e.get("preferred_over_index") is not None:
+        return "preferred_over_index without preferred_over"
     return None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _id(value: Any, what: str) -> str | None:
+    """An id reaches paths and folder names: one safe segment (storage's check_name rules)."""
+    from storage import check_name
+    from storage.errors import InvalidNameError
+
+    try:
+        check_name(value, what)
+    except InvalidNameError:
+        return f"invalid {what} {_short(value)}: 1-{MAX_ID_CHARS} letters, digits, '.', '_' or '-', without '..'"
+    return None
+
+
+def _optional_text(value: Any, what: str, most: int) -> str | None:
+    if value is None or (isinstance(value, str) and len(value) <= most):
+        return None
+    return f"{what} is not text of at most {most} characters ({_short(value)})"
+
+
+def _token_ids(ids: Any, what: str) -> str | None:
+    if not isinstance(ids, list):
+        return f"no {what}"
+    if len(ids) > MAX_TOKENS:
+        return f"{what}: {len(ids)} tokens (at most {MAX_TOKENS})"
+    if not all(_is_int(t) and 0 <= t < 2**31 for t in ids):
+        return f"{what}: token ids must be ints in [0, 2**31)"
+    return None
+
+
+def _short(value: Any, most: int = 40) -> str:
+    """repr of a value from the network, cut to `most` characters (a reason stays one short line)."""
+    text = repr(value)
+    return text if len(text) <= most else text[:most] + f"...({len(text)} chars)"
 
 
 def answers_table(events: list[dict]) -> pa.Table:
@@ -219,6 +382,22 @@ def feedback_table(events: list[dict]) -> pa.Table:
 
 def quarantine_table(items: list[tuple[str, Any, str]]) -> pa.Table:
     """(stream id, event, reason) -> rows; the event is kept whole, as JSON."""
-    rows = [{"event_id": e.get("event_id") if isinstance(e, dict) and isinstance(e.get("event_id"), str) else None,
-             "stream_id": sid, "reason": reason, "event": json.dumps(e, default=str)} for sid, e, reason in items]
+    rows = [{"event_id": e["event_id"] if isinstance(e, dict) and _id(e.get("event_id"), "") is None else None,
+             "stream_id": _utf8(sid), "reason": _utf8(reason)[:2000], "event": event_json(e)}
+            for sid, e, reason in items]
     return pa.Table.from_pylist(rows, schema=QUARANTINE_SCHEMA)
+
+
+def _utf8(text: str) -> str:
+    """`text` with anything UTF-8 cannot hold (a lone surrogate from JSON) escaped."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def event_json(e: Any) -> str:
+    """The quarantined event as JSON, whatever it holds (bytes keys, NaN, an Unreadable entry)."""
+    if isinstance(e, Unreadable):
+        e = {"unreadable": e.raw}
+    try:
+        return json.dumps(e, default=str, allow_nan=True)  # ensure_ascii: lone surrogates escaped too
+    except (TypeError, ValueError, RecursionError):  # keys that are not text, a self-referencing object
+        return json.dumps({"unserializable": repr(e)[:2000]})

@@ -287,7 +287,8 @@ def test_the_stream_gate_is_great_expectations_over_each_check():
     fb = feedback_event(good["answer_id"], model="arith", version="v1", score=0.5)
     bad = [{**fb, "event_id": new_answer_id("evt"), "score": 2.0}, {**good, "version": ""}, {"kind": "vote"},
            {**_answer(), "model": "../escape"}, ["not", "an", "event"]]
-    entries = [(f"{i}-0", e) for i, e in enumerate([good, fb, *bad])]
+    now_ms = int(time.time() * 1000)  # stream ids carry the entry's time, the reference for `created`
+    entries = [(f"{now_ms}-{i}", e) for i, e in enumerate([good, fb, *bad])]
     refused = gate(entries)
     assert sorted(refused) == [2, 3, 4, 5, 6]
     assert refused[2] == "score 2.0 is outside [0, 1]" and refused[3] == "no version"

@@ -1,0 +1,156 @@
+"""The consumer group's bookkeeping beyond read-and-ack: entries that keep coming back go to a
+dead-letter stream, entries a vanished consumer left pending are taken over, and what every group
+has acknowledged is trimmed from the stream.
+
+    ledger = Deliveries(client, "rlmill:events", "rlmill-feedback", "consumer-1", max_deliveries=5)
+    ledger.claim_abandoned(idle_s=60)          # XAUTOCLAIM: a dead consumer's pending entries are ours
+    keep, dead = ledger.screen(entries)        # pending entries delivered too often -> dead letter
+    ledger.forgive(entries)                    # a failure this process caught: not the entries' fault
+    trim_acknowledged(client, "rlmill:events") # XTRIM MINID: what no group still needs
+
+Why a count decides: the quality gate and the per-event table check quarantine every event whose
+data is wrong, so an entry that still comes back again and again is one that kills the consumer
+process itself (memory, a bug): Redis counts each delivery (XREADGROUP of pending entries too),
+and past `max_deliveries` the entry goes, whole and with its reason, to `<stream>:dead` (XADD and
+XACK in one MULTI), counted and logged, so the entries after it flow again. A failure the consumer
+catches (storage down) is not the entries' fault: `forgive` gives their count back (XCLAIM
+RETRYCOUNT), so an outage of object storage never dead-letters valid events.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_jobs.serve.events import event_json
+
+__all__ = ["DEAD_SUFFIX", "MAX_DELIVERIES", "CLAIM_IDLE_S", "Deliveries", "dead_letters", "trim_acknowledged"]
+
+log = logging.getLogger("rlmill.feedback")
+
+DEAD_SUFFIX = ":dead"
+MAX_DELIVERIES = 5  # deliveries of one entry before it is dead-lettered (4 consumer deaths on it)
+CLAIM_IDLE_S = 60.0  # a pending entry idle this long under another consumer is taken over
+
+
+@dataclass
+class Deliveries:
+    """Delivery counts and the dead letters of one consumer (see the module docstring)."""
+
+    client: Any
+    stream: str
+    group: str
+    consumer: str
+    max_deliveries: int = MAX_DELIVERIES
+
+    @property
+    def dead_stream(self) -> str:
+        return self.stream + DEAD_SUFFIX
+
+    def claim_abandoned(self, idle_s: float = CLAIM_IDLE_S, batch: int = 500) -> int:
+        """XAUTOCLAIM every entry pending for at least `idle_s` under any consumer: they become this
+        consumer's pending entries, read next (cursor "0"). Returns how many were taken over."""
+        start, claimed = "0-0", 0
+        while True:
+            reply = self.client.xautoclaim(self.stream, self.group, self.consumer, int(idle_s * 1000), start,
+                                           count=batch, justid=True)
+            ids = reply if reply and not isinstance(reply[0], (list, tuple)) else []
+            claimed += len(ids)
+            if len(ids) < batch:
+                break
+            start = _increment(_s(ids[-1]))
+        if claimed:
+            log.warning("rlmill: took over %d entries left pending by another consumer for over %.0f s", claimed,
+                        idle_s)
+        return claimed
+
+    def counts(self, sids: list[str]) -> dict[str, int]:
+        """How often each of this consumer's pending entries `sids` was delivered (this time too)."""
+        if not sids:
+            return {}
+        wanted = set(sids)
+        rows = self.client.xpending_range(self.stream, self.group, min=min(sids, key=_key),
+                                          max=max(sids, key=_key), count=len(sids) + 1000,
+                                          consumername=self.consumer)
+        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows if _s(r["message_id"]) in wanted}
+
+    def screen(self, entries: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+        """Pending `entries` (read with cursor "0") -> (those to process, {stream id: reason} of those
+        dead-lettered: delivered more than max_deliveries times)."""
+        counts = self.counts([sid for sid, _ in entries])
+        keep, dead = [], {}
+        for sid, e in entries:
+            n = counts.get(sid, 1)
+            if n > self.max_deliveries:
+                dead[sid] = (f"delivered {n} times without a commit (more than {self.max_deliveries}): "
+                             "the consumer died on it")
+                self._dead_letter(sid, e, dead[sid], n)
+            else:
+                keep.append((sid, e))
+        return keep, dead
+
+    def _dead_letter(self, sid: str, event: Any, reason: str, deliveries: int) -> None:
+        pipe = self.client.pipeline(transaction=True)  # both or neither: never acked without its copy
+        pipe.xadd(self.dead_stream, {"stream_id": sid, "reason": reason, "deliveries": str(deliveries),
+                                     "consumer": self.consumer, "event": event_json(event)})
+        pipe.xack(self.stream, self.group, sid)
+        pipe.execute()
+        log.warning("rlmill: dead-lettered stream entry %s to %s: %s", sid, self.dead_stream, reason)
+
+    def forgive(self, entries: list[tuple[str, Any]], counts: dict[str, int]) -> None:
+        """Give back the delivery these entries just had: the failure was caught and is not theirs.
+        Best effort: with the broker down too, the count stays (one more delivery)."""
+        try:
+            for sid, _ in entries:
+                self.client.xclaim(self.stream, self.group, self.consumer, 0, [sid],
+                                   retrycount=max(0, counts.get(sid, 1) - 1), justid=True)
+        except Exception as exc:  # noqa: BLE001 -- the failure being handled is the one to report
+            log.debug("could not give back delivery counts: %s", exc)
+
+
+def dead_letters(client: Any, stream: str, count: int = 100) -> list[dict[str, str]]:
+    """The newest `count` dead letters of `stream`, newest first, as text fields with their id."""
+    rows = client.xrevrange(stream + DEAD_SUFFIX, count=count)
+    return [{"id": _s(sid), **{_s(k): _s(v) for k, v in fields.items()}} for sid, fields in rows]
+
+
+def trim_acknowledged(client: Any, stream: str) -> int:
+    """XTRIM MINID: drop the entries every consumer group has read and acknowledged (users'
+    prompts do not stay in the broker once committed). Returns how many were removed; nothing
+    when a group has not read anything yet, or no group exists."""
+    import redis
+
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream
+        return 0
+    if not groups:
+        return 0
+    keep_from = []
+    for g in groups:
+        summary = client.xpending(stream, _s(g["name"]))
+        if int(summary["pending"]):
+            keep_from.append(_key(_s(summary["min"])))
+        else:
+            last = _s(g["last-delivered-id"])
+            if last == "0-0":
+                return 0
+            keep_from.append(_key(_increment(last)))
+    ms, seq = min(keep_from)
+    return int(client.xtrim(stream, minid=f"{ms}-{seq}", approximate=False))
+
+
+def _key(sid: str) -> tuple[int, int]:
+    ms, _, seq = sid.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _increment(sid: str) -> str:
+    ms, seq = _key(sid)
+    return f"{ms}-{seq + 1}"
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+

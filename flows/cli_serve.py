@@ -22,7 +22,8 @@ listen on anything but a loopback address. The limits' flags (--max-body-bytes, 
 are generated from gpu_jobs.serve.limits.ServeLimits, their one declaration. On SIGTERM `serve`
 stops accepting connections, finishes the requests in flight, sends their events to the broker
 (all within --grace-s) and exits 0; `feedback consume --follow` on SIGTERM or SIGINT commits and
-acknowledges the batch in hand and exits 0 (a second signal ends either at once).
+acknowledges the batch in hand and exits 0 (a second signal ends either at once). Ctrl-C (SIGINT)
+to `serve` drains the same way and exits 130.
 """
 
 from __future__ import annotations
@@ -216,28 +217,29 @@ def cmd_serve(args) -> None:
         # request go to the broker within what is left of the grace
         left = limits.grace_s - (time.monotonic() - uv.signalled_at) if uv.signalled_at else 5.0
         server.close(events_timeout_s=max(1.0, left))
-    if uv.signalled_at:
+    if uv.stopped_by is not None:
         stats = publisher.stats() if publisher is not None else {}
-        print(f"rlmill: SIGTERM: drained and stopped ({server.counts['answers']} answers; "
+        print(f"rlmill: {uv.stopped_by.name}: drained and stopped ({server.counts['answers']} answers; "
               f"{stats.get('published', 0)} events sent, {stats.get('dropped', 0)} dropped)", flush=True)
+        if uv.stopped_by == signal.SIGINT:
+            sys.exit(130)  # Ctrl-C's conventional status; SIGTERM, a requested stop, is 0
 
 
 def _drained_uvicorn(app, host: str, port: int, grace_s: float):
-    """A uvicorn server whose SIGTERM drains: stop accepting, finish the requests in flight
-    (cut after `grace_s`), and return, so `serve` exits 0 (uvicorn itself re-raises the signal
-    after its shutdown, which would end the process with -15). SIGINT stays uvicorn's."""
+    """A uvicorn server whose SIGTERM and SIGINT drain: stop accepting, finish the requests in
+    flight (cut after `grace_s`, or at a second signal), and return (uvicorn itself re-raises
+    the signal after its shutdown: -15 for SIGTERM, a KeyboardInterrupt traceback for Ctrl-C)."""
     import uvicorn
 
     class Drained(uvicorn.Server):
         signalled_at: float | None = None
+        stopped_by: signal.Signals | None = None
 
         def handle_exit(self, sig, frame) -> None:
-            if sig != signal.SIGTERM:
-                return super().handle_exit(sig, frame)
-            if self.should_exit:  # a second SIGTERM: stop waiting for the requests
+            if self.should_exit:  # a second signal: stop waiting for the requests
                 self.force_exit = True
             self.should_exit, self.signalled_at = True, self.signalled_at or time.monotonic()
-            return None
+            self.stopped_by = self.stopped_by or signal.Signals(sig)
 
     return Drained(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                   timeout_graceful_shutdown=grace_s))

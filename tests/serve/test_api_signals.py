@@ -82,7 +82,7 @@ def test_serve_drains_and_consume_stops_on_sigterm(redis_url, tmp_path):
         asking.join(120)
         out, _ = serve.communicate(timeout=120)
         assert serve.returncode == 0, out
-        assert "SIGTERM: drained and stopped (1 answers; 1 events sent, 0 dropped)" in out, out
+        assert "rlmill: SIGTERM: drained and stopped (1 answers; 1 events sent, 0 dropped)" in out, out
         answer = got["r"]
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "46"
         logged = [json.loads(f[b"event"]) for _, f in client.xrange(STREAM)]

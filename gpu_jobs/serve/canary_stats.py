@@ -26,7 +26,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
-__all__ = ["TEST_NAME", "ArmStats", "CanaryVerdict", "arm_stats", "canary_test", "feedback_value", "split_arms"]
+__all__ = ["TEST_NAME", "ArmStats", "CanaryVerdict", "arm_stats", "canary_test", "feedback_value", "one_vote_each",
+           "split_arms", "voter"]
 
 TEST_NAME = "one-sided Welch t-test, non-inferiority"
 
@@ -148,13 +149,52 @@ def feedback_value(row: dict[str, Any]) -> float | None:
     return None
 
 
+def voter(row: dict[str, Any]) -> str:
+    """Who gave a feedback row: the API key's principal where the server checks keys (callers
+    cannot choose it), else the self-asserted `user`, else one anonymous voter for all.
+
+    >>> voter({"principal": "team-a", "user": "u1"}), voter({"user": "u1"}), voter({})
+    ('key:team-a', 'user:u1', 'anonymous')
+    """
+    if row.get("principal"):
+        return f"key:{row['principal']}"
+    return f"user:{row['user']}" if row.get("user") else "anonymous"
+
+
+def one_vote_each(feedback: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The feedback rows with one vote per (answer, choice, voter, kind of signal): a rating
+    (score / thumbs), a preference over one other choice, a text. The latest of each counts (a
+    voter may change their mind); the rest are repeats that must not weigh more. Rows carrying
+    several signals are kept when any of their signals is the latest of its kind. Oldest first.
+
+    >>> rows = [{"answer_id": "a", "index": 0, "user": "u", "thumbs": "up", "created": 1.0},
+    ...         {"answer_id": "a", "index": 0, "user": "u", "thumbs": "up", "created": 2.0},
+    ...         {"answer_id": "a", "index": 0, "user": "v", "thumbs": "down", "created": 3.0}]
+    >>> [(r["user"], r["created"]) for r in one_vote_each(rows)]
+    [('u', 2.0), ('v', 3.0)]
+    """
+    ordered = sorted(feedback, key=lambda r: r.get("created") or 0.0)
+    latest: dict[tuple, int] = {}
+    for i, row in enumerate(ordered):
+        who = (row.get("answer_id"), row.get("index") or 0, voter(row))
+        if row.get("score") is not None or row.get("thumbs") is not None:
+            latest[(*who, "rating")] = i
+        if row.get("preferred_over") is not None:
+            latest[(*who, "preference", row["preferred_over"], row.get("preferred_over_index") or 0)] = i
+        if row.get("text") is not None:
+            latest[(*who, "text")] = i
+    keep = set(latest.values())
+    return [row for i, row in enumerate(ordered) if i in keep]
+
+
 def split_arms(feedback: Iterable[dict[str, Any]], baseline: str, candidate: str,
                since: float) -> tuple[list[float], list[float]]:
     """(baseline scores, candidate scores): the value of each feedback row (feedback_value) on an
-    answer of that version, created at or after `since` (Unix s), oldest first. Rows of other
-    versions, older rows and rows without a score are left out."""
+    answer of that version, created at or after `since` (Unix s), oldest first, one vote per
+    voter and answer choice (one_vote_each). Rows of other versions, older rows and rows without
+    a score are left out."""
     arms: dict[str, list[tuple[float, float]]] = {baseline: [], candidate: []}
-    for row in feedback:
+    for row in one_vote_each(feedback):
         value = feedback_value(row)
         if value is not None and row.get("version") in arms and row.get("created", 0.0) >= since:
             arms[row["version"]].append((row["created"], value))

@@ -54,8 +54,12 @@ def training_rows(root: str, model: str, storage=None,
                   feedback_from: Collection[str] | None = None) -> list[dict[str, Any]]:
     """The verl-format rows described in the module docstring, oldest answer first; with
     `feedback_from` (segment manifest URIs: a retrain window), only the feedback of those segments
-    counts, so a choice rated in two windows carries each window's ratings in that window's rows."""
+    counts, so a choice rated in two windows carries each window's ratings in that window's rows.
+    One vote per voter, choice and kind of signal (canary_stats.one_vote_each: the latest)."""
+    from gpu_jobs.serve.canary_stats import one_vote_each
+
     answers, feedback = read_segments(root, model, storage, feedback_from)
+    feedback = one_vote_each(feedback)  # repeated votes of one voter on one choice count once
     by_choice = {(a["answer_id"], a["index"]): a for a in answers}
     signals: dict[tuple[str, int], dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for f in sorted(feedback, key=lambda f: f["created"]):

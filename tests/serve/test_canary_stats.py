@@ -88,7 +88,12 @@ def test_arm_values_from_feedback_rows():
             {"version": "v0", "created": 12.0, "score": 1.0},  # another version
             {"version": "v2", "created": 12.0, "text": "meh"},  # no score
             {"version": "v1", "created": 10.5, "thumbs": "down"}]
+    rows = [{**r, "answer_id": f"a{i}"} for i, r in enumerate(rows)]
     assert split_arms(rows, "v1", "v2", since=10.0) == ([0.5, 0.0], [1.0])
+    # one vote per voter and answer choice: a caller repeating a vote on its arm adds nothing
+    stuffed = [{"version": "v2", "created": 13.0 + k, "score": 0.0, "answer_id": "a1", "user": "mallory"}
+               for k in range(50)]
+    assert split_arms(rows + stuffed, "v1", "v2", since=10.0) == ([0.5, 0.0], [1.0, 0.0])
 
 
 # ------------------------------------------------------------------------------------ the split

@@ -275,3 +275,20 @@ def test_fuzz_no_stream_entry_stops_ingestion(broker, entries):
         assert not any(p.name != "feedback" for p in Path(root).iterdir())  # nothing outside feedback/
     assert r.xpending(stream, "g")["pending"] == 0
     r.delete(stream)
+
+
+def test_repeated_votes_train_once(broker, tmp_path):
+    """Three thumbs-up on one answer by one user weigh as one vote in the training rows; another
+    user's vote still counts."""
+    from gpu_jobs.serve.dataset import training_rows
+
+    url, r = broker
+    stream = _stream()
+    a = _answer(1)
+    r.xadd(stream, encode(a))
+    for _ in range(3):
+        r.xadd(stream, encode(feedback_event(a["answer_id"], model="arith", version="v1", thumbs="up", user="u1")))
+    r.xadd(stream, encode(feedback_event(a["answer_id"], model="arith", version="v1", thumbs="down", user="u2")))
+    consume(str(tmp_path), url, stream=stream, group="g")
+    [row] = training_rows(str(tmp_path), "arith")
+    assert row["extra_info"]["thumbs"] == ["up", "down"] and row["reward"] == 0.5

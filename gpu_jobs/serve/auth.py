@@ -1,8 +1,9 @@
 """API keys: who is calling (`principal`) and what they may do (roles), from a keys file.
 
     >>> keys = ApiKeys.parse({"sk-alice-0123456789": {"principal": "alice", "roles": ["query", "feedback"]}})
-    >>> keys.lookup("sk-alice-0123456789"), keys.lookup("sk-wrong")
-    (Principal(name='alice', roles=frozenset({'feedback', 'query'})), None)
+    >>> alice = keys.lookup("sk-alice-0123456789")
+    >>> alice.name, sorted(alice.roles), keys.lookup("sk-wrong")
+    ('alice', ['feedback', 'query'], None)
 
 The file (`rlmill serve --api-keys FILE`, or the path in $RLMILL_API_KEYS) is YAML or JSON: a
 mapping from each key to its principal and roles; several keys may name one principal (rotation):

@@ -61,6 +61,7 @@ from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.cli_serve import DEFAULT_REDIS
 from flows.reporting import artifact_key
+from storage.fs import redact_url
 from gpu_jobs.serve.broker import GROUP, STREAM, BrokerUnreachable, connect
 from gpu_jobs.serve.consumer import (FEEDBACK_DIR, QUARANTINE_DIR, QUARANTINE_KIND, ConsumeResult, GroupLag, Segment,
                                      consume, group_lag)
@@ -265,7 +266,8 @@ def check_inputs(root: Any, redis_url: Any, window_s: Any, consumer: Any, ready_
     except InvalidNameError as exc:
         return f"{exc} (the root parameter)"
     if not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://", "unix://")):
-        return f"redis_url={redis_url!r}: give the broker's URL, e.g. {DEFAULT_REDIS}"
+        shown = redact_url(redis_url) if isinstance(redis_url, str) else redis_url
+        return f"redis_url={shown!r}: give the broker's URL, e.g. {DEFAULT_REDIS}"
     if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not math.isfinite(window_s) \
             or window_s < 0:
         return f"window_s={window_s!r}: give the seconds a run keeps reading (>= 0; 0 reads what waits and ends)"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,6 +40,7 @@ __all__ = ["STREAM", "GROUP", "BrokerUnreachable", "EventPublisher", "connect"]
 log = logging.getLogger("rlmill.serve")
 
 STREAM = "rlmill:events"
+PASSWORD_ENV = "RLMILL_REDIS_PASSWORD"
 GROUP = "rlmill-feedback"
 DROP_LOG_EVERY = 1000
 RETRY_S = 0.5
@@ -50,16 +52,25 @@ class BrokerUnreachable(ConnectionError):
 
 
 def connect(url: str, timeout_s: float = 2.0, check: bool = True):
-    """A redis client for `url`; with `check`, PING it first (BrokerUnreachable on failure)."""
+    """A redis client for `url`; with `check`, PING it first (BrokerUnreachable on failure).
+    A URL without a password takes it from RLMILL_REDIS_PASSWORD (PASSWORD_ENV), so it need not
+    sit in a command line, a deployment's parameters or the Prefect UI; messages show the URL
+    without its password either way."""
     import redis
+    from redis.connection import parse_url
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    from storage.fs import redact_url
+
+    extra = {}
+    if os.environ.get(PASSWORD_ENV) and not parse_url(url).get("password"):
+        extra["password"] = os.environ[PASSWORD_ENV]
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **extra)
     if check:
         try:
             client.ping()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, OSError) as exc:
             raise BrokerUnreachable(
-                f"the event broker at {url} does not answer ({' '.join(str(exc).split())}): start it "
+                f"the event broker at {redact_url(url)} does not answer ({' '.join(str(exc).split())}): start it "
                 "(`redis-server --port 6379`) or pass --redis with the right URL") from None
     return client
 
@@ -72,7 +83,9 @@ class EventPublisher:
 
     def __init__(self, url: str, *, stream: str = STREAM, max_queue: int = 10_000, maxlen: int | None = None,
                  timeout_s: float = 2.0):
-        self.url, self.stream, self.maxlen = url, stream, maxlen
+        from storage.fs import redact_url
+
+        self.url, self.stream, self.maxlen = redact_url(url), stream, maxlen  # self.url is for messages
         self._client = connect(url, timeout_s, check=False)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._counts = {"published": 0, "logged": 0, "buffered": 0, "dropped": 0, "send_errors": 0,

@@ -385,6 +385,7 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
     from the stream after each batch (XTRIM MINID)."""
     import redis
 
+    from storage.fs import redact_url
     from storage.layout import check_root
 
     if max_s is not None and not max_s > 0:
@@ -396,7 +397,7 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
     _ensure_group(client, stream, group)
     index, result, cursor = _CommittedIds(storage), ConsumeResult(), "0"  # own pending entries first
     deadline = None if max_s is None else time.monotonic() + max_s
-    outage = _Outage(redis_url)
+    outage = _Outage(redact_url(redis_url))
     ledger = Deliveries(client, stream, group, consumer, max_deliveries)
     result.claimed += ledger.claim_abandoned(claim_idle_s, batch)
     claimed_at = time.monotonic()
@@ -417,7 +418,7 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
                     trim_acknowledged(client, stream)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if not follow:
-                raise BrokerUnreachable(f"the event broker at {redis_url} went away mid-drain "
+                raise BrokerUnreachable(f"the event broker at {redact_url(redis_url)} went away mid-drain "
                                         f"({' '.join(str(exc).split())}): what was committed stays committed; "
                                         "run the consumer again once the broker is back") from None
             # Following: wait it out. Entries read and not acked are redelivered (pending first)

@@ -209,12 +209,33 @@ def stop_signals(grace_s: float | None = None) -> Iterator[None]:
         yield
         return
     _quiet_prefect_console()
+    engine = _prefect_engine()
+    bridge = getattr(engine, "_prefect_sigterm_handler", None)
+    if bridge is not None:
+        engine._prefect_sigterm_handler = _handler
     before = {sig: signal.getsignal(sig) for sig in SIGNALS}
     for sig in SIGNALS:
         signal.signal(sig, _handler)
     try:
         yield
     finally:
-        for sig, old in before.items():
-            if old is not None and _STOP.signum is None:  # once stopping, keep ours: a second signal ends it
-                signal.signal(sig, old)
+        if _STOP.signum is None:  # once stopping, keep ours: a second signal ends it
+            for sig, old in before.items():
+                if old is not None:
+                    signal.signal(sig, old)
+            if bridge is not None:
+                engine._prefect_sigterm_handler = bridge
+
+
+def _prefect_engine():
+    """Prefect's `prefect.utilities.engine`, whose `_prefect_sigterm_handler` ours stands in for
+    inside stop_signals, or None. Prefect checks that its own handler is the one installed: a
+    subflow keeps it (else it puts its own back, which would raise before ours), and the worker's
+    cancel intent is acknowledged only then (else a Cancel ends Crashed). Ours raises Prefect's
+    TerminationSignal for a Cancel, so Prefect's handling of one is unchanged."""
+    try:
+        import importlib
+
+        return importlib.import_module("prefect.utilities.engine")
+    except ImportError:
+        return None

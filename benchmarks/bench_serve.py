@@ -96,8 +96,9 @@ def feedback_latency(base: str, root: Path, model: str, answer_ids: list[str], n
         with httpx.Client(base_url=base, timeout=60) as http:
             for i in range(n):
                 t = time.time()
+                # one voter per feedback: the server takes one vote per (answer, choice, voter)
                 r = http.post("/v1/feedback", json={"answer_id": answer_ids[i % len(answer_ids)],
-                                                    "score": (i % 11) / 10})
+                                                    "score": (i % 11) / 10, "user": f"bench-{i}"})
                 r.raise_for_status()
                 posted[r.json()["id"]] = t
                 time.sleep(max(0.0, t + 1 / rate - time.time()))  # a steady rate, not a burst

@@ -202,7 +202,10 @@ def cmd_serve(args) -> None:
     settings = ServeSettings(retention_hours=args.retention_hours, max_batch=args.max_batch,
                              batch_wait_ms=args.batch_wait_ms, event_wait_ms=args.event_wait_ms,
                              watch_s=args.watch_s, limits=limits)
-    server = Server(served, publisher, settings, source=source, keys=keys)
+    from gpu_jobs.serve.recall import AnswerRecall
+
+    recall = AnswerRecall(None if publisher is None else args.redis, args.root, served.name)
+    server = Server(served, publisher, settings, source=source, keys=keys, recall=recall)
     watch = (f"; watching models/{served.name}/CURRENT every {args.watch_s:g} s" if server.models.watching else "")
     if (canary := server.models.canary) is not None:
         watch += f"; canary {canary.id}: {canary.share:.0%} of users/sessions to version {canary.candidate}"

@@ -81,14 +81,15 @@ class Server:
     `served`: its engine is closed when retired or at close()."""
 
     def __init__(self, served: Any, publisher: Any = None, settings: ServeSettings = ServeSettings(),
-                 source: Any = None, keys: Any = None):
+                 source: Any = None, keys: Any = None, recall: Any = None):
         self.publisher, self.settings, self.keys = publisher, settings, keys
+        self.recall = recall  # a recall.AnswerRecall: answers logged before a restart, or None
         self.models = HotSwap(served, self._batcher, source=source, watch_s=settings.watch_s)
         self.answers = AnswerIndex(settings.answer_index_size)
         self.rates = RateLimiter(settings.limits)
         self.refused: dict[int, int] = {}  # status -> requests the Gate refused (keys, rates, body size)
         self.counts = {"answers": 0, "feedback": 0, "events_not_logged": 0, "refused_votes": 0, "timeouts": 0,
-                       "queue_full": 0}
+                       "queue_full": 0, "recalled_answers": 0}
 
     def _batcher(self, engine: Any) -> Batcher:
         return Batcher(engine, max_batch=self.settings.max_batch, max_wait_s=self.settings.batch_wait_ms / 1000,
@@ -305,11 +306,16 @@ async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: 
     return JSONResponse(body, headers=headers)
 
 
-def _known(server: Server, answer_id: str, field: str) -> KnownAnswer:
-    """The answer `answer_id` names, or the 410 / 404 for it."""
+async def _known(server: Server, answer_id: str, field: str) -> KnownAnswer:
+    """The answer `answer_id` names, or the 410 / 404 for it. One not in memory (given before a
+    restart, or evicted) is looked up where it was logged (server.recall), off the event loop."""
     window_s = server.settings.retention_hours * 3600
     known = server.answers.get(answer_id)
     created = known.created if known else id_time(answer_id)
+    if known is None and server.recall is not None and created is not None and time.time() - created <= window_s:
+        if (known := await asyncio.to_thread(server.recall.find, answer_id)) is not None:
+            server.answers.add(known)  # its votes are counted from here on
+            server.counts["recalled_answers"] += 1
     if created is not None and time.time() - created > window_s:
         hours = (time.time() - created) / 3600
         raise ApiError(410, f"answer {answer_id} is {hours:.1f} h old: feedback is taken for "
@@ -329,11 +335,11 @@ def _voter(req: FeedbackRequest, scope: dict) -> str:
 
 
 async def _feedback(server: Server, req: FeedbackRequest, scope: dict):
-    known = _known(server, req.answer_id, "answer_id")
+    known = await _known(server, req.answer_id, "answer_id")
     if req.index >= known.n_choices:
         raise ApiError(422, f"field 'index': answer {req.answer_id} has {known.n_choices} choice(s)", "index")
     if req.preferred_over is not None:
-        other = _known(server, req.preferred_over, "preferred_over")
+        other = await _known(server, req.preferred_over, "preferred_over")
         if req.preferred_over_index >= other.n_choices:
             raise ApiError(422, f"field 'preferred_over_index': answer {req.preferred_over} has {other.n_choices} "
                                 "choice(s)", "preferred_over_index")

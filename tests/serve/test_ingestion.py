@@ -292,3 +292,35 @@ def test_repeated_votes_train_once(broker, tmp_path):
     consume(str(tmp_path), url, stream=stream, group="g")
     [row] = training_rows(str(tmp_path), "arith")
     assert row["extra_info"]["thumbs"] == ["up", "down"] and row["reward"] == 0.5
+
+
+def test_feedback_on_an_answer_given_before_a_restart(broker, served, tmp_path):
+    """A restarted server (an empty answer index) finds the answer in the stream, and once the
+    consumer committed and trimmed it, in the committed log (issue 42 item 5)."""
+    from fastapi.testclient import TestClient
+
+    from gpu_jobs.serve.app import Server, create_app
+    from gpu_jobs.serve.broker import STREAM, EventPublisher
+    from gpu_jobs.serve.recall import AnswerRecall
+
+    url, r = broker
+    r.delete(STREAM)
+    first = Server(served, EventPublisher(url))
+    chat = {"messages": [{"role": "user", "content": "12+34="}], "max_tokens": 4, "temperature": 0, "n": 2}
+    answer_id = TestClient(create_app(first)).post("/v1/chat/completions", json=chat).json()["id"]
+    first.close()  # the restart: what it knew about its answers is gone
+
+    def restarted(root=None) -> TestClient:
+        return TestClient(create_app(Server(served, None, recall=AnswerRecall(url, root, served.name))))
+
+    assert TestClient(create_app(Server(served))).post(
+        "/v1/feedback", json={"answer_id": answer_id, "thumbs": "up"}).status_code == 404  # no recall: as before
+    from_stream = restarted().post("/v1/feedback", json={"answer_id": answer_id, "index": 1, "thumbs": "up"})
+    assert from_stream.status_code == 200, from_stream.text
+    assert restarted().post("/v1/feedback", json={"answer_id": answer_id, "index": 2,
+                                                  "thumbs": "up"}).status_code == 422  # n=2, recalled too
+    consume(str(tmp_path), url)
+    assert r.xlen(STREAM) == 0  # committed, then trimmed: only storage has it now
+    assert restarted().post("/v1/feedback", json={"answer_id": answer_id, "score": 1.0}).status_code == 404
+    from_log = restarted(str(tmp_path)).post("/v1/feedback", json={"answer_id": answer_id, "score": 1.0})
+    assert from_log.status_code == 200, from_log.text

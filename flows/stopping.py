@@ -88,8 +88,8 @@ def stop_line(run_id: str, signum: int, committed: int, resume: str) -> str:
             f"iteration{'' if committed == 1 else 's'}; resume it: {resume}")
 
 
-def set_line(line: Callable[[int], str | None], grace_s: float | None = None) -> None:
-    """What to print when this process stops (`line(signum)`), and the grace of a stop."""
+def set_line(line: Callable[[int], str | None] | None, grace_s: float | None = None) -> None:
+    """What to print when this process stops (`line(signum)`; None: nothing), and the grace of a stop."""
     _STOP.line = line
     if grace_s is not None:
         _STOP.grace_s = grace_s

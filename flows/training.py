@@ -11,6 +11,9 @@ The Prefect API may go away too (a server restart): the run waits for it, with b
 tasks.api_outage_budget_seconds, then runs the interrupted iteration again in this process, where
 committed stages are not recomputed (OutageGuard). A deployment run that fails or dies anyway is
 started again with the same run_id by the automations of deployments/resume.py.
+
+SIGINT (Ctrl-C) and SIGTERM stop the run within seconds, and Prefect's Cancel ends it Cancelled
+(flows/stopping.py): a signal is never taken for an outage.
 """
 
 from __future__ import annotations
@@ -230,6 +233,9 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
                 if own_line:  # a deployment run: the line goes to its log (the CLI prints its own)
                     stopping.say_once(stop.signum, emit=logger.warning)
                 raise
+            finally:
+                if own_line:
+                    stopping.set_line(None)  # the next run in this process (tests) says its own
     except Exception as exc:
         failed = _failed_run(exc, cfg, logger) if in_run else None
         if failed is None:
@@ -444,8 +450,8 @@ class OutageGuard:
                 return fn(*args)
             except Exception as exc:
                 # A run told to stop (SIGINT, SIGTERM) never waits: whatever failed, it is ending.
-                if stopping.requested() is not None or self.budget_s <= 0 or not self.api_url or repeats >= self.MAX_REPEATS or not (
-                        api_fault(exc, self.api_url) or not api_answers(self.api_url)):
+                if stopping.requested() is not None or self.budget_s <= 0 or not self.api_url or (
+                        repeats >= self.MAX_REPEATS) or not (api_fault(exc, self.api_url) or not api_answers(self.api_url)):
                     raise
                 repeats += 1
                 self._wait(what, exc)

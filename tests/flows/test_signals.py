@@ -129,6 +129,34 @@ def test_the_resume_command_leaves_out_credentials_and_the_old_run_id():
                              "storage.secret=s"]) == ["root=s3://b/x", "rollout.n=8"]
 
 
+RUN_STOPPED = textwrap.dedent("""
+    import os, signal, sys, time
+    import flows.cli as cli
+    import flows.training as training
+
+    cli._start_ephemeral_api = lambda: None
+
+    def rl_training(config, overrides):  # Ctrl-C in the middle of the run
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(60)
+
+    training.rl_training = rl_training
+    cli.main(["run", "--run-id", "r9", "root=" + sys.argv[1], "trainer.total_iterations=2"])
+""")
+
+
+def test_rlmill_run_prints_its_own_resume_command(tmp_path):
+    """`rlmill run`'s line names `rlmill run --run-id` with the user's overrides (the embedded
+    config is not the user's to repeat); the real runs below check `rlmill train`'s."""
+    done = subprocess.run([sys.executable, "-c", RUN_STOPPED, str(tmp_path / "root")], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "RLMILL_LOCK_DIR": str(tmp_path / "locks")},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert done.returncode == 130, done.stdout[-3000:]
+    assert [ln for ln in done.stdout.splitlines() if "stopped by" in ln] == [
+        f"rlmill: run r9 stopped by SIGINT after 0 committed iterations; resume it: rlmill run --run-id r9 "
+        f"root={tmp_path / 'root'} trainer.total_iterations=2"]
+
+
 # ---------------------------------------------------------------------------- real runs, signalled
 @dataclass
 class Row:

@@ -53,6 +53,7 @@ def arm_feedback(root: str, model: str, since: float, storage: Any = None) -> li
     import pyarrow.parquet as pq
 
     from gpu_jobs.serve.consumer import FEEDBACK_DIR, SEGMENT_KIND, hour_of, segment_manifests
+    from gpu_jobs.serve.governance import forgotten_users
     from storage import check_name
     from storage.manifest import read_files
 
@@ -63,11 +64,13 @@ def arm_feedback(root: str, model: str, since: float, storage: Any = None) -> li
     first = hour_of(since)
     hours = sorted(h for h in (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) if h >= first)
     rows: list[dict[str, Any]] = []
+    forgotten = forgotten_users(root, storage)  # rlmill feedback forget: their votes count for nothing
     for hour in hours:
         for m in segment_manifests(join(base, hour), storage):
             files = [f for f in m.files if f.path.startswith("feedback-")] if m.kind == SEGMENT_KIND else []
             for data in read_files(m, files, storage=storage) if files else []:
-                rows.extend(pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist())
+                rows.extend(r for r in pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
+                            if r.get("user") not in forgotten)
     return rows
 
 

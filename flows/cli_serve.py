@@ -93,6 +93,15 @@ def add_serve_parsers(sub) -> None:
     dataset.add_argument("--model", required=True)
     dataset.add_argument("--out", required=True, help="the .parquet file to write (any storage URL)")
     dataset.set_defaults(fn=cmd_feedback_dataset)
+    forget = fsub.add_parser("forget", help="a user's answers and feedback train nothing from now on (recorded)",
+                             description="Record (create-only, under <root>/feedback/_forget/) that USER's answers "
+                                         "and feedback must not be used: every training window, dataset and canary "
+                                         "read after this leaves them out. Prints what is on file of theirs and "
+                                         "which versions were already trained on it (rlmill models lineage).")
+    forget.add_argument("--root", required=True, help="storage root (folder or s3://)")
+    forget.add_argument("--user", required=True, help="the `user` the requests carried")
+    forget.add_argument("--reason", default=None, help="why (kept in the record)")
+    forget.set_defaults(fn=cmd_feedback_forget)
 
 
 def _add_limit_flags(parser) -> None:
@@ -297,3 +306,21 @@ def cmd_feedback_dataset(args) -> None:
     if n == 0:
         print(f"rlmill: no feedback for model {args.model!r} under {args.root}/feedback yet: "
               "run `rlmill feedback consume` first", flush=True)
+
+
+def cmd_feedback_forget(args) -> None:
+    import getpass
+
+    from gpu_jobs.serve.governance import forget_user
+    from storage.errors import InvalidNameError
+
+    try:
+        request = forget_user(args.root, args.user, requested_by=getpass.getuser(), reason=args.reason)
+    except (ValueError, InvalidNameError) as exc:
+        raise UserError(str(exc)) from None
+    rows = ", ".join(f"{n} row(s) of {m}" for m, n in request.rows.items()) or "no rows on file"
+    print(f"rlmill: {args.user!r} forgotten ({request.uri}): {rows} will train nothing from now on", flush=True)
+    for model, versions in request.reached.items():
+        if versions:
+            print(f"rlmill: versions of {model} already trained on their rows: {', '.join(versions)} "
+                  "(retrain without them, or roll back: rlmill models rollback)", flush=True)

@@ -29,9 +29,10 @@ __all__ = ["read_segments", "training_rows", "write_training_dataset"]
 
 def read_segments(root: str, model: str, storage=None,
                   feedback_from: Collection[str] | None = None) -> tuple[list[dict], list[dict]]:
-    """(answer rows, feedback rows) of every committed segment of `model`, verified on read;
-    with `feedback_from` (segment manifest URIs), feedback only from those segments (answers from
-    all: a rating may come in a later segment than its answer)."""
+    """(answer rows, feedback rows) of every committed segment of `model`, verified on read,
+    without the rows of forgotten users (governance.forget_user); with `feedback_from` (segment
+    manifest URIs), feedback only from those segments (answers from all: a rating may come in a
+    later segment than its answer)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -40,13 +41,17 @@ def read_segments(root: str, model: str, storage=None,
 
     from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifests
 
+    from gpu_jobs.serve.governance import forgotten_users
+
     answers, feedback = [], []
     wanted = None if feedback_from is None else set(feedback_from)
+    forgotten = forgotten_users(root, storage)  # their rows train nothing (rlmill feedback forget)
     for m in segment_manifests(join(root, FEEDBACK_DIR, check_name(model, "model name")), storage):
         files = [f for f in m.files if f.path.startswith("answers-") or wanted is None or m.uri in wanted]
         for f, data in zip(files, read_files(m, files, storage=storage)):
             rows = pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
-            (answers if f.path.startswith("answers-") else feedback).extend(rows)
+            (answers if f.path.startswith("answers-") else feedback).extend(
+                r for r in rows if r.get("user") not in forgotten)
     return answers, feedback
 
 

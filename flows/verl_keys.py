@@ -20,7 +20,10 @@ A key under a verl-only section (``actor_rollout_ref``, ``custom_reward_function
 command line are reported in ONE error, before any work.
 
 As in verl (hydra), a key given twice takes its last value. A verl key and the rlmill key it sets
-(or two verl keys setting one rlmill key) given with different values is an error.
+(or two verl keys setting one rlmill key) given with different values is an error. hydra's forms
+work on either kind of key (flows/overrides.py): `+key=v` and `++key=v` set it, `~key` resets what
+it sets to rlmill's defaults (`~key=v` only when the value is v). A YAML config file may use verl's
+section names: its keys are translated the same way (``translate_tree``).
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from flows.overrides import parse_override
+from flows.overrides import Delete, Override, OverrideError, item_of, parse_override
 from gpu_jobs.stages.config import ConfigError
 
-__all__ = ["VERL_KEYS", "VERL_SECTIONS", "Rule", "TotalEpochs", "translate", "resolve_total_epochs"]
+__all__ = ["VERL_KEYS", "VERL_SECTIONS", "Rule", "TotalEpochs", "translate", "translate_tree", "resolve_total_epochs"]
 
 # Top-level sections that exist only in verl: any key below them must be in the table.
 VERL_SECTIONS = ("actor_rollout_ref", "custom_reward_function", "reward_model", "reward_manager",
@@ -58,6 +61,7 @@ class Rule:
     doc: str
     to: Callable[[Any], dict[str, Any]]
     targets: tuple[str, ...] = ()  # the rlmill keys `to` may set
+    refused: str = ""  # why rlmill refuses the key whatever its value (`reject`): `~key` is refused too
 
 
 def rename(target: str, convert: Callable[[Any], Any] = lambda v: v, doc: str = "") -> Rule:
@@ -75,7 +79,7 @@ def accept(doc: str, allowed: Callable[[Any], bool] = lambda v: True, otherwise:
 def reject(reason: str) -> Rule:
     def to(v: Any) -> dict[str, Any]:
         raise Unsupported(reason)
-    return Rule(f"rejected: {reason}", to)
+    return Rule(f"rejected: {reason}", to, refused=reason)
 
 
 def _number(v: Any) -> bool:
@@ -326,38 +330,94 @@ def _section_of(key: str) -> str | None:
 
 
 def translate(overrides: list[str]) -> list[tuple[list[str], Any]]:
-    """Parsed overrides with verl's keys translated: [(rlmill key path, value), ...] in the order
-    given. Raises ConfigError listing every rejected verl key, or every key given two values."""
-    parsed = [(text, *parse_override(text)) for text in overrides]
-    last = {".".join(path): i for i, (_, path, _) in enumerate(parsed)}
+    """Parsed overrides (hydra's forms: `key=v`, `+key=v`, `++key=v`, `~key[=v]`) with verl's keys
+    translated: [(rlmill key path, value or overrides.Delete), ...] in the order given. Raises
+    ConfigError listing every rejected verl key, or every key given two values."""
+    parsed = []
+    for text in overrides:
+        try:
+            parsed.append(parse_override(text))
+        except OverrideError as exc:
+            raise ConfigError(str(exc)) from None
+    return translate_parsed(parsed)
+
+
+def translate_tree(data: dict[str, Any]) -> list[tuple[list[str], Any]]:
+    """A YAML config's mapping as translated items: verl's section names (``actor_rollout_ref:``,
+    ``data:``, ``trainer:``, ...) mean what the same dotted keys mean on a command line; rlmill's
+    own keys pass through unchanged. Raises ConfigError as ``translate`` does."""
+    return translate_parsed([Override("set", tuple(path), value) for path, value in _leaves(data)])
+
+
+def _leaves(node: dict[str, Any], prefix: tuple[str, ...] = ()):
+    """(key path, value) of a nested mapping, stopping at a verl key (its value may be a mapping,
+    e.g. custom_reward_function.reward_kwargs) and at an empty mapping (``critic: {}`` turns the
+    critic on)."""
+    for key, value in node.items():
+        path = (*prefix, str(key))
+        if isinstance(value, dict) and value and ".".join(path) not in VERL_KEYS:
+            yield from _leaves(value, path)
+        else:
+            yield path, value
+
+
+def translate_parsed(parsed: list[Override]) -> list[tuple[list[str], Any]]:
+    """``translate`` on parsed overrides."""
+    last = {o.key: i for i, o in enumerate(parsed) if not o.deletes}
     items: list[tuple[list[str], Any]] = []
     setters: dict[str, dict[str, Any]] = {}  # rlmill key -> {source key: final value}
     rejected: list[str] = []
-    for i, (text, path, value) in enumerate(parsed):
-        key = ".".join(path)
-        rule = VERL_KEYS.get(key)
-        if rule is None and _section_of(key) is None:
-            items.append((path, value))  # rlmill's own key (pydantic checks it)
-            if last[key] == i:
-                setters.setdefault(key, {})[key] = value
-            continue
-        if last[key] != i:
-            continue  # a verl key given again later: the last value wins, as in hydra
-        if rule is None:
-            rejected.append(f"  {key}: verl key rlmill does not support (no equivalent here)")
-            continue
+    for i, o in enumerate(parsed):
+        key, rule = o.key, VERL_KEYS.get(o.key)
+        verl = rule is not None or _section_of(key) is not None
         try:
-            out = rule.to(value)
+            if verl and o.has_value:
+                _no_interpolation(o.value)
+            if o.deletes:
+                for path, value in _deletions(o, rule, verl):
+                    items.append((path, value))
+                    setters.pop(".".join(path), None)  # what was set before is gone: no conflict with it
+                continue
+            if not verl:
+                items.append((list(o.path), o.value))  # rlmill's own key (pydantic checks it)
+                if last[key] == i:
+                    setters.setdefault(key, {})[key] = o.value
+                continue
+            if last[key] != i:
+                continue  # a verl key given again later: the last value wins, as in hydra
+            if rule is None:
+                raise Unsupported("verl key rlmill does not support (no equivalent here)")
+            for target, v in rule.to(o.value).items():
+                items.append((target.split("."), v))
+                setters.setdefault(target, {})[key] = v
         except Unsupported as exc:
-            rejected.append(f"  {key}={value!r}: {exc}")
-            continue
-        for target, v in out.items():
-            items.append((target.split("."), v))
-            setters.setdefault(target, {})[key] = v
+            shown = f"{'~' if o.deletes else ''}{key}" + (f"={o.value!r}" if o.has_value and rule else "")
+            rejected.append(f"  {shown}: {exc}")
     if rejected:
         raise ConfigError("verl keys rlmill does not support (fix or drop each; `python -m flows.verl_keys` "
                           "lists the verl keys rlmill translates):\n" + "\n".join(rejected))
     return _without_conflicts(items, setters)
+
+
+def _no_interpolation(value: Any) -> None:
+    if isinstance(value, str) and "${" in value:
+        raise Unsupported("hydra interpolation (${...}) is not supported: write the value itself")
+
+
+def _deletions(o: Override, rule: Rule | None, verl: bool) -> list[tuple[list[str], Any]]:
+    """`~key[=value]` as Delete items on rlmill keys: the key itself, or what a verl key sets.
+    With a value, a verl key's value is translated first and the rlmill keys must hold that."""
+    if not verl:
+        return [item_of(o)]
+    if rule is None:
+        raise Unsupported("verl key rlmill does not support (no equivalent here)")
+    if rule.refused:
+        raise Unsupported(rule.refused)
+    if not o.has_value:
+        return [(target.split("."), Delete()) for target in rule.targets]  # accepted keys set nothing
+    expected = rule.to(o.value)  # {}: a value rlmill already follows; an unsupported one raises
+    return [(target.split("."), Delete(expected[target]) if target in expected else Delete())
+            for target in rule.targets]
 
 
 def _without_conflicts(items: list[tuple[list[str], Any]], setters: dict[str, dict[str, Any]]):

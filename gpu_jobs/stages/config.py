@@ -261,44 +261,50 @@ def _string_leaves(node: Any, prefix: str = ""):
             yield from _string_leaves(v, f"{prefix}[{i}]")
 
 
-def _format_validation_error(exc: ValidationError) -> str:
-    """One line per problem, naming the dotted key; an unknown key gets the closest valid key
-    ("did you mean rollout.n?"), looked up among its siblings first, then among every key."""
-    import difflib
+def _submodels(annotation: Any) -> list[type[BaseModel]]:
     import typing
 
-    def submodels(annotation: Any) -> list[type[BaseModel]]:
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            return [annotation]
-        return [m for arg in typing.get_args(annotation) for m in submodels(arg)]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _submodels(arg)]
 
-    def dotted(model: type[BaseModel], prefix: str = "") -> list[str]:
-        keys = []
-        for name, field in model.model_fields.items():
-            key = prefix + (field.alias or name)
-            keys.append(key)
-            for sub in submodels(field.annotation):
-                keys += dotted(sub, key + ".")
-        return keys
 
-    def closest(key: str) -> str | None:
-        valid = dotted(RunConfig)
-        parent, _, leaf = key.rpartition(".")
-        siblings = [k for k in valid if k.rpartition(".")[0] == parent]
-        near = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.6)
-        if near:
-            return f"{parent}.{near[0]}" if parent else near[0]
+def config_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the run config, sections included (``rollout``, ``rollout.n``, ...)."""
+    keys = []
+    for name, field in (model or RunConfig).model_fields.items():
+        key = prefix + (field.alias or name)
+        keys.append(key)
+        for sub in _submodels(field.annotation):
+            keys += config_keys(sub, key + ".")
+    return keys
+
+
+def unknown_key_message(key: str) -> str:
+    """What to say about a key the config does not have: the closest valid key ("did you mean
+    rollout.n?"), looked up among its siblings first, then among every key."""
+    import difflib
+
+    valid = config_keys()
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k for k in valid if k.rpartition(".")[0] == parent]
+    near = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.6)
+    guess = (f"{parent}.{near[0]}" if parent else near[0]) if near else None
+    if guess is None:
         near = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
-        return near[0] if near else None
+        guess = near[0] if near else None
+    hint = f"did you mean {guess}?" if guess else "check the spelling;"
+    return f"unknown key ({hint} `rlmill config show` lists every key)"
 
+
+def _format_validation_error(exc: ValidationError) -> str:
+    """One line per problem, naming the dotted key (an unknown key: see unknown_key_message)."""
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            guess = closest(key)
-            hint = f"did you mean {guess}?" if guess else "check the spelling;"
-            msg = f"unknown key ({hint} `rlmill config show` lists every key)"
+            msg = unknown_key_message(key)
         lines.append(f"  {key}: {msg}")
     return "invalid run config:\n" + "\n".join(lines)
 

@@ -107,6 +107,7 @@ class DemoConfig:
     min_samples: int = 60  # the canary test's minimum scores per arm
     confidence: float = 0.9
     margin: float = 0.05  # the candidate may be this much worse (mean live reward) and still pass
+    canary_method: str = "welch"  # welch (fixed-sample t-test) | msprt (sequential; rolls back once shown worse)
     epochs: int = 4  # passes over each window
     lr: float = 2e-4  # 1e-4 rose 0.10 -> 0.15..0.21 in 5 cycles (one promotion), 2e-4 0.17 -> 0.37 (three)
     rollout_n: int = 8
@@ -133,6 +134,10 @@ class DemoConfig:
                 return f"--{name.replace('_', '-')} {getattr(self, name)} is below 1: give a positive number"
         if not 0 <= self.bad_cycle <= self.cycles:
             return f"--bad-cycle {self.bad_cycle} is not a cycle of 1..{self.cycles} (0: no bad candidate)"
+        from storage.canary import CANARY_METHODS  # not at import: see the note above the imports
+
+        if self.canary_method not in CANARY_METHODS:
+            return f"--canary-method {self.canary_method!r}: give one of {', '.join(CANARY_METHODS)}"
         if self.bad_reward and self.bad_reward not in BAD_REWARDS:
             return f"--bad-reward {self.bad_reward!r}: give one of {', '.join(BAD_REWARDS)}"
         if not 0 <= self.canary_share < 1:
@@ -259,7 +264,8 @@ def _simulate(stack: Stack, cfg: DemoConfig, requests: int, round: int):
 def _retrain(stack: Stack, cfg: DemoConfig, reward_name: str) -> dict[str, Any]:
     from flows.retrain import rl_retrain
 
-    test = {"min_samples": cfg.min_samples, "confidence": cfg.confidence, "margin": cfg.margin}
+    test = {"min_samples": cfg.min_samples, "confidence": cfg.confidence, "margin": cfg.margin,
+            "method": cfg.canary_method}
     state = rl_retrain(model=MODEL, root=stack.root, config=str(EXAMPLE), overrides=retrain_overrides(cfg, reward_name),
                        epochs=cfg.epochs, eval_size=cfg.eval_size, min_gain=cfg.min_gain,
                        canary_share=cfg.canary_share, canary_test=test if cfg.canary_share > 0 else None,

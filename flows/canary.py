@@ -81,7 +81,7 @@ def measure(models: ModelLayout, canary: Canary, now: float | None = None) -> Ca
                                      canary.baseline, canary.candidate, since)
     return canary_test(baseline, candidate, min_samples=canary.min_samples, confidence=canary.confidence,
                        margin=canary.margin, elapsed_s=(time.time() if now is None else now) - since,
-                       max_duration_s=canary.max_duration_s)
+                       max_duration_s=canary.max_duration_s, method=canary.method)
 
 
 # ------------------------------------------------------------------------------------ the decision

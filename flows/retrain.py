@@ -362,9 +362,9 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
     over the window; eval_size, min_gain, heldout_files, export_merged_hf: the nightly's gate
     (flows/nightly.py); canary_share: > 0 starts a canary of a candidate that passed the gate, with
     that share of live users (0.0 promotes directly); canary_test: its test settings (min_samples,
-    confidence, margin, max_duration_s; storage.canary.CanaryPolicy); replay: rows replayed per
-    window row, by source (check_replay). A wrong parameter or reward ends the run Failed with one
-    line and the fix, before any window is taken.
+    confidence, margin, max_duration_s, method: welch | msprt; storage.canary.CanaryPolicy);
+    replay: rows replayed per window row, by source (check_replay). A wrong parameter or reward
+    ends the run Failed with one line and the fix, before any window is taken.
     """
     from flows.nightly import ensure_heldout, gate_new_data, outcome_status, run_summary, train_and_gate
 

@@ -41,7 +41,8 @@ __all__ = ["Canary", "CanaryPolicy", "CanaryRunning", "CANARY_NAME", "OUTCOMES_D
 
 CANARY_NAME = "CANARY"
 OUTCOMES_DIR = "canaries"
-OUTCOMES = ("promote", "rollback")  # what the stated test decides; a person's end is "rollback" too
+OUTCOMES = ("promote", "rollback")
+CANARY_METHODS = ("welch", "msprt")  # the tests gpu_jobs/serve/canary_stats.py registers (storage does not import it)  # what the stated test decides; a person's end is "rollback" too
 
 
 class CanaryRunning(ValueError):
@@ -61,6 +62,10 @@ class CanaryPolicy:
     confidence: float = 0.95  # one-sided confidence of the interval on candidate - baseline
     margin: float = 0.05  # non-inferiority margin: candidate may be this much worse (mean score) and pass
     max_duration_s: float = 86400.0  # after this, the canary ends: promote if the test passes, else roll back
+    # welch: a fixed-sample t-test at min_samples; msprt: an always-valid sequential test that may
+    # decide at any look after min_samples and rolls back once the candidate is shown worse
+    # (gpu_jobs/serve/canary_stats.py METHODS)
+    method: str = "welch"
 
     def __post_init__(self):
         if (line := self.problem()) is not None:
@@ -81,6 +86,8 @@ class CanaryPolicy:
             return f"canary margin {self.margin!r}: give how much worse (mean score) still passes, 0 <= margin < 1"
         if not num(self.max_duration_s) or self.max_duration_s <= 0:
             return f"canary max_duration_s {self.max_duration_s!r}: give the seconds before it must end, > 0"
+        if self.method not in CANARY_METHODS:
+            return f"canary method {self.method!r}: give one of {', '.join(CANARY_METHODS)}"
         return None
 
 
@@ -99,10 +106,12 @@ class Canary:
     max_duration_s: float
     started: str  # ISO time, UTC
     by: str = "api"  # what started it: "retrain", "nightly", "api"
+    method: str = "welch"  # CanaryPolicy.method (records written before it existed are welch)
 
     @property
     def policy(self) -> CanaryPolicy:
-        return CanaryPolicy(self.share, self.min_samples, self.confidence, self.margin, self.max_duration_s)
+        return CanaryPolicy(self.share, self.min_samples, self.confidence, self.margin, self.max_duration_s,
+                            self.method)
 
     @property
     def started_ts(self) -> float:
@@ -172,7 +181,7 @@ def start_canary(models: ModelLayout, candidate: str, policy: CanaryPolicy, *, b
     record = Canary(id=f"{candidate}-{uuid.uuid4().hex[:8]}", model=models.name, candidate=candidate,
                     baseline=baseline, share=policy.share, min_samples=policy.min_samples,
                     confidence=policy.confidence, margin=policy.margin, max_duration_s=policy.max_duration_s,
-                    started=now.isoformat(timespec="seconds"), by=by)
+                    started=now.isoformat(timespec="seconds"), by=by, method=policy.method)
     try:
         write_once(canary_url(models), record.to_json(), models.storage)
     except ObjectExistsError:  # a racing start: whoever won is the canary

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["TEST_NAME", "ArmStats", "CanaryVerdict", "arm_stats", "canary_test", "feedback_value", "one_vote_each",
+__all__ = ["TEST_NAME", "METHODS", "ArmStats", "CanaryMethod", "CanaryVerdict", "arm_stats", "canary_method",
+           "canary_test", "verdict", "feedback_value", "one_vote_each",
            "split_arms", "voter"]
 
 TEST_NAME = "one-sided Welch t-test, non-inferiority"
@@ -100,22 +101,84 @@ def _welch(b: ArmStats, c: ArmStats, confidence: float, margin: float) -> tuple[
     return se, df, t_crit, diff - t_crit * se, diff + t_crit * se, p
 
 
+def _msprt(b: ArmStats, c: ArmStats, confidence: float, margin: float) -> tuple[float, ...]:
+    """(se, df, radius/se, lower, upper, p) of diff = c.mean - b.mean from an always-valid
+    confidence sequence: the normal-mixture mSPRT of Johari, Pekelis & Walsh ("Always valid
+    inference", 2017), mixing variance tau^2 = margin^2 (the effect size that matters). With
+    V = var_b/n_b + var_c/n_c (each variance floored at VAR_FLOOR, so a few equal scores never
+    decide), the bounds diff -/+ sqrt(V (V + tau^2) / tau^2 * (2 log(1/alpha) + log(1 + tau^2/V)))
+    hold at every n at once with probability >= 1 - alpha each: the flow may look after every
+    rating, and stopping at the first look that decides keeps the error rates.
+    p is the always-valid p-value of H0: diff <= -margin (1 / the mixture likelihood ratio)."""
+    alpha, tau2 = 1.0 - confidence, max(margin, 0.01) ** 2
+    v = max(b.var, VAR_FLOOR) / b.n + max(c.var, VAR_FLOOR) / c.n
+    se, diff = math.sqrt(v), c.mean - b.mean
+    radius = math.sqrt(v * (v + tau2) / tau2 * (2 * math.log(1 / alpha) + math.log(1 + tau2 / v)))
+    z = diff + margin
+    ratio = math.sqrt(v / (v + tau2)) * math.exp(min(700.0, tau2 * z * z / (2 * v * (v + tau2))))
+    p = min(1.0, 1.0 / ratio) if z > 0 else 1.0
+    return se, math.inf, radius / se, diff - radius, diff + radius, p
+
+
+VAR_FLOOR = 0.01  # per-score variance at least this (a standard deviation of 0.1 on [0, 1] scores)
+
+
+@dataclass(frozen=True)
+class CanaryMethod:
+    """A canary test: its bounds on candidate - baseline, and when it rolls back."""
+
+    name: str
+    bounds: Callable[[ArmStats, ArmStats, float, float], tuple[float, ...]]
+    rollback_below: str  # "margin": upper < -margin (shown worse by more than the margin); "zero": upper < 0
+    sequential: bool  # valid at every look (True) or at one fixed look (False)
+
+
+METHODS = {m.name: m for m in (
+    CanaryMethod("welch", _welch, "margin", False),
+    # Rolls back as soon as the candidate is shown worse than the baseline at all: a candidate near
+    # -margin is neither shown non-inferior nor, by the margin rule, worse by more than the margin,
+    # and would wait until max_duration_s.
+    CanaryMethod("msprt", _msprt, "zero", True),
+)}
+TEST_NAMES = {"welch": TEST_NAME, "msprt": "always-valid mSPRT (normal mixture), non-inferiority, sequential"}
+
+
+def canary_method(name: str) -> CanaryMethod:
+    """The registered canary test `name`; ValueError listing the valid ones otherwise."""
+    if name not in METHODS:
+        raise ValueError(f"canary method {name!r}: give one of {', '.join(sorted(METHODS))}")
+    return METHODS[name]
+
+
 def canary_test(baseline: Sequence[float], candidate: Sequence[float], *, min_samples: int, confidence: float,
-                margin: float, elapsed_s: float, max_duration_s: float) -> CanaryVerdict:
-    """The module docstring's test on the two arms' scores (each in [0, 1]).
+                margin: float, elapsed_s: float, max_duration_s: float, method: str = "welch") -> CanaryVerdict:
+    """The module docstring's test on the two arms' scores (each in [0, 1]); `method` "msprt"
+    bounds the difference with an always-valid confidence sequence instead (_msprt) and rolls back
+    once the candidate is shown worse than the baseline.
 
     >>> canary_test([1.0] * 3, [0.0] * 3, min_samples=5, confidence=0.95, margin=0.05, elapsed_s=10,
     ...             max_duration_s=60).decision
     'wait'
+    >>> canary_test([1.0, 0.0] * 40, [0.0] * 80, min_samples=20, confidence=0.95, margin=0.05, elapsed_s=10,
+    ...             max_duration_s=60, method="msprt").decision
+    'rollback'
     """
-    b, c = arm_stats(baseline), arm_stats(candidate)
+    return verdict(arm_stats(baseline), arm_stats(candidate), min_samples=min_samples, confidence=confidence,
+                   margin=margin, elapsed_s=elapsed_s, max_duration_s=max_duration_s, method=method)
+
+
+def verdict(b: ArmStats, c: ArmStats, *, min_samples: int, confidence: float, margin: float, elapsed_s: float,
+            max_duration_s: float, method: str = "welch") -> CanaryVerdict:
+    """canary_test from the arms' summaries (what a simulation updates one rating at a time)."""
+    how = canary_method(method)
     nan = math.nan
     expired = elapsed_s >= max_duration_s
     small = min(b.n, c.n) < min_samples
     se = df = t_crit = lower = upper = p = nan
     if min(b.n, c.n) >= 2:
-        se, df, t_crit, lower, upper, p = _welch(b, c, confidence, margin)
-    at = f"{confidence:.0%}"
+        se, df, t_crit, lower, upper, p = how.bounds(b, c, confidence, margin)
+    at = f"{confidence:.0%}" + (" always-valid" if how.sequential else "")
+    floor = -margin if how.rollback_below == "margin" else 0.0
     if small:
         decision = "rollback" if expired else "wait"
         reason = (f"n = {b.n} baseline / {c.n} candidate, below min_samples {min_samples} per arm"
@@ -124,16 +187,18 @@ def canary_test(baseline: Sequence[float], candidate: Sequence[float], *, min_sa
     elif lower > -margin:
         decision, reason = "promote", (f"lower {at} bound of candidate - baseline {lower:+.4f} > -margin "
                                        f"{-margin:+.4f} (p = {p:.4g}): not worse by more than the margin")
-    elif upper < -margin:
-        decision, reason = "rollback", (f"upper {at} bound of candidate - baseline {upper:+.4f} < -margin "
-                                        f"{-margin:+.4f}: worse by more than the margin")
+    elif upper < floor:
+        decision, reason = "rollback", (
+            f"upper {at} bound of candidate - baseline {upper:+.4f} < -margin {-margin:+.4f}: worse by more than "
+            "the margin" if how.rollback_below == "margin" else
+            f"upper {at} bound of candidate - baseline {upper:+.4f} < 0: worse than the baseline")
     else:
         decision = "rollback" if expired else "wait"
         reason = (f"{at} bounds [{lower:+.4f}, {upper:+.4f}] hold -margin {-margin:+.4f}: undecided"
                   + (f"; max duration {max_duration_s:g} s reached: not shown non-inferior, rolled back"
                      if expired else ""))
-    return CanaryVerdict(decision, reason, TEST_NAME, b.n, c.n, b.mean, c.mean, c.mean - b.mean, se, df, t_crit,
-                         lower, upper, p, margin, confidence, min_samples, elapsed_s, max_duration_s)
+    return CanaryVerdict(decision, reason, TEST_NAMES[method], b.n, c.n, b.mean, c.mean, c.mean - b.mean, se, df,
+                         t_crit, lower, upper, p, margin, confidence, min_samples, elapsed_s, max_duration_s)
 
 
 def feedback_value(row: dict[str, Any]) -> float | None:

@@ -153,3 +153,34 @@ def test_policy_refusals_name_the_key_and_the_fix(kw, words):
     with pytest.raises(ValueError, match="canary ") as err:
         CanaryPolicy(**kw)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------------ sequential
+def test_the_sequential_test_keeps_its_error_rates_under_repeated_looks():
+    """rl-canary looks every minute and stops at the first look that decides. Simulated (seeded)
+    Bernoulli arms, a look every 10 ratings per arm: the always-valid mSPRT promotes a candidate
+    worse by the margin no more often than 1 - confidence (plus 3 standard errors of the
+    simulation), where the fixed-sample t-test, peeked at the same way, does several times as
+    often; and it rolls back a candidate worse by twice the margin in most trials."""
+    from benchmarks.bench_canary import simulate
+
+    kw = dict(trials=150, margin=0.05, confidence=0.95, min_samples=20, look_every=10, seed=7)
+    bad = simulate("msprt", 0.5, -0.05, max_per_arm=500, **kw)
+    peeked = simulate("welch", 0.5, -0.05, max_per_arm=500, **kw)
+    assert bad.promoted <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 150), bad
+    assert peeked.promoted > 2 * max(bad.promoted, 0.05), peeked
+    worse = simulate("msprt", 0.5, -0.10, max_per_arm=1000, **kw)
+    assert worse.rolled_back >= 0.8 and worse.promoted == 0.0, worse
+
+
+def test_the_method_is_part_of_the_policy_and_the_record():
+    from gpu_jobs.serve.canary_stats import METHODS
+    from storage.canary import CANARY_METHODS, Canary, CanaryPolicy
+
+    assert tuple(METHODS) == CANARY_METHODS  # storage's list of names follows the registry
+    with pytest.raises(ValueError, match="canary method 'sprt': give one of welch, msprt"):
+        CanaryPolicy(share=0.1, method="sprt")
+    old = _record()  # a record written before `method` existed reads as welch
+    assert Canary.from_json(old.to_json().replace(', "method": "welch"', "")).method == "welch"
+    assert canary_test([1.0, 0.0] * 40, [0.0] * 80, min_samples=20, confidence=0.95, margin=0.05, elapsed_s=1.0,
+                       max_duration_s=60.0, method="msprt").test.startswith("always-valid mSPRT")

@@ -114,9 +114,11 @@ def _total_epochs(v: Any) -> dict[str, Any]:
 
 
 def _rollout_name(v: Any) -> dict[str, Any]:
-    if v not in ("vllm", "hf"):
-        raise Unsupported(f"rollout.name={v!r}: rlmill's rollout engines are 'vllm' and 'hf' (transformers); "
-                          "sglang has no CPU build")
+    from gpu_jobs.rollout import ROLLOUT_ENGINES  # the package registers the built-in engines
+
+    if not isinstance(v, str) or v not in ROLLOUT_ENGINES:
+        raise Unsupported(f"rlmill's rollout engines are {', '.join(map(repr, sorted(ROLLOUT_ENGINES)))} "
+                          "(gpu_jobs.rollout.ROLLOUT_ENGINES; 'hf' is transformers)")
     return {"rollout.engine": v}
 
 
@@ -187,7 +189,8 @@ def _model_rollout_ref_rules() -> dict[str, Rule]:
         "actor_rollout_ref.hybrid_engine": accept("rollout and trainer share the process (trainer.placement="
                                                   "colocated)", lambda v: v is True,
                                                   "use trainer.placement=remote for separate stage workers"),
-        r + "name": Rule("vllm/hf -> rollout.engine", _rollout_name, ("rollout.engine",)),
+        r + "name": Rule("a registered rollout engine (vllm, hf) -> rollout.engine", _rollout_name,
+                         ("rollout.engine",)),
         r + "response_length": rename("rollout.max_response_length"),
         r + "prompt_length": rename("data.max_prompt_length"),
         r + "dtype": rename("rollout.engine_options.dtype"),

@@ -11,6 +11,8 @@ Names, defaults and metric keys follow verl. Run the tests with
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
+    EstimatorRegistry,
+    EstimatorTraits,
     compute_advantage,
     get_adv_estimator_fn,
     group_ids,
@@ -79,6 +81,8 @@ from gpu_jobs.registry import DuplicateNameError, Registry, UnknownNameError
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
+    "EstimatorRegistry",
+    "EstimatorTraits",
     "compute_advantage",
     "get_adv_estimator_fn",
     "group_ids",

@@ -8,12 +8,18 @@ Every estimator returns ``(advantages, returns)``, both ``(bs, T)`` and zero whe
 
 Outcome estimators use the sequence score ``s_i = sum_t token_level_rewards[i, t]`` (over
 masked positions only). Like verl, a group of one response has baseline 0 (and std 1).
+
+An estimator declares what it needs where it registers (``EstimatorTraits``): groups of responses
+to one prompt (``rollout.n >= 2``), a critic's values, or greedy reward baselines; its keyword
+arguments are read from its signature. The run config asks the registry, so a new estimator is one
+module: its function under ``@register_adv_est(name, needs_groups=...)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -25,6 +31,8 @@ from gpu_jobs.registry import Registry
 __all__ = [
     "AdvantageEstimator",
     "ADVANTAGE_ESTIMATORS",
+    "EstimatorRegistry",
+    "EstimatorTraits",
     "register_adv_est",
     "get_adv_estimator_fn",
     "compute_advantage",
@@ -45,7 +53,79 @@ class AdvantageEstimator(str, Enum):
     GRPO_PASSK = "grpo_passk"
 
 
-ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
+# The inputs every estimator may read; anything else in its signature is a keyword parameter.
+_INPUTS = ("token_level_rewards", "response_mask", "index", "values", "reward_baselines")
+
+
+def _params_of(fn) -> tuple[str, ...]:
+    return tuple(
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is not p.VAR_KEYWORD and p.name not in _INPUTS
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorTraits:
+    """What an advantage estimator needs from a run, declared at its registration.
+
+    >>> grpo = ADVANTAGE_ESTIMATORS.traits("grpo")
+    >>> grpo.needs_groups, grpo.needs_critic, grpo.params
+    (True, False, ('epsilon', 'norm_adv_by_std_in_grpo'))
+    """
+
+    needs_groups: bool = False  # compares responses to one prompt: the run samples rollout.n >= 2
+    needs_critic: bool = False  # reads ``values``: the run trains a critic
+    needs_reward_baselines: bool = False  # reads ``reward_baselines``: the run scores a greedy sample per prompt
+    params: tuple[str, ...] = ()  # keyword parameters beyond the inputs, from the signature
+
+
+class EstimatorRegistry(Registry):
+    """The advantage-estimator registry: name -> function, and name -> ``EstimatorTraits``.
+
+    >>> toy = EstimatorRegistry()
+    >>> @toy.register("mean_baseline", needs_groups=True)
+    ... def mean_baseline(token_level_rewards, response_mask, index=None, scale: float = 1.0):
+    ...     ...
+    >>> toy.traits("mean_baseline").params
+    ('scale',)
+    """
+
+    def __init__(self) -> None:
+        super().__init__("advantage estimator")
+        self._traits: dict[str, EstimatorTraits] = {}
+
+    def register(self, name: str | Enum, *, needs_groups: bool = False, needs_critic: bool = False,
+                 needs_reward_baselines: bool = False) -> Callable:
+        """Decorator: add ``fn`` under ``name`` with what it needs. A declared need must be an
+        argument of ``fn`` (``index``, ``values``, ``reward_baselines``), else this raises."""
+        add = super().register(name)
+
+        def decorator(fn):
+            takes = inspect.signature(fn).parameters
+            for needed, arg in ((needs_groups, "index"), (needs_critic, "values"),
+                                (needs_reward_baselines, "reward_baselines")):
+                if needed and arg not in takes:
+                    raise TypeError(f"advantage estimator {_name(name)!r} declares that it needs {arg} but its "
+                                    f"signature has no {arg!r} argument")
+            fn = add(fn)  # a name taken twice raises here, before any trait is recorded
+            self._traits[_name(name)] = EstimatorTraits(needs_groups, needs_critic, needs_reward_baselines,
+                                                        _params_of(fn))
+            return fn
+
+        return decorator
+
+    def traits(self, name: str | Enum) -> EstimatorTraits:
+        """What ``name`` needs; an unknown name raises and lists the valid ones."""
+        self[name]
+        return self._traits[_name(name)]
+
+
+def _name(name: str | Enum) -> str:
+    return str(name.value) if isinstance(name, Enum) else name
+
+
+ADVANTAGE_ESTIMATORS: EstimatorRegistry = EstimatorRegistry()
 register_adv_est = ADVANTAGE_ESTIMATORS.register
 
 
@@ -101,7 +181,7 @@ def _need(name: str, **tensors: Any) -> None:
 # Estimators
 
 
-@register_adv_est(AdvantageEstimator.GAE)
+@register_adv_est(AdvantageEstimator.GAE, needs_critic=True)
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
@@ -137,7 +217,7 @@ def compute_gae_advantage_return(
     return advantages, returns
 
 
-@register_adv_est(AdvantageEstimator.GRPO)
+@register_adv_est(AdvantageEstimator.GRPO, needs_groups=True)
 @torch.no_grad()
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -161,7 +241,7 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est(AdvantageEstimator.GRPO_PASSK)
+@register_adv_est(AdvantageEstimator.GRPO_PASSK, needs_groups=True)
 @torch.no_grad()
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -197,7 +277,7 @@ def compute_grpo_passk_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est(AdvantageEstimator.RLOO)
+@register_adv_est(AdvantageEstimator.RLOO, needs_groups=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -259,7 +339,7 @@ def compute_gpg_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE)
+@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE, needs_groups=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -300,7 +380,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
-@register_adv_est(AdvantageEstimator.REMAX)
+@register_adv_est(AdvantageEstimator.REMAX, needs_reward_baselines=True)
 @torch.no_grad()
 def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -321,20 +401,9 @@ def compute_remax_outcome_advantage(
 # --------------------------------------------------------------------------------------------
 # Uniform entry point
 
-_INPUTS = ("token_level_rewards", "response_mask", "index", "values", "reward_baselines")
-
-
-def _params_of(fn) -> set[str]:
-    return {
-        p.name
-        for p in inspect.signature(fn).parameters.values()
-        if p.kind is not p.VAR_KEYWORD and p.name not in _INPUTS
-    }
-
-
 def known_advantage_params() -> set[str]:
     """Every keyword parameter any registered estimator takes (e.g. gamma, lam, epsilon)."""
-    return set().union(*(_params_of(fn) for fn in ADVANTAGE_ESTIMATORS.values()))
+    return set().union(*(ADVANTAGE_ESTIMATORS.traits(name).params for name in ADVANTAGE_ESTIMATORS))
 
 
 def compute_advantage(

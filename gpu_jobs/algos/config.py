@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from .advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator, EstimatorTraits
 from .functional import LOSS_AGG_MODES
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
 from .policy_losses import POLICY_LOSSES
@@ -173,8 +173,9 @@ class AlgorithmConfig(_Config):
 
     adv_estimator: str = Field(
         AdvantageEstimator.GAE.value,
-        description="Advantage estimator name: " + ", ".join(e.value for e in AdvantageEstimator)
-        + ". 'gae' needs a critic (values); 'remax' needs greedy-sample reward baselines.",
+        description="Advantage estimator: a name registered in gpu_jobs.algos.ADVANTAGE_ESTIMATORS (built in: "
+        + ", ".join(e.value for e in AdvantageEstimator) + "). What it needs is declared where it registers: "
+        "'gae' a critic (values), 'remax' greedy-sample reward baselines, grpo/rloo/... groups (rollout.n >= 2).",
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (gae, reinforce_plus_plus).")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (gae).")
@@ -216,19 +217,30 @@ class AlgorithmConfig(_Config):
         return _check_kl_name(value, "kl_penalty")
 
     @property
+    def traits(self) -> EstimatorTraits:
+        """What the chosen estimator declared at its registration."""
+        return ADVANTAGE_ESTIMATORS.traits(self.adv_estimator)
+
+    @property
     def needs_critic(self) -> bool:
         """True when the estimator reads critic values (gae): a critic must be trained."""
-        return self.adv_estimator == AdvantageEstimator.GAE.value
+        return self.traits.needs_critic
+
+    @property
+    def needs_groups(self) -> bool:
+        """True when the estimator compares responses to one prompt (grpo, rloo, ...): rollout.n >= 2."""
+        return self.traits.needs_groups
 
     @property
     def needs_reward_baselines(self) -> bool:
-        """True for remax: score a greedy response per prompt as the baseline."""
-        return self.adv_estimator == AdvantageEstimator.REMAX.value
+        """True when the estimator reads greedy-sample reward baselines (remax)."""
+        return self.traits.needs_reward_baselines
 
     def advantage_kwargs(self) -> dict[str, Any]:
-        """The params the chosen estimator declares, for ``compute_advantage(**kwargs)``."""
-        params = inspect.signature(ADVANTAGE_ESTIMATORS[self.adv_estimator]).parameters
-        return {k: getattr(self, k) for k in ("gamma", "lam", "norm_adv_by_std_in_grpo") if k in params}
+        """The estimator's keyword parameters (read from its signature) that this config has a
+        field for, for ``compute_advantage(**kwargs)``; the others keep the function's defaults."""
+        fields = type(self).model_fields
+        return {k: getattr(self, k) for k in self.traits.params if k in fields}
 
 
 class PolicyLossConfig(_Config):

@@ -122,14 +122,14 @@ class RunConfig(_Section):
                              f"trainer.n_gpus_per_node x trainer.nnodes ({ranks}) must be a multiple of it")
         if self.critic is not None and self.critic.pipeline_parallel_size > 1:
             raise ValueError("critic.pipeline_parallel_size > 1: the critic trains on one rank; set it to 1")
-        if self.algorithm.adv_estimator == "gae" and self.critic is None:
-            raise ValueError("algorithm.adv_estimator=gae needs a critic: set critic: {} (or critic.lr=...)")
+        if self.algorithm.needs_critic and self.critic is None:
+            raise ValueError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a critic: set critic: {{}} "
+                             "(or critic.lr=...)")
         if self.actor.ppo_mini_batch_size > self.data.train_batch_size:
             raise ValueError(
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) is larger than "
                 f"data.train_batch_size ({self.data.train_batch_size}); lower it or raise the batch")
-        if self.algorithm.adv_estimator in {"grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline"} \
-                and self.rollout.n < 2:
+        if self.algorithm.needs_groups and self.rollout.n < 2:
             raise ValueError(f"{self.algorithm.adv_estimator} compares responses within a group: set rollout.n >= 2")
         if self.data.generate == "arith" and not self.data.train_files \
                 and self.data.train_size + max(self.data.val_size, 300) > ARITH_PROBLEMS:

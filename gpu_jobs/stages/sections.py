@@ -98,7 +98,8 @@ class ValKwargs(_Section):
 
 
 class RolloutStageConfig(_Section):
-    engine: Literal["hf", "vllm"] = Field("hf", description="Rollout backend: 'hf' (transformers) or 'vllm'.")
+    engine: str = Field("hf", description="Rollout backend: a name registered in gpu_jobs.rollout.ROLLOUT_ENGINES "
+                        "(built in: 'hf' (transformers), 'vllm').")
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -111,6 +112,14 @@ class RolloutStageConfig(_Section):
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Validation sampling (verl rollout.val_kwargs).")
     multi_turn: MultiTurnConfig = Field(
         default_factory=MultiTurnConfig, description="Multi-turn rollouts with tools (verl rollout.multi_turn).")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        from gpu_jobs.rollout import ROLLOUT_ENGINES  # the package registers the built-in engines
+
+        ROLLOUT_ENGINES[v]  # raises, listing the valid names
+        return v
 
     @model_validator(mode="after")
     def _multi_turn_fits(self) -> "RolloutStageConfig":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Callable
 
 from gpu_jobs.rollout.base import RolloutEngineConfig, SamplingConfig, make_row, register_rollout_engine
 
@@ -109,9 +110,15 @@ class HFRolloutEngine:
 
     # -- generation ------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[dict]:
+    streams_tokens = True  # generate(on_tokens=...) reports each step's tokens as they are sampled
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
+                 on_tokens: Callable[[list[int], list[int]], None] | None = None) -> list[dict]:
         """See `RolloutEngine.generate`. Prompts are processed in chunks of at most
-        config.max_batch_size sequences (prompts x n); one generator drives all chunks."""
+        config.max_batch_size sequences (prompts x n); one generator drives all chunks.
+        `on_tokens(rows, tokens)`, when given, is called after every decoding step with the rows
+        (prompt-major, `prompt * n + sample`) still generating and the token each just sampled
+        (rlmill serve streams them); it costs one list per step."""
         import torch
 
         if n < 1:
@@ -130,7 +137,7 @@ class HFRolloutEngine:
             with torch.inference_mode():
                 for start in range(0, len(prompts), per_chunk):
                     chunk = prompts[start:start + per_chunk]
-                    rows.extend(self._generate_chunk(chunk, start, n, sampling, generator))
+                    rows.extend(self._generate_chunk(chunk, start, n, sampling, generator, on_tokens))
             return rows
         finally:
             self.model.train(was_training)
@@ -163,7 +170,7 @@ class HFRolloutEngine:
         return logits, cache, mask.repeat_interleave(n, dim=0), next_pos
 
     def _generate_chunk(self, prompts, first_index: int, n: int, sampling: SamplingConfig,
-                        generator) -> list[dict]:
+                        generator, on_tokens=None) -> list[dict]:
         """Decode loop for one chunk; rows are (prompt, sample) pairs, prompt-major."""
         import torch
 
@@ -183,6 +190,8 @@ class HFRolloutEngine:
             tokens_out[live_rows, step] = tokens.cpu()[alive]
             logprobs_out[live_rows, step] = logps.float().cpu()[alive]
             lengths[live_rows] = step + 1
+            if on_tokens is not None:
+                on_tokens((live_rows + first_index * n).tolist(), tokens.cpu()[alive].tolist())
             if not sampling.ignore_eos and len(eos):
                 hit = torch.isin(tokens, eos).cpu() & alive
                 stopped[rows_in_batch[hit]] = True

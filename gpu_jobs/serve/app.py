@@ -28,7 +28,10 @@ A request holds the generation (version) that was current when it arrived, from 
 prompt to publishing its event (swap.py): a hot swap never cuts it, and its event names the
 version that answered. Its response goes out once its event is in the broker, or after
 `event_wait_ms` (the event stays queued, counted as buffered; broker.py); the header
-`X-Rlmill-Event` says which: logged, buffered, dropped (queue full) or off (no broker).
+`X-Rlmill-Event` says which: logged, buffered, dropped (queue full) or off (no broker). A
+streamed answer (`stream: true`) sends each token's text as the engine samples it (the hf engine
+reports every decoding step; streaming.py) and logs its event once, at its end (`X-Rlmill-Event:
+at-end`), holding its version until then.
 
 During a canary (models/<name>/CANARY, swap.py) a request's generation is picked by its `user`,
 else its `session_id`: the same id always gets the same arm; a request with neither goes to the
@@ -39,6 +42,7 @@ its arm, which is how the rl-canary flow counts each arm's feedback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -55,7 +59,8 @@ from gpu_jobs.serve.events import answer_event, feedback_event
 from gpu_jobs.serve.limits import Gate, RateLimiter, ServeLimits, client_key, principal_of
 from gpu_jobs.serve.protocol import (ApiError, ChatRequest, CompletionRequest, FeedbackRequest, ParamError,
                                      chat_response, check_token_ids, completion_response, error_body, make_choices,
-                                     refused_param, sampling_of, stream_chunks)
+                                     refused_param, sampling_of)
+from gpu_jobs.serve.streaming import sse_answer
 from gpu_jobs.serve.swap import Generation, HotSwap, route_key
 
 __all__ = ["Server", "ServeSettings", "create_app"]
@@ -210,22 +215,24 @@ def create_app(server: Server) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         req.check_size(limits.max_prompt_chars)
         prompt = req.single_prompt()
-        with server.models.lease(route_key(req.user, req.session_id)) as gen:
+        with contextlib.ExitStack() as lease:  # a streamed answer takes the lease over (_streamed)
+            gen = lease.enter_context(server.models.lease(route_key(req.user, req.session_id)))
             tok = gen.served.tokenizer
             if isinstance(prompt, list):
                 ids = list(prompt)
                 check_token_ids(ids, gen.served.vocab)
             else:  # off the event loop: a long prompt must not stall the other requests
                 ids = list(await asyncio.to_thread(tok.encode, prompt, add_special_tokens=False))
-            return await _answer(server, gen, "completion", req, prompt, ids, principal_of(request.scope))
+            return await _answer(server, gen, "completion", req, prompt, ids, principal_of(request.scope), lease)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         req.check_size(limits.max_prompt_chars, limits.max_messages)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        with server.models.lease(route_key(req.user, req.session_id)) as gen:
+        with contextlib.ExitStack() as lease:
+            gen = lease.enter_context(server.models.lease(route_key(req.user, req.session_id)))
             ids = await asyncio.to_thread(_render, messages, gen.served.tokenizer)
-            return await _answer(server, gen, "chat", req, messages, ids, principal_of(request.scope))
+            return await _answer(server, gen, "chat", req, messages, ids, principal_of(request.scope), lease)
 
     @app.post("/v1/feedback")
     async def feedback(req: FeedbackRequest, request: Request):
@@ -260,16 +267,21 @@ def _check_request(served: Any, req: Any, prompt_ids: list[int]) -> None:
                                        f"{len(prompt_ids)} and max_tokens asks for {req.max_new_tokens()} more")
 
 
-async def _generate(server: Server, gen: Generation, req: Any, prompt_ids: list[int]) -> list[dict]:
-    """The engine's rows for the request, within the request deadline; 429 when the engine's
-    queue is full, 504 past the deadline (the request is taken out of the queue if still there)."""
-    timeout = server.settings.limits.request_timeout_s or None
+def _submit(server: Server, gen: Generation, req: Any, prompt_ids: list[int], on_token: Any = None) -> Any:
+    """The request queued on `gen`'s batcher (its Future); 429 when the engine's queue is full."""
     try:
-        sent = gen.batcher.submit([prompt_ids], req.n, sampling_of(req))
+        return gen.batcher.submit([prompt_ids], req.n, sampling_of(req), on_token=on_token)
     except QueueFull as exc:
         server.counts["queue_full"] += 1
         raise ApiError(429, f"the server is busy ({exc}); retry shortly", None, "rate_limit_error",
                        {"Retry-After": "1"}) from None
+
+
+async def _generate(server: Server, gen: Generation, req: Any, prompt_ids: list[int]) -> list[dict]:
+    """The engine's rows for the request, within the request deadline; 429 when the engine's
+    queue is full, 504 past the deadline (the request is taken out of the queue if still there)."""
+    timeout = server.settings.limits.request_timeout_s or None
+    sent = _submit(server, gen, req, prompt_ids)
     try:
         return await asyncio.wait_for(asyncio.wrap_future(sent), timeout)
     except TimeoutError:
@@ -279,31 +291,52 @@ async def _generate(server: Server, gen: Generation, req: Any, prompt_ids: list[
 
 
 async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: Any, prompt_ids: list[int],
-                  principal: str | None):
-    """Generate on `gen` (held by the caller), publish the event, then answer."""
+                  principal: str | None, lease: contextlib.ExitStack):
+    """Generate on `gen` (held by the caller through `lease`), publish the event, then answer;
+    a streamed answer (`stream: true`) sends its tokens as they come and publishes at its end,
+    holding the lease until then."""
     s = gen.served
     _check_request(s, req, prompt_ids)
     started, created = time.monotonic(), time.time()
-    rows = await _generate(server, gen, req, prompt_ids)
-    choices = make_choices(rows, s.tokenizer, req.stop)
     answer_id = new_answer_id("chatcmpl" if kind == "chat" else "cmpl")
-    server.answers.add(KnownAnswer(answer_id, created, s.name, s.version, len(choices)))
-    server.counts["answers"] += 1
     settings = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                 "max_tokens": req.max_new_tokens(), "n": req.n, "seed": req.seed, "stop": req.stop}
-    logged = await server.publish(answer_event(
-        answer_id, endpoint="chat.completions" if kind == "chat" else "completions", model=s.name,
-        version=s.version, created=created, latency_s=time.monotonic() - started, prompt=prompt,
-        prompt_ids=prompt_ids, choices=choices, sampling=settings, user=req.user, session_id=req.session_id,
-        principal=principal))
+
+    async def log_answer(choices: list[dict]) -> str:
+        server.answers.add(KnownAnswer(answer_id, created, s.name, s.version, len(choices)))
+        server.counts["answers"] += 1
+        return await server.publish(answer_event(
+            answer_id, endpoint="chat.completions" if kind == "chat" else "completions", model=s.name,
+            version=s.version, created=created, latency_s=time.monotonic() - started, prompt=prompt,
+            prompt_ids=prompt_ids, choices=choices, sampling=settings, user=req.user, session_id=req.session_id,
+            principal=principal))
+
+    if req.stream:
+        return _streamed(server, gen, kind, req, prompt_ids, answer_id, int(created), log_answer, lease)
+    choices = make_choices(await _generate(server, gen, req, prompt_ids), s.tokenizer, req.stop)
+    logged = await log_answer(choices)
     args = (answer_id, int(created), s.name, f"{s.name}@{s.version}", prompt_ids, choices)
-    headers = {EVENT_HEADER: logged}
-    if req.stream:  # the chunks are cut from the finished answer: nothing left for the engine to do
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream_chunks(kind, *args, s.tokenizer, usage), media_type="text/event-stream",
-                                 headers=headers)
     body = chat_response(*args) if kind == "chat" else completion_response(*args)
-    return JSONResponse(body, headers=headers)
+    return JSONResponse(body, headers={EVENT_HEADER: logged})
+
+
+def _streamed(server: Server, gen: Generation, kind: str, req: Any, prompt_ids: list[int], answer_id: str,
+              created: int, log_answer: Any, lease: contextlib.ExitStack) -> StreamingResponse:
+    """Queue the request with a token callback and stream its answer (streaming.sse_answer). A
+    full queue is still a 429: it is refused before the response starts."""
+    loop = asyncio.get_running_loop()
+    tokens: asyncio.Queue = asyncio.Queue()
+    sent = _submit(server, gen, req, prompt_ids,
+                   on_token=lambda row, token: loop.call_soon_threadsafe(tokens.put_nowait, (row, token)))
+    sent.add_done_callback(lambda _: loop.call_soon_threadsafe(tokens.put_nowait, None))
+    s = gen.served
+    head = {"id": answer_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created, "model": s.name, "system_fingerprint": f"{s.name}@{s.version}"}
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    body = sse_answer(kind, head, prompt_ids, req.n, s.tokenizer, req.stop, tokens, sent,
+                      server.settings.limits.request_timeout_s, log_answer, usage, lease.pop_all())
+    # The event is logged at the end of the stream, after the headers: the header says so.
+    return StreamingResponse(body, media_type="text/event-stream", headers={EVENT_HEADER: "at-end"})
 
 
 async def _known(server: Server, answer_id: str, field: str) -> KnownAnswer:

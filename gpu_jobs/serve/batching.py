@@ -19,6 +19,7 @@ unbounded backlog that would answer everyone late.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import queue
@@ -26,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["Batcher", "QueueFull"]
 
@@ -44,6 +45,7 @@ class _Request:
     sampling: Any
     future: Future = field(default_factory=Future)
     key: tuple = ()
+    on_token: Callable[[int, int], None] | None = None  # (row of this request, token), from the worker
 
 
 class Batcher:
@@ -60,12 +62,16 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name="rlmill-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, prompts: list[list[int]], n: int, sampling: Any) -> Future:
+    def submit(self, prompts: list[list[int]], n: int, sampling: Any,
+               on_token: Callable[[int, int], None] | None = None) -> Future:
         """Queue `n` samples of each prompt; the Future gives the engine's rows (prompt-major).
-        Raises QueueFull when `max_queue` requests wait already."""
+        `on_token(row, token)` is called from the worker thread for each token as it is sampled,
+        where the engine streams (`streams_tokens`), before the Future resolves; elsewhere never
+        (the caller then has the whole rows at once). Raises QueueFull when `max_queue` requests
+        wait already."""
         if self.waiting() >= self.max_queue:
             raise QueueFull(f"{self.max_queue} requests are waiting for the engine")
-        req = _Request(prompts, n, sampling)
+        req = _Request(prompts, n, sampling, on_token=on_token)
         req.key = (n, sampling, next(self._solo) if getattr(sampling, "seed", None) is not None else None)
         self._queue.put(req)
         return req.future
@@ -118,7 +124,10 @@ class Batcher:
         prompts = [p for r in live for p in r.prompts]
         n, sampling = live[0].n, live[0].sampling
         try:
-            rows = self.engine.generate(prompts, n, sampling)
+            if getattr(self.engine, "streams_tokens", False) and any(r.on_token for r in live):
+                rows = self.engine.generate(prompts, n, sampling, on_tokens=_dispatch(live, n))
+            else:
+                rows = self.engine.generate(prompts, n, sampling)
         except BaseException as exc:  # the requests fail; the worker keeps serving
             log.exception("generate failed for a batch of %d request(s)", len(live))
             for r in live:
@@ -133,3 +142,23 @@ class Batcher:
             size = len(r.prompts) * n
             r.future.set_result(rows[start:start + size])
             start += size
+
+
+def _dispatch(reqs: list[_Request], n: int) -> Callable[[list[int], list[int]], None]:
+    """The engine's on_tokens for one call over `reqs`' prompts (concatenated, prompt-major):
+    each token goes to its request's on_token with the request's own row. A callback that fails
+    is dropped for the rest of the call (logged); generation goes on."""
+    starts = list(itertools.accumulate((len(r.prompts) * n for r in reqs), initial=0))
+    failed: set[int] = set()
+
+    def on_tokens(rows: list[int], tokens: list[int]) -> None:
+        for row, token in zip(rows, tokens):
+            i = bisect.bisect_right(starts, row) - 1
+            if reqs[i].on_token is None or i in failed:
+                continue
+            try:
+                reqs[i].on_token(row - starts[i], token)
+            except Exception:  # noqa: BLE001 -- one client's stream must not fail the batch
+                failed.add(i)
+                log.exception("a token callback failed; that request's stream gets no more tokens")
+    return on_tokens

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "FeedbackRequest", "INT32_MAX", "ParamError",
            "check_token_ids", "error_body", "refused_param", "sampling_of", "make_choices", "chat_response",
-           "completion_response", "stream_chunks"]
+           "completion_response"]
 
 INT32_MAX = 2**31 - 1  # what an index must fit in: the event tables store them as int32
 INT64 = (-(2**63), 2**63 - 1)  # what a seed must fit in (torch's generators take 64 bits)
@@ -230,31 +230,6 @@ def _pieces(choice: dict, tokenizer) -> list[str]:
     if shown != choice["text"]:
         pieces.append(choice["text"][len(shown):])
     return pieces
-
-
-def stream_chunks(kind: str, answer_id: str, created: int, model: str, fingerprint: str, prompt_ids,
-                  choices: list[dict], tokenizer, include_usage: bool) -> Iterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending `data: [DONE]`. The engine returns whole
-    answers, so the chunks (one per token) follow the generation instead of overlapping it."""
-    chat = kind == "chat"
-    head = {"id": answer_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "system_fingerprint": fingerprint}
-
-    def event(choices_part: list[dict], **extra) -> str:
-        return f"data: {json.dumps({**head, 'choices': choices_part, **extra})}\n\n"
-
-    for c in choices:
-        if chat:
-            yield event([{"index": c["index"], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        for piece in _pieces(c, tokenizer):
-            body = {"delta": {"content": piece}} if chat else {"text": piece}
-            yield event([{"index": c["index"], **body, "logprobs": None, "finish_reason": None}])
-        last = {"delta": {}} if chat else {"text": ""}
-        yield event([{"index": c["index"], **last, "logprobs": None, "finish_reason": c["finish_reason"]}])
-    if include_usage:
-        yield event([], usage=_usage(prompt_ids, choices))
-    yield "data: [DONE]\n\n"
 
 
 class FeedbackRequest(BaseModel):

@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async chaos server worker deploy clean
+.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async bench-canary chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -110,6 +110,10 @@ bench-update: venv
 
 bench-memory: venv
 	$(PY) -m benchmarks.bench_memory $(ARGS)
+
+# The canary tests under repeated looks: promote / roll back / undecided rates on simulated arms (README "Online learning").
+bench-canary: venv
+	$(PY) -m benchmarks.bench_canary $(ARGS)
 
 bench-overhead: venv
 	$(PY) -m benchmarks.bench_overhead

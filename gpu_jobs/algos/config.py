@@ -168,7 +168,7 @@ class AlgorithmConfig(_Config):
 
     >>> cfg = AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=False)  # Dr. GRPO
     >>> cfg.advantage_kwargs()
-    {'norm_adv_by_std_in_grpo': False}
+    {'epsilon': 1e-06, 'norm_adv_by_std_in_grpo': False}
     """
 
     adv_estimator: str = Field(
@@ -181,6 +181,10 @@ class AlgorithmConfig(_Config):
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (gae).")
     norm_adv_by_std_in_grpo: bool = Field(
         True, description="Divide GRPO advantages by the group std; False gives Dr. GRPO."
+    )
+    epsilon: float = Field(
+        1e-6, gt=0, description="Added to the group std before dividing (grpo, grpo_passk): A = (s - mean) / "
+        "(std + epsilon). verl's 1e-6; TRL's GRPOTrainer adds 1e-4 (set 1e-4 to take its steps exactly).",
     )
     use_kl_in_reward: bool = Field(False, description="Subtract kl_ctrl.value * KL(policy || ref) from token rewards.")
     kl_penalty: str = Field(

@@ -40,7 +40,7 @@ PROMPTS = ["12+34=", "7+8=", "99+1="]  # 6, 4, 5 characters: TRL and rlmill left
 LENGTHS = [7, 3, 5, 2, 6, 6, 1, 4, 7, 2, 3, 5]  # one response of MAX_LEN: dr_grpo's normaliser
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.0, 1.0, 0.3, 0.9]  # group 2: zero std
 TEMPERATURE, CLIP_LOW, CLIP_HIGH, BETA, DUAL_CLIP = 0.7, 0.2, 0.28, 0.04, 3.0
-TRL_STD_EPSILON = 1e-4  # TRL: (r - mean) / (std + 1e-4), hard-coded; rlmill's grpo estimator: epsilon
+TRL_STD_EPSILON = 1e-4  # TRL: (r - mean) / (std + 1e-4), hard-coded; rlmill: algorithm.epsilon
 RTOL = 1e-5
 
 # TRL GRPOConfig -> rlmill settings that give the same step. "vanilla" is the PPO clip: TRL's
@@ -198,18 +198,24 @@ def trl_step(b, trl_classes, trl_kwargs: dict, tmp_path) -> dict:
 
 # ------------------------------------------------------------------------------ rlmill's side
 def rlmill_advantages(norm_adv_by_std_in_grpo: bool, epsilon: float) -> torch.Tensor:
-    """The grpo estimator on the token-level scores the advantage stage builds (each response's
-    reward on its last token); one advantage per response ``(rows,)``."""
-    from gpu_jobs.algos import compute_advantage
-    from gpu_jobs.stages.advantage_math import token_level_scores
+    """The run's advantage stage (each response's reward on its last token, then the estimator with
+    the config's keyword arguments) for ``algorithm.adv_estimator=grpo``; one advantage per
+    response ``(rows,)``."""
+    from types import SimpleNamespace
 
-    lengths = np.array(LENGTHS)
-    scores = token_level_scores(np.array(REWARDS, dtype=np.float32), lengths, MAX_LEN)
-    mask = (torch.arange(MAX_LEN)[None] < torch.as_tensor(lengths)[:, None]).float()
-    adv, _ = compute_advantage("grpo", token_level_rewards=scores, response_mask=mask,
-                               index=[i // G for i in range(len(LENGTHS))],
-                               norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, epsilon=epsilon)
-    return adv[:, 0]
+    import pyarrow as pa
+
+    from gpu_jobs.algos import AlgorithmConfig, OverlongBufferConfig
+    from gpu_jobs.stages.advantage_math import batch_advantages
+
+    algorithm = AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+                                epsilon=epsilon)
+    table = pa.table({"group_id": [f"g{i // G}" for i in range(len(LENGTHS))], "response_len": LENGTHS,
+                      "score": pa.array(REWARDS, pa.float32()),
+                      "response_ids": pa.array([[5] * n for n in LENGTHS], pa.list_(pa.int32()))})
+    cfg = SimpleNamespace(algorithm=algorithm, overlong_buffer=OverlongBufferConfig())
+    table, _ = batch_advantages(table, cfg, kl_ctrl=None)
+    return torch.tensor([row[0] for row in table.column("advantages").to_pylist()])
 
 
 def rlmill_step(b, policy_loss: dict, advantages: torch.Tensor) -> dict:
@@ -285,8 +291,8 @@ def test_one_step_same_loss_and_gradient(case, batch, trl_classes, tmp_path):
 @pytest.mark.parametrize("scale_rewards, norm_by_std", [("group", True), ("none", False)])
 def test_advantages_equal_trl_with_its_epsilon(scale_rewards, norm_by_std, batch, trl_classes, tmp_path):
     """scale_rewards "group" is grpo with std (unbiased, as TRL's nanstd), "none" is
-    norm_adv_by_std_in_grpo=False; TRL adds 1e-4 to the std where rlmill's default adds 1e-6,
-    a relative difference of ~1e-4 / std (2e-4 here), the one step difference left at defaults."""
+    norm_adv_by_std_in_grpo=False; TRL adds 1e-4 to the std where rlmill's default
+    algorithm.epsilon adds 1e-6: a relative difference of ~1e-4 / std (2e-4 here)."""
     trl = trl_step(batch, trl_classes, {"scale_rewards": scale_rewards}, tmp_path)
     assert _rel(rlmill_advantages(norm_by_std, epsilon=TRL_STD_EPSILON), trl["advantages"]) <= RTOL
     default = rlmill_advantages(norm_by_std, epsilon=1e-6)

@@ -31,7 +31,7 @@ sampling order (iteration k's prompts = PromptSampler.indices(k-1)), handed to T
 strings the chat template renders, unshuffled; `--prompts` prompts x 8 samples per step,
 temperature 1.0, at most 6 response tokens (arith; long128: exactly 128; long512: exactly 506,
 filling the models' 512 positions), GRPO
-advantages (group mean / unbiased std), PPO
+advantages (group mean / (unbiased std + 1e-4): rlmill algorithm.epsilon=1e-4), PPO
 clip 0.2, no KL (rlmill's default actor.kl_loss.use_kl_loss is false; TRL beta=0), token-mean
 loss, AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01) at a constant `--lr`, gradient norm
 clip 1.0, and `--mini-batches` optimizer steps per step (default 1: one optimizer step on the
@@ -84,7 +84,6 @@ Differences that remain (they favour neither side on purpose, but they exist):
     mean over the optimizer step's completions, as rlmill's token-mean (TRL's default "dapo" is
     the same with one mini-batch). rlmill also has a dual-clip bound (clip_ratio_c=3) that only
     matters off-policy.
-  - advantage epsilon: rlmill divides by (std + 1e-6), TRL by (std + 1e-4).
   - mini-batches (> 1 only): both shuffle responses into mini-batches, each with its own RNG.
   - generation: rlmill's hf engine (its own KV-cache decode loop) or vLLM; TRL calls
     `model.generate`. rlmill trains through DeepSpeed on one rank, ZeRO stage --zero-stage
@@ -189,6 +188,7 @@ def rlmill_overrides(w: Workload, root: str, run_id: str, *, iterations: int, ch
             f"rollout.temperature={w.temperature}", f"rollout.engine={engine}", f"actor.lr={w.lr}",
             f"actor.ppo_mini_batch_size={w.prompts // w.mini_batches}", "actor.ppo_epochs=1",
             "actor.lr_scheduler=constant", "actor.kl_loss.use_kl_loss=false", f"actor.zero_stage={w.zero_stage}",
+            "algorithm.epsilon=1e-4",  # TRL's (std + 1e-4) in the advantage (tests/algos/test_trl_parity.py)
             f"trainer.total_iterations={iterations}", "trainer.val_every=0",
             f"trainer.checkpoint_every={checkpoint_every}", "trainer.tensorboard=false",
             f"data.val_size={val_size}", f"rollout.ignore_eos={str(w.ignore_eos).lower()}",

@@ -316,6 +316,8 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
         progress = guard("the progress artifact", Progress, cfg.run_id, total, done)
         t_train, val_s = time.perf_counter(), 0.0
         val_curve = [] if acc_before is None else [(0, 0.0, acc_before)]
+        if 0 < done < total and _val_due(cfg, done) and not committed(run.layout.stage(done, "validate"), run.storage):
+            guard(f"validation after iteration {done}", _validation_metrics, calls, done)  # stopped before it
         for k in range(done + 1, total + 1):
             metrics = guard(f"iteration {k}", _iteration_subflow, calls, k)
             if _val_due(cfg, k):

@@ -175,6 +175,7 @@ FULL = [Row("setup", "run:setup", signal.SIGINT, "pty"), Row("setup", "run:setup
         Row("update", "after-train:update:1", signal.SIGTERM, "group"),
         Row("commit", "before-manifest:commit:1", signal.SIGINT, "pty"),
         Row("commit", "before-manifest:commit:1", signal.SIGTERM, "group"),
+        # The validation after iteration 2 (trainer.val_every=2), which the next start runs first.
         Row("validation", "before-commit:validate:2", signal.SIGINT, "pty"),
         Row("validation", "before-commit:validate:2", signal.SIGTERM, "group"),
         # A SIGTERM, then a SIGKILL 0.3 s later (a worker or pod whose grace ran out mid-stop).
@@ -384,7 +385,11 @@ def test_every_phase_under_both_signals_then_the_resume_is_bitwise_equal(tmp_pat
 
     from storage import RunLayout, load_state_dict
 
+    from storage import committed
+
     root, run_id, _ = _matrix(FULL, tmp_path)
+    # Stopped during it, the validation after iteration 2 is run by the next start, not skipped.
+    assert committed(RunLayout(str(root), run_id).stage(2, "validate"))
     ref_root = tmp_path / "reference"
     ref = subprocess.run(_argv(["rlmill", "train", "--config", str(EXAMPLE), f"root={ref_root}", *TINY,
                                 f"run_id={run_id}"]), cwd=REPO, env=_env(tmp_path, None, tmp_path / "none"),

@@ -561,6 +561,7 @@ importlib.import_module(f"{__package__}.rank_runs")
 # Serving (rlmill serve, the broker, the feedback consumer) under faults: benchmarks/chaos/serve_runs.py.
 from .serve_runs import ROWS as _SERVE_ROWS  # noqa: E402 - it needs Outcome and Chaos only, not this module
 from .online_runs import ROWS as _ONLINE_ROWS  # noqa: E402 - the online loop (retrain, canary) under faults
+from .hostile_runs import ROWS as _HOSTILE_ROWS  # noqa: E402 - an attacker beside good clients
 
-for _name, (_fault, _fn) in {**_SERVE_ROWS, **_ONLINE_ROWS}.items():
+for _name, (_fault, _fn) in {**_SERVE_ROWS, **_ONLINE_ROWS, **_HOSTILE_ROWS}.items():
     scenario(_name, _fault)(lambda chaos, f=_fault, fn=_fn: fn(chaos, f))

@@ -66,13 +66,13 @@ class Stack:
 
 @contextlib.contextmanager
 def stack(chaos: Chaos, name: str, *, queue_size: int = 10_000, root: str | None = None,
-          consumer_env: dict[str, str] | None = None):
+          consumer_env: dict[str, str] | None = None, serve_args: tuple[str, ...] = (), api_key: str | None = None):
     work = chaos.work / name
     work.mkdir(parents=True, exist_ok=True)
     env = {"PREFECT_API_URL": chaos.api_url} if chaos.api_url else {}  # should the consumer run a flow
     redis = RedisServer(work).start()
-    s = Stack(work, root or str(work / "store"), redis, ServeProcess(work, redis.url, queue_size=queue_size),
-              {**env, **(consumer_env or {})})
+    serve = ServeProcess(work, redis.url, queue_size=queue_size, model_args=serve_args, api_key=api_key)
+    s = Stack(work, root or str(work / "store"), redis, serve, {**env, **(consumer_env or {})})
     try:
         s.serve.start()
         yield s

@@ -135,9 +135,10 @@ class ServeProcess(Proc):
     """`python -m flows.cli serve` on a free port; `model_args` e.g. ["--model", "m", "--root", r]."""
 
     def __init__(self, work: Path, redis_url: str, *, queue_size: int = 10_000, model_args: tuple[str, ...] = (),
-                 port: int | None = None, env: dict[str, str] | None = None):
+                 port: int | None = None, env: dict[str, str] | None = None, api_key: str | None = None):
         from tests.servers import free_port
 
+        self.api_key = api_key  # sent to /metrics when serve runs with --api-keys (a key with the metrics role)
         self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         super().__init__(f"serve-{self.port}", [sys.executable, "-m", "flows.cli", "serve", "--port", str(self.port),
@@ -161,7 +162,8 @@ class ServeProcess(Proc):
     def metrics(self) -> dict[str, float]:
         import httpx
 
-        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        text = httpx.get(f"{self.base}/metrics", timeout=10, headers=auth).text
         return {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if ln.strip())}
 
 
@@ -221,8 +223,10 @@ class Client:
         client.stop()
     """
 
-    def __init__(self, base: str, concurrency: int = 4, max_tokens: int = 6, seed: int = 0):
+    def __init__(self, base: str, concurrency: int = 4, max_tokens: int = 6, seed: int = 0,
+                 headers: dict[str, str] | None = None):
         self.base, self.concurrency, self.max_tokens, self.seed = base, concurrency, max_tokens, seed
+        self.headers = dict(headers or {})  # e.g. an API key: {"Authorization": "Bearer ..."}
         self.answers: list[Answer] = []
         self.errors: Counter = Counter()
         self.in_flight = 0
@@ -257,7 +261,7 @@ class Client:
         import httpx
 
         limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
-        async with httpx.AsyncClient(base_url=self.base, timeout=120, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=self.base, timeout=120, limits=limits, headers=self.headers) as http:
             await asyncio.gather(*(self._worker(http, random.Random(self.seed * 1000 + w))
                                    for w in range(self.concurrency)))
 

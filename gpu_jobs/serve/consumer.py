@@ -317,15 +317,9 @@ def _reason_kind(reason: str) -> str:
 
 
 def _quarantine_key(sid: str, e: Any) -> str:
-    """An event's own id when it has a valid one, else its stream entry id (stable across redelivery)."""
-    from storage.errors import InvalidNameError
-    from storage.layout import check_name
-
-    if isinstance(e, dict) and isinstance(e.get("event_id"), str):
-        try:
-            return check_name(e["event_id"])
-        except InvalidNameError:
-            pass
+    """The stream entry's id: stable across redeliveries of the entry, and distinct for two entries
+    that claim one event id (an event id is the producer's word, and a refused entry's is not
+    trusted)."""
     return f"stream:{sid}"
 
 

@@ -54,6 +54,62 @@ def feedback_cli(walk: Walk, step: Step) -> None:
         assert re.search(r"rlmill: [1-9]\d* training rows -> feedback.parquet", out), out
 
 
+def serve_with_keys(walk: Walk, step: Step) -> None:
+    """`rlmill serve --api-keys keys.yaml --host 0.0.0.0`: the README's keys file (its yaml block)
+    in the clone, the server on a free port beside the walk's; /v1/models is a 401 without a key
+    and a 200 with the README's first key; SIGTERM drains it and it exits 0."""
+    import signal
+    import subprocess
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    from tests.servers import free_port
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    keys = re.search(r"```yaml\n(sk-frontend-.*?)```", readme, re.S).group(1)
+    (walk.clone / "keys.yaml").write_text(keys)
+    port = free_port()
+    command = walk.serve_ports(step.text).replace("--port 8000", f"--port {port}")
+    proc = subprocess.Popen(["bash", "-c", command], cwd=walk.clone, env=walk.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
+                time.sleep(1)
+        url = f"http://127.0.0.1:{port}/v1/models"
+        try:
+            urllib.request.urlopen(url, timeout=10)
+            raise AssertionError("/v1/models answered without a key")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 401, exc.code
+        key = keys.split(":", 1)[0].strip()
+        ok = urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"}),
+                                    timeout=10)
+        assert ok.status == 200
+    finally:
+        if proc.poll() is None:
+            import os
+
+            os.killpg(proc.pid, signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+
+
+def governance(walk: Walk, step: Step) -> None:
+    """`rlmill feedback forget` records the request; `rlmill models lineage` lists what trained what."""
+    out = walk.sh(step.text)
+    if " forget " in step.text:
+        assert re.search(r"rlmill: 'ann' forgotten \(\S+_forget/\S+\.json\)", out), out
+    else:
+        assert "trained on" in out or "no retrain window promoted" in out, out
+
+
 # ---------------------------------------------------------------------------- Online learning
 def simulate(walk: Walk, step: Step) -> None:
     """`rlmill simulate`: its table counts, per version, the requests serve's canary routing (the

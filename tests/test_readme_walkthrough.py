@@ -42,8 +42,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.readme_serving import (canary_decide, completion, feedback, feedback_cli, models_canary, retrain,
-                                  simulate)
+from tests.readme_serving import (canary_decide, completion, feedback, feedback_cli, governance, models_canary, retrain,
+                                  serve_with_keys, simulate)
 from tests.servers import free_port, nightly_timezone, start_moto_server, stop_process
 from tests.tiny import REPO, TINY
 
@@ -380,6 +380,8 @@ STEPS = [
     (r"^curl -s localhost:8000/v1/chat/completions ", completion),
     (r"^curl -s localhost:8000/v1/feedback ", feedback),
     (r"^\.venv/bin/rlmill feedback (consume|dataset) ", feedback_cli),
+    (r"^\.venv/bin/rlmill serve --api-keys keys\.yaml ", serve_with_keys),
+    (r"^\.venv/bin/rlmill (feedback forget|models lineage) ", governance),
     (r"^\.venv/bin/rlmill simulate --url http://localhost:8000 ", simulate),
     (r"^\.venv/bin/prefect deployment run '?rl-retrain/on-feedback'? ", retrain),
     (r"^\.venv/bin/rlmill models canary \S+ --root \.rlmill$", models_canary),

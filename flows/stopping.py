@@ -143,7 +143,7 @@ def _watchdog(signum: int) -> None:
         time.sleep(min(left, 0.25))
     print(f"rlmill: the stop took longer than {_STOP.grace_s:.0f} s (tasks.stop_grace_seconds): ending now",
           file=sys.stderr, flush=True)
-    if os.environ.get("RLMILL_STOP_DEBUG"):
+    if os.environ.get("RLMILL_STOP_DEBUG"):  # what the stop was waiting on: every thread's stack
         import faulthandler
 
         faulthandler.dump_traceback(all_threads=True)

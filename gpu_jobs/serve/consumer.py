@@ -12,6 +12,11 @@ event's `created` time in UTC. Events the quality gate refuses (great-expectatio
 events.gate_columns, as for rollouts; and feedback for an answer never logged) go, whole and with
 the reason, to <root>/feedback/_quarantine/<yyyy-mm-dd-hh>/segment-<first event id>/: counted, never dropped.
 
+No entry can stop it: each is parsed against the strict schema (events.py) and one that fails,
+or whose row cannot be built, is quarantined alone; an entry the consumer keeps dying on goes to
+the dead-letter stream after `max_deliveries`, a vanished consumer's pending entries are taken
+over after `claim_idle_s`, and acknowledged entries are trimmed from the stream (deliveries.py).
+
 Following (`follow`): a batch waits up to `linger_s` for more entries (until `batch` of them)
 before it is committed, so a steady trickle of events makes one segment a second, not one per
 event (whose Parquet writes and manifest would take CPU from the server answering on the same
@@ -366,26 +371,18 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
             on_segment: Callable[[Segment], None] | None = None, stop: threading.Event | None = None,
             linger_s: float = 1.0, max_deliveries: int = MAX_DELIVERIES, claim_idle_s: float = CLAIM_IDLE_S,
             trim: bool = True) -> ConsumeResult:
-    """Read the stream with consumer group `group` as `consumer`, commit segments, ack; see the
-    module docstring. Without `follow`, returns once nothing new is waiting. `max_s` (with or
-    without `follow`): read no new batch after that many seconds, so a drain under steady traffic
-    ends (`stopped_early`); the batch in hand is committed and acked first. `on_segment` runs
-    for each segment right after its commit; `after_commit` after each batch committed and
-    before its XACK (tests kill the process there). `stop`, once set, ends a following consumer
-    as `max_s` does. Following, a batch lingers `linger_s`, and outages are waited out (above).
-    Entries pending under another consumer for `claim_idle_s` are taken over (at the start, and
-    every `claim_idle_s` while following); a pending entry delivered more than `max_deliveries`
-    times is dead-lettered (deliveries.py); with `trim`, what every group acknowledged is trimmed
-    from the stream after each batch (XTRIM MINID)."""
+    """Read the stream with consumer group `group` as `consumer`, commit segments, ack (module
+    docstring). Without `follow`, returns once nothing new waits. `max_s` or `stop`: no new batch
+    after that (`stopped_early`), the batch in hand committed and acked first. `on_segment` runs
+    per committed segment, `after_commit` per batch before its XACK (tests kill there).
+    `max_deliveries`, `claim_idle_s`: dead letters and takeover; `trim`: XTRIM MINID after each
+    batch (deliveries.py)."""
     import redis
 
     from storage.fs import redact_url
     from storage.layout import check_root
 
-    if max_s is not None and not max_s > 0:
-        raise ValueError(f"max_s={max_s!r}: give a positive number of seconds, or None for no bound")
-    if not (isinstance(max_deliveries, int) and max_deliveries >= 1):
-        raise ValueError(f"max_deliveries={max_deliveries!r}: give 1 or more")
+    _check_bounds(max_s, max_deliveries)
     client = connect(redis_url)
     check_root(root)
     _ensure_group(client, stream, group)
@@ -394,15 +391,12 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
     outage = _Outage(redact_url(redis_url))
     ledger = Deliveries(client, stream, group, consumer, max_deliveries)
     result.claimed += ledger.claim_abandoned(claim_idle_s, batch)
-    claimed_at = time.monotonic()
     while True:
         try:
             if outage.since is not None:  # back from an outage: the group may be new, pending first
                 _ensure_group(client, stream, group)
-            if follow and cursor == ">" and time.monotonic() - claimed_at > claim_idle_s:
-                if claimed := ledger.claim_abandoned(claim_idle_s, batch):
-                    result.claimed, cursor = result.claimed + claimed, "0"
-                claimed_at = time.monotonic()
+            if follow and cursor == ">" and (claimed := ledger.claim_if_due(claim_idle_s, batch)):
+                result.claimed, cursor = result.claimed + claimed, "0"  # taken over: read them next
             entries = _read_batch(client, group, consumer, stream, cursor, batch, block_ms if follow else None,
                                   linger_s if follow else 0.0, deadline)
             if entries:
@@ -434,6 +428,13 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
         if _ended(deadline, stop):
             result.stopped_early = True
             return result
+
+
+def _check_bounds(max_s: float | None, max_deliveries: int) -> None:
+    if max_s is not None and not max_s > 0:
+        raise ValueError(f"max_s={max_s!r}: give a positive number of seconds, or None for no bound")
+    if not (isinstance(max_deliveries, int) and max_deliveries >= 1):
+        raise ValueError(f"max_deliveries={max_deliveries!r}: give 1 or more")
 
 
 def _handle_batch(entries: list[tuple[str, Any]], cursor: str, ledger: Deliveries, result: ConsumeResult,

@@ -20,7 +20,8 @@ RETRYCOUNT), so an outage of object storage never dead-letters valid events.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_jobs.serve.events import event_json
@@ -43,6 +44,7 @@ class Deliveries:
     group: str
     consumer: str
     max_deliveries: int = MAX_DELIVERIES
+    _claimed_at: float = field(default=float("-inf"), repr=False)
 
     @property
     def dead_stream(self) -> str:
@@ -60,10 +62,19 @@ class Deliveries:
             if len(ids) < batch:
                 break
             start = _increment(_s(ids[-1]))
+        self._claimed_at = time.monotonic()
         if claimed:
             log.warning("rlmill: took over %d entries left pending by another consumer for over %.0f s", claimed,
                         idle_s)
         return claimed
+
+    def claim_if_due(self, idle_s: float = CLAIM_IDLE_S, batch: int = 500) -> int:
+        """claim_abandoned, at most once every `idle_s` (a following consumer calls it per read)."""
+        now = time.monotonic()
+        if now - self._claimed_at <= idle_s:
+            return 0
+        self._claimed_at = now
+        return self.claim_abandoned(idle_s, batch)
 
     def counts(self, sids: list[str]) -> dict[str, int]:
         """How often each of this consumer's pending entries `sids` was delivered (this time too)."""

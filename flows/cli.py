@@ -98,13 +98,21 @@ SECRET_OVERRIDES = {"storage.key": "AWS_ACCESS_KEY_ID", "storage.secret": "AWS_S
                     "storage.token": "AWS_SESSION_TOKEN"}
 
 
+def _key_of(text: str) -> tuple[str, str, str | None]:
+    """(hydra prefix "", "+", "++" or "~"; dotted key; value or None) of one override as typed."""
+    prefix = next((p for p in ("++", "+", "~") if text.startswith(p)), "")
+    key, sep, value = text[len(prefix):].partition("=")
+    return prefix, key.strip(), value if sep else None
+
+
 def _secrets_to_env(overrides: list[str]) -> list[str]:
-    """Move `storage.key/secret/token=...` overrides into AWS_* variables; return the others."""
+    """Move `storage.key/secret/token=...` overrides (hydra's `+`/`++` forms too) into AWS_*
+    variables; return the others."""
     kept = []
     for text in overrides:
-        key, sep, value = text.partition("=")
-        if sep and key.strip() in SECRET_OVERRIDES:
-            os.environ[SECRET_OVERRIDES[key.strip()]] = value
+        prefix, key, value = _key_of(text)
+        if prefix != "~" and value is not None and key in SECRET_OVERRIDES:
+            os.environ[SECRET_OVERRIDES[key]] = value
         else:
             kept.append(text)
     return kept
@@ -158,7 +166,7 @@ def cmd_train(args) -> None:
 def _plain_overrides(overrides: list[str]) -> list[str]:
     """The user's overrides but run_id= and the storage credentials (never printed)."""
     keys = {*SECRET_OVERRIDES, "run_id"}
-    return [o for o in overrides if o.partition("=")[0].strip() not in keys]
+    return [o for o in overrides if _key_of(o)[1] not in keys]
 
 
 def _stoppable(cfg, resume: list[str]):
@@ -182,7 +190,8 @@ def cmd_run(args) -> None:
     run` always trains and shows the gain. The config is examples/grpo_arith.yaml, embedded."""
     from flows.overrides import fresh_run_id
 
-    named = [o.partition("=")[2].strip() for o in args.overrides if o.partition("=")[0].strip() == "run_id"]
+    named = [value.strip() for prefix, key, value in map(_key_of, args.overrides)
+             if key == "run_id" and prefix != "~" and value is not None]
     run_id = args.run_id or (named[-1] if named else fresh_run_id(DEFAULT_CONFIG_NAME))
     overrides = [*as_overrides(DEFAULT_RUN_CONFIG), *args.overrides, f"run_id={run_id}"]
     cfg = _check_config(None, overrides)
@@ -360,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     if extra:
         # argparse takes a command's key=value overrides in one run: `verify run_id=r --repair
         # root=x` leaves root=x over. Such leftovers are overrides too, in their order.
-        if isinstance(getattr(args, "overrides", None), list) and all("=" in e and not e.startswith("-") for e in extra):
+        if isinstance(getattr(args, "overrides", None), list) and \
+                all(("=" in e or e.startswith("~")) and not e.startswith("-") for e in extra):
             args.overrides = [*args.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

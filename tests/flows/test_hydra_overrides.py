@@ -259,3 +259,18 @@ def test_a_verl_yaml_file_refuses_keys_rlmill_does_not_have(tmp_path):
     path.write_text("data: {max_response_length: 16}\nrollout: {max_response_length: 8}\n")
     with pytest.raises(ConfigError, match="rollout.max_response_length is given different values"):
         load_run_config(path, [])
+
+
+def test_hydra_forms_of_credentials_never_reach_the_config(monkeypatch):
+    """`+storage.key=...` is a credential like `storage.key=...`: it goes to the AWS_* variables,
+    never into the overrides a flow stores as its parameters; `~storage.key` is a reset and stays."""
+    from flows.cli import _plain_overrides, _secrets_to_env
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    kept = _secrets_to_env(["+storage.key=AKIAEXAMPLE", "++storage.secret=s3cr3t", "~storage.token", "rollout.n=2"])
+    import os
+
+    assert kept == ["~storage.token", "rollout.n=2"]
+    assert os.environ["AWS_ACCESS_KEY_ID"] == "AKIAEXAMPLE" and os.environ["AWS_SECRET_ACCESS_KEY"] == "s3cr3t"
+    assert _plain_overrides(["+storage.key=x", "++run_id=r", "rollout.n=2"]) == ["rollout.n=2"]

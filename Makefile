@@ -99,6 +99,12 @@ gpu-check:
 gpu-bundle: venv
 	$(PY) scripts/gpu_bundle.py
 
+# scripts/gpu_lock.txt: the `gpu` extra (vLLM + its CUDA torch) resolved by uv for CPython 3.12 on
+# linux x86_64, with hashes (README "GPU machines"). ARGS=--check resolves the core and each extra
+# with the lock, as tests/test_install_resolves.py does.
+gpu-lock: venv
+	$(PY) scripts/gpu_lock.py $(ARGS)
+
 bench-storage: venv
 	$(PY) -m benchmarks.bench_storage
 

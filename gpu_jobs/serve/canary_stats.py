@@ -214,23 +214,25 @@ def feedback_value(row: dict[str, Any]) -> float | None:
     return None
 
 
-def voter(row: dict[str, Any]) -> str:
+def voter(row: dict[str, Any]) -> str | None:
     """Who gave a feedback row: the API key's principal where the server checks keys (callers
-    cannot choose it), else the self-asserted `user`, else one anonymous voter for all.
+    cannot choose it), else the self-asserted `user`; None for an anonymous row (the server
+    already refused an anonymous client's repeat by its address, which rows do not keep).
 
     >>> voter({"principal": "team-a", "user": "u1"}), voter({"user": "u1"}), voter({})
-    ('key:team-a', 'user:u1', 'anonymous')
+    ('key:team-a', 'user:u1', None)
     """
     if row.get("principal"):
         return f"key:{row['principal']}"
-    return f"user:{row['user']}" if row.get("user") else "anonymous"
+    return f"user:{row['user']}" if row.get("user") else None
 
 
 def one_vote_each(feedback: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The feedback rows with one vote per (answer, choice, voter, kind of signal): a rating
     (score / thumbs), a preference over one other choice, a text. The latest of each counts (a
     voter may change their mind); the rest are repeats that must not weigh more. Rows carrying
-    several signals are kept when any of their signals is the latest of its kind. Oldest first.
+    several signals are kept when any of their signals is the latest of its kind; anonymous rows
+    (voter None) are all kept. Oldest first.
 
     >>> rows = [{"answer_id": "a", "index": 0, "user": "u", "thumbs": "up", "created": 1.0},
     ...         {"answer_id": "a", "index": 0, "user": "u", "thumbs": "up", "created": 2.0},
@@ -240,15 +242,19 @@ def one_vote_each(feedback: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     ordered = sorted(feedback, key=lambda r: r.get("created") or 0.0)
     latest: dict[tuple, int] = {}
+    anonymous: set[int] = set()
     for i, row in enumerate(ordered):
-        who = (row.get("answer_id"), row.get("index") or 0, voter(row))
+        if (who := voter(row)) is None:
+            anonymous.add(i)
+            continue
+        choice = (row.get("answer_id"), row.get("index") or 0, who)
         if row.get("score") is not None or row.get("thumbs") is not None:
-            latest[(*who, "rating")] = i
+            latest[(*choice, "rating")] = i
         if row.get("preferred_over") is not None:
-            latest[(*who, "preference", row["preferred_over"], row.get("preferred_over_index") or 0)] = i
+            latest[(*choice, "preference", row["preferred_over"], row.get("preferred_over_index") or 0)] = i
         if row.get("text") is not None:
-            latest[(*who, "text")] = i
-    keep = set(latest.values())
+            latest[(*choice, "text")] = i
+    keep = set(latest.values()) | anonymous
     return [row for i, row in enumerate(ordered) if i in keep]
 
 

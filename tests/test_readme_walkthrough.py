@@ -479,7 +479,7 @@ def test_a_newcomer_walks_the_readme_top_to_bottom(tmp_path):
         worker_log = (tmp_path / "worker.log").read_text()
         assert "Traceback" not in worker_log, worker_log[-5000:]
         # Terminal 1. Prefect 3.7.7's server logs "database is locked" from its SQLite
-        # mark_deployments_ready loop (../shared/PLATFORM.md: harmless, fixed in later Prefect
+        # mark_deployments_ready loop (harmless, fixed in later Prefect
         # releases, not rlmill's); any other traceback there fails the walk.
         server_log = (tmp_path / "server.log").read_text()
         other = [t for t in server_log.split("Traceback (most recent call last):")[1:] if "database is locked" not in t]

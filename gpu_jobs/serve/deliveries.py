@@ -7,6 +7,7 @@ has acknowledged is trimmed from the stream.
     keep, dead = ledger.screen(entries)        # pending entries delivered too often -> dead letter
     ledger.forgive(entries)                    # a failure this process caught: not the entries' fault
     trim_acknowledged(client, "rlmill:events") # XTRIM MINID: what no group still needs
+    group_lag("redis://127.0.0.1:6379/0")      # what waits for the group, read without consuming
 
 Why a count decides: the quality gate and the per-event table check quarantine every event whose
 data is wrong, so an entry that still comes back again and again is one that kills the consumer
@@ -20,13 +21,16 @@ RETRYCOUNT), so an outage of object storage never dead-letters valid events.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_jobs.serve.broker import GROUP, STREAM, connect
 from gpu_jobs.serve.events import event_json
 
-__all__ = ["DEAD_SUFFIX", "MAX_DELIVERIES", "CLAIM_IDLE_S", "Deliveries", "dead_letters", "trim_acknowledged"]
+__all__ = ["DEAD_SUFFIX", "MAX_DELIVERIES", "CLAIM_IDLE_S", "Deliveries", "GroupLag", "Outage", "dead_letters", "group_lag",
+           "id_time_of_stream", "trim_acknowledged"]
 
 log = logging.getLogger("rlmill.feedback")
 
@@ -120,6 +124,29 @@ class Deliveries:
             log.debug("could not give back delivery counts: %s", exc)
 
 
+class Outage:
+    """A following consumer's broker outage: one line when it starts and one when it ends, and a
+    wait between tries that doubles from RETRY_S up to MAX_RETRY_S."""
+
+    RETRY_S, MAX_RETRY_S = 0.5, 5.0
+
+    def __init__(self, url: str):
+        self.url, self.since, self.delay = url, None, self.RETRY_S
+
+    def wait(self, exc: BaseException, stop: threading.Event | None = None) -> None:
+        if self.since is None:
+            self.since, self.delay = time.monotonic(), self.RETRY_S
+            log.warning("rlmill: the event broker at %s went away (%s): retrying (committed segments are kept, "
+                        "unacknowledged entries come back)", self.url, " ".join(str(exc).split()))
+        (stop or threading.Event()).wait(self.delay)
+        self.delay = min(self.MAX_RETRY_S, 2 * self.delay)
+
+    def over(self) -> None:
+        if self.since is not None:
+            log.warning("rlmill: the event broker at %s is back after %.0f s", self.url, time.monotonic() - self.since)
+            self.since = None
+
+
 def dead_letters(client: Any, stream: str, count: int = 100) -> list[dict[str, str]]:
     """The newest `count` dead letters of `stream`, newest first, as text fields with their id."""
     rows = client.xrevrange(stream + DEAD_SUFFIX, count=count)
@@ -150,6 +177,61 @@ def trim_acknowledged(client: Any, stream: str) -> int:
             keep_from.append(_key(_increment(last)))
     ms, seq = min(keep_from)
     return int(client.xtrim(stream, minid=f"{ms}-{seq}", approximate=False))
+
+
+def id_time_of_stream(sid: str) -> float:
+    """A Redis stream id's time: `<ms>-<seq>`."""
+    try:
+        return int(str(sid).split("-")[0]) / 1000.0
+    except ValueError:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class GroupLag:
+    """What waits for consumer group `group` of `stream` (Redis 7 XINFO GROUPS, XPENDING)."""
+
+    stream: str
+    group: str
+    length: int  # entries in the stream (XLEN)
+    lag: int | None  # entries not yet delivered to the group; None when Redis cannot tell (entries deleted)
+    pending: int  # delivered to a consumer, not acknowledged (a consumer died mid-batch, or is at work)
+    consumers: dict[str, int]  # consumer name -> its pending count
+    oldest_pending_age_s: float | None  # age of the oldest pending entry (from its stream id)
+    oldest_waiting_age_s: float | None  # age of the oldest entry not yet acknowledged (pending or undelivered)
+    group_exists: bool = True  # False before the first consume: then every entry is waiting
+
+    @property
+    def waiting(self) -> int | None:
+        """Entries not yet acknowledged: the backlog a drain has to commit."""
+        return None if self.lag is None else self.lag + self.pending
+
+
+def group_lag(redis_url: str, *, stream: str = STREAM, group: str = GROUP, now: float | None = None) -> GroupLag:
+    """The consumer group's backlog, read without consuming anything (see GroupLag)."""
+    import redis
+
+    client = connect(redis_url)
+    now = time.time() if now is None else now
+    length = client.xlen(stream)
+    try:
+        info = next((g for g in client.xinfo_groups(stream) if _s(g["name"]) == group), None)
+    except redis.ResponseError:  # no such stream yet
+        info = None
+    if info is None:
+        first = client.xrange(stream, count=1)
+        oldest = now - id_time_of_stream(_s(first[0][0])) if first else None
+        return GroupLag(stream, group, length, length, 0, {}, None, oldest, group_exists=False)
+    summary = client.xpending(stream, group)
+    pending = int(summary["pending"])
+    oldest_pending = now - id_time_of_stream(_s(summary["min"])) if pending else None
+    undelivered = client.xrange(stream, min="(" + _s(info["last-delivered-id"]), count=1)
+    oldest_undelivered = now - id_time_of_stream(_s(undelivered[0][0])) if undelivered else None
+    ages = [a for a in (oldest_pending, oldest_undelivered) if a is not None]
+    lag = info.get("lag")
+    return GroupLag(stream, group, length, None if lag is None else int(lag), pending,
+                    {_s(c["name"]): int(c["pending"]) for c in summary.get("consumers") or ()},
+                    oldest_pending, max(ages) if ages else None)
 
 
 def _key(sid: str) -> tuple[int, int]:

@@ -476,3 +476,15 @@ class LocalPrefect:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def alive_pids(pids) -> list[int]:
+    """The processes of `pids` still running (a zombie, exited but not reaped, counts as gone)."""
+    import psutil
+
+    left = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+    return left

@@ -11,28 +11,18 @@ is a Cancel; flows/stopping.py lets Prefect's own handling end the run Cancelled
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from uuid import UUID
 
 import pytest
 
+from tests.servers import alive_pids
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.prefect]
 
 TIMEOUT_S = 600
 CANCELLED_WITHIN_S = 30.0  # the goal, from the cancel to the Cancelled state
-
-
-def _alive(pids) -> list[int]:
-    import psutil
-
-    left = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left.append(pid)
-    return left
 
 
 def test_a_cancelled_run_ends_cancelled_is_not_resumed_and_resumes_by_hand(prefect_worker, api, tools, tmp_path):
@@ -62,12 +52,12 @@ def test_a_cancelled_run_ends_cancelled_is_not_resumed_and_resumes_by_hand(prefe
     tools.cli([str(tools.venv_bin / "prefect"), "flow-run", "cancel", flow_run_id])
     run = tools.wait_final(api, flow_run_id, TIMEOUT_S, prefect_worker)
     cancelled_s = time.monotonic() - t0
-    while _alive(tree) and time.monotonic() - t0 < 60:
+    while alive_pids(tree) and time.monotonic() - t0 < 60:
         time.sleep(0.2)
     gone_s = time.monotonic() - t0
     print(f"[cancel] Cancelled after {cancelled_s:.1f} s, process tree gone after {gone_s:.1f} s")
     assert run.state_type.value == "CANCELLED", run.state
-    assert cancelled_s < CANCELLED_WITHIN_S and not _alive(tree), (cancelled_s, _alive(tree))
+    assert cancelled_s < CANCELLED_WITHIN_S and not alive_pids(tree), (cancelled_s, alive_pids(tree))
     (run_dir,) = (root / "runs").iterdir()
     run_id = run_dir.name
     assert not verify_run(RunLayout(str(root), run_id))

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers import alive_pids
 from tests.tiny import EXAMPLE, REPO
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pty, /proc and PR_SET_PDEATHSIG")
@@ -213,17 +214,6 @@ def _tree(pid: int) -> dict[int, str]:
     return out
 
 
-def _alive(pids) -> list[int]:
-    import psutil
-
-    left = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left.append(pid)
-    return left
-
-
 class Terminal:
     """A process on a new pseudo-terminal (its controlling terminal; its group in the foreground),
     its output collected from the master side."""
@@ -321,10 +311,10 @@ def _signal_at(row: Row, command: list[str], work: Path, root: Path, run_id: str
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=EXIT_BOUND_S + 30)
         exit_s = time.monotonic() - t0
-        while _alive(tree) and time.monotonic() - t0 < EXIT_BOUND_S + 30:
+        while alive_pids(tree) and time.monotonic() - t0 < EXIT_BOUND_S + 30:
             time.sleep(0.05)
         gone_s = time.monotonic() - t0
-        left = {p: tree[p] for p in _alive(tree)}
+        left = {p: tree[p] for p in alive_pids(tree)}
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

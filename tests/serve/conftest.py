@@ -86,3 +86,20 @@ def running(server):
 def run_app():
     """`with run_app(server) as base_url:` the server under uvicorn (see `running`)."""
     return running
+
+
+class Capture:
+    """An event publisher that keeps what it is given (serve's publisher, without a broker)."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+
+    async def publish_async(self, event: dict, wait_s: float) -> str:
+        self.events.append(event)
+        return "logged"
+
+    def stats(self) -> dict:
+        return {"queued": 0}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        pass

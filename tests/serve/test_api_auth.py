@@ -12,29 +12,13 @@ from fastapi.testclient import TestClient
 from gpu_jobs.serve.app import Server, ServeSettings, create_app
 from gpu_jobs.serve.auth import ApiKeys, ApiKeysError
 from gpu_jobs.serve.limits import ServeLimits
+from tests.serve.conftest import Capture
 
 ALICE, BOB, GRAFANA = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef", "sk-grafana-0123456789abcdef"
 KEYS = {ALICE: {"principal": "alice", "roles": ["query", "feedback"]},
         BOB: {"principal": "bob", "roles": ["query"]},
         GRAFANA: {"principal": "grafana", "roles": ["metrics"]}}
 COMPLETION = {"prompt": "12+34=", "max_tokens": 4, "temperature": 0}
-
-
-class Capture:
-    """An event publisher that keeps what it is given."""
-
-    def __init__(self):
-        self.events: list[dict] = []
-
-    async def publish_async(self, event: dict, wait_s: float) -> str:
-        self.events.append(event)
-        return "logged"
-
-    def stats(self) -> dict:
-        return {"queued": 0}
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        pass
 
 
 def _auth(key: str) -> dict:

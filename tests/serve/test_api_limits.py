@@ -15,23 +15,9 @@ from fastapi.testclient import TestClient
 
 from gpu_jobs.serve.app import Server, ServeSettings, create_app
 from gpu_jobs.serve.limits import ServeLimits
+from tests.serve.conftest import Capture
 
 COMPLETION = {"prompt": "12+34=", "max_tokens": 4, "temperature": 0}
-
-
-class Capture:
-    def __init__(self):
-        self.events: list[dict] = []
-
-    async def publish_async(self, event: dict, wait_s: float) -> str:
-        self.events.append(event)
-        return "logged"
-
-    def stats(self) -> dict:
-        return {"queued": 0}
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        pass
 
 
 class Held:

@@ -49,13 +49,9 @@ def arm_feedback(root: str, model: str, since: float, storage: Any = None) -> li
     """Every committed feedback row of `model` in the hour folders that can hold feedback given at
     or after `since` (Unix s): a segment's hour is its events' `created` hour, so older hours are
     not read. Costs one listing, then one listing and the manifests of each hour folder read."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR, SEGMENT_KIND, hour_of, segment_manifests
+    from gpu_jobs.serve.consumer import FEEDBACK_DIR, SEGMENT_KIND, hour_of, manifest_rows, segment_manifests
     from gpu_jobs.serve.governance import forgotten_users
     from storage import check_name
-    from storage.manifest import read_files
 
     base = join(root, FEEDBACK_DIR, check_name(model, "model name"))
     fs, path = url_to_fs(base, storage)
@@ -68,9 +64,8 @@ def arm_feedback(root: str, model: str, since: float, storage: Any = None) -> li
     for hour in hours:
         for m in segment_manifests(join(base, hour), storage):
             files = [f for f in m.files if f.path.startswith("feedback-")] if m.kind == SEGMENT_KIND else []
-            for data in read_files(m, files, storage=storage) if files else []:
-                rows.extend(r for r in pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
-                            if r.get("user") not in forgotten)
+            if files:
+                rows.extend(r for r in manifest_rows(m, files, storage) if r.get("user") not in forgotten)
     return rows
 
 

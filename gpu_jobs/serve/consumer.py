@@ -55,7 +55,7 @@ from gpu_jobs.serve.events import (answers_table, check_event, decode, feedback_
                                    gate_expectations, quarantine_table)
 
 __all__ = ["FEEDBACK_DIR", "QUARANTINE_DIR", "QUARANTINE_KIND", "SEGMENT_KIND", "ConsumeResult", "GroupLag",
-           "Segment", "consume", "group_lag", "hour_of", "segment_manifests"]
+           "Segment", "consume", "group_lag", "hour_of", "manifest_rows", "segment_manifests"]
 
 log = logging.getLogger("rlmill.feedback")
 
@@ -132,6 +132,18 @@ def segment_manifests(folder_url: str, storage=None) -> list:
     found = sorted(p for p in fs.find(path) if p.endswith("/" + MANIFEST_NAME) and "/segment-" in p)
     prefix = folder_url.rstrip("/")
     return [read_manifest(prefix + p[len(path.rstrip("/")):], storage) for p in found]
+
+
+def manifest_rows(manifest, files=None, storage=None) -> list[dict]:
+    """The rows of a committed manifest's Parquet `files` (default: all it lists), verified on read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from storage.manifest import read_files
+
+    files = manifest.files if files is None else files
+    return [r for data in read_files(manifest, files, storage=storage)
+            for r in pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()]
 
 
 def _parquet(table) -> bytes:

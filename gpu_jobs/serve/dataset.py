@@ -33,13 +33,9 @@ def read_segments(root: str, model: str, storage=None,
     without the rows of forgotten users (governance.forget_user); with `feedback_from` (segment
     manifest URIs), feedback only from those segments (answers from all: a rating may come in a
     later segment than its answer)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from storage import check_name, join
-    from storage.manifest import read_files
 
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifests
+    from gpu_jobs.serve.consumer import FEEDBACK_DIR, manifest_rows, segment_manifests
 
     from gpu_jobs.serve.governance import forgotten_users
 
@@ -48,11 +44,11 @@ def read_segments(root: str, model: str, storage=None,
     forgotten = forgotten_users(root, storage)  # their rows train nothing (rlmill feedback forget)
     for m in segment_manifests(join(root, FEEDBACK_DIR, check_name(model, "model name")), storage):
         files = [f for f in m.files if f.path.startswith("answers-") or wanted is None or m.uri in wanted]
-        for f, data in zip(files, read_files(m, files, storage=storage)):
-            rows = pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
+        for f, rows in zip(files, (manifest_rows(m, [f], storage) for f in files)):
             (answers if f.path.startswith("answers-") else feedback).extend(
                 r for r in rows if r.get("user") not in forgotten)
     return answers, feedback
+
 
 
 def training_rows(root: str, model: str, storage=None,

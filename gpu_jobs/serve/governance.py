@@ -90,10 +90,6 @@ def forgotten_users(root: str, storage: Any = None) -> set[str]:
     return {r.user for r in forget_requests(root, storage)}
 
 
-def _row_user(row: dict[str, Any]) -> str | None:
-    return row.get("user")
-
-
 def forget_user(root: str, user: str, *, requested_by: str | None = None, reason: str | None = None,
                 storage: Any = None) -> ForgetRequest:
     """Record that `user`'s answers and feedback must train nothing from now on (create-only), and
@@ -131,15 +127,10 @@ def _models(root: str, storage: Any) -> list[str]:
 
 def _segment_rows(uri: str, storage: Any) -> list[dict[str, Any]]:
     """Answer and feedback rows of one committed segment (verified on read)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+    from gpu_jobs.serve.consumer import manifest_rows
     from storage import read_manifest
-    from storage.manifest import read_files
 
-    m = read_manifest(uri, storage)
-    return [r for data in read_files(m, m.files, storage=storage)
-            for r in pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()]
+    return manifest_rows(read_manifest(uri, storage), storage=storage)
 
 
 def _user_rows(root: str, model: str, user: str, storage: Any) -> int:
@@ -147,7 +138,7 @@ def _user_rows(root: str, model: str, user: str, storage: Any) -> int:
     from storage import join
 
     return sum(1 for m in segment_manifests(join(root, FEEDBACK_DIR, model), storage)
-               for r in _segment_rows(m.uri, storage) if _row_user(r) == user)
+               for r in _segment_rows(m.uri, storage) if r.get("user") == user)
 
 
 def lineage(root: str, model: str, version: str | None = None, storage: Any = None,
@@ -155,6 +146,7 @@ def lineage(root: str, model: str, version: str | None = None, storage: Any = No
     """For each version the retrain windows promoted (or `version` only): the windows it was
     trained on, their segments, feedback rows, distinct users, and the forgotten users whose rows
     they trained on (a forget asked after the window was opened). Oldest version first."""
+    from gpu_jobs.serve.canary_stats import voter
     from storage.layout import ModelLayout
     from storage.windows import WindowLog
 
@@ -172,11 +164,10 @@ def lineage(root: str, model: str, version: str | None = None, storage: Any = No
         reached: set[str] = set()
         for uri in w.uris:
             for r in _segment_rows(uri, storage):
-                who = _row_user(r) or (f"key:{r['principal']}" if r.get("principal") else None)
-                if who is not None and "score" in r:  # a feedback row
+                if "score" in r and (who := voter(r)) is not None:  # a feedback row and who gave it
                     users.add(who)
-                if _row_user(r) in asked and (opened is None or asked[_row_user(r)] > opened):
-                    reached.add(_row_user(r))
+                if r.get("user") in asked and (opened is None or asked[r["user"]] > opened):
+                    reached.add(r["user"])
         by_version.setdefault(str(promoted), []).append(WindowLineage(
             w.seq, w.run_id, record.get("decision"), len(w.uris), w.rows("feedback"), len(users), sorted(reached)))
     return [VersionLineage(v, ws) for v, ws in by_version.items()]

@@ -72,12 +72,8 @@ class AnswerRecall:
     def _in_storage(self, answer_id: str, born: float) -> KnownAnswer | None:
         if self.root is None:
             return None
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from gpu_jobs.serve.consumer import FEEDBACK_DIR, hour_of, segment_manifests
+        from gpu_jobs.serve.consumer import FEEDBACK_DIR, hour_of, manifest_rows, segment_manifests
         from storage import check_name, join
-        from storage.manifest import read_files
 
         for hour in (hour_of(born), hour_of(born - 3600)):
             folder = join(self.root, FEEDBACK_DIR, check_name(self.model, "model name"), hour)
@@ -85,9 +81,7 @@ class AnswerRecall:
                 if answer_id not in m.extra.get("answer_ids", ()):
                     continue
                 files = [f for f in m.files if f.path.startswith("answers-")]
-                rows = [r for data in read_files(m, files, storage=self.storage)
-                        for r in pq.read_table(pa.BufferReader(data), use_threads=False).to_pylist()
-                        if r["answer_id"] == answer_id]
+                rows = [r for r in manifest_rows(m, files, self.storage) if r["answer_id"] == answer_id]
                 if rows:
                     return KnownAnswer(answer_id, float(rows[0]["created"]), rows[0]["model"], rows[0]["version"],
                                        len(rows))

@@ -60,7 +60,7 @@ class TokenText:
         return final[len(shown):] if final.startswith(shown) else ""
 
 
-def chunk(kind: str, head: dict, part: list[dict], **extra) -> str:
+def chunk(head: dict, part: list[dict], **extra) -> str:
     """One server-sent event in OpenAI's chunk format."""
     return f"data: {json.dumps({**head, 'choices': part, **extra})}\n\n"
 
@@ -88,7 +88,7 @@ async def sse_answer(kind: str, head: dict, prompt_ids: list[int], n: int, token
     with held:
         text = TokenText(n, tokenizer, stops)
         if kind == "chat":
-            yield chunk(kind, head, [delta(kind, i, role=True) for i in range(n)])
+            yield chunk(head, [delta(kind, i, role=True) for i in range(n)])
         loop = asyncio.get_running_loop()
         deadline = None if not timeout_s else loop.time() + timeout_s
         while True:
@@ -101,7 +101,7 @@ async def sse_answer(kind: str, head: dict, prompt_ids: list[int], n: int, token
             if item is None:
                 break
             if piece := text.add(*item):
-                yield chunk(kind, head, [delta(kind, item[0], piece)])
+                yield chunk(head, [delta(kind, item[0], piece)])
         try:
             choices = make_choices(sent.result(), tokenizer, stops)
         except Exception as exc:  # noqa: BLE001 -- the status line is gone: the error goes in the stream
@@ -112,10 +112,10 @@ async def sse_answer(kind: str, head: dict, prompt_ids: list[int], n: int, token
             i = c["index"]
             pieces = _pieces(c, tokenizer) if not text.shown[i] else [p for p in (text.rest(i, c["text"]),) if p]
             for piece in pieces:
-                yield chunk(kind, head, [delta(kind, i, piece)])
-            yield chunk(kind, head, [delta(kind, i, finish_reason=c["finish_reason"])])
+                yield chunk(head, [delta(kind, i, piece)])
+            yield chunk(head, [delta(kind, i, finish_reason=c["finish_reason"])])
         if include_usage:
-            yield chunk(kind, head, [], usage=_usage(prompt_ids, choices))
+            yield chunk(head, [], usage=_usage(prompt_ids, choices))
         await finish(choices)
         yield "data: [DONE]\n\n"
 

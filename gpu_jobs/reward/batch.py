@@ -10,26 +10,25 @@ A user's function runs in worker processes with a per-sample timeout. One bad sa
 fails the batch: an exception, a timeout, a NaN or infinity, a non-number, or a score outside
 `cfg.score_range` (only when one is set: by default any finite score counts, as in verl) scores
 `cfg.on_error`, its row's reward_extra gets `error` / `error_kind`, and the
-metrics count it (`reward/errors`, `reward/timeouts`). A hung sample is abandoned by killing
-the pool's processes and starting a new pool; the other in-flight samples are re-run.
+metrics count it (`reward/errors`, `reward/timeouts`). The pool is gpu_jobs.reward.sandbox's
+(shared with users' tools): a hung sample is abandoned by killing the pool's processes and
+starting a new pool; the other in-flight samples are re-run.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Mapping
-from concurrent.futures import FIRST_COMPLETED, wait
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from .config import RewardConfig
 from .custom import load_custom_reward_function
 from .ground_truth import decode_ground_truth
 from .registry import default_compute_score, get_reward_fn
+from .sandbox import Failed, SandboxSpec, run_guarded
 
 __all__ = ["score_batch", "coerce_result"]
 
@@ -98,24 +97,12 @@ def _call(fn, task: tuple, kwargs: dict, score_range) -> tuple:
 
 # --------------------------------------------------------------------------------------------
 # Worker side: the function is loaded once per process by the initializer, from the path
-# (functions loaded from a file cannot be pickled by reference).
+# (functions loaded from a file cannot be pickled by reference); the pool is sandbox.py's.
 # --------------------------------------------------------------------------------------------
 _WORKER: dict[str, Any] = {}
 
 
-def _exit_with_parent() -> None:
-    """End this worker when the process that started it dies: a SIGKILLed `rlmill train`
-    otherwise leaves its reward workers running (an idle one waits on its queue forever)."""
-    import multiprocessing as mp
-    import threading
-
-    parent = mp.parent_process()
-    if parent is not None:
-        threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
-
-
 def _worker_init(path: str, name: str, kwargs: dict, score_range) -> None:
-    _exit_with_parent()
     _WORKER.update(fn=load_custom_reward_function(path, name), kwargs=kwargs, score_range=score_range)
 
 
@@ -123,121 +110,20 @@ def _worker_score(task: tuple) -> tuple:
     return _call(_WORKER["fn"], task, _WORKER["kwargs"], _WORKER["score_range"])
 
 
-def _worker_pid(_: int) -> int:
-    import os
-
-    time.sleep(0.02)  # long enough that each ping lands on a different idle worker
-    return os.getpid()
-
-
-class _Pool:
-    """A ProcessPoolExecutor that can be killed: a hung user function never returns, and
-    ProcessPoolExecutor cannot cancel a running call, so we terminate its processes."""
-
-    def __init__(self, cfg: RewardConfig, n_workers: int):
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        crf = cfg.custom_reward_function
-        self.executor = ProcessPoolExecutor(
-            max_workers=n_workers,
-            mp_context=mp.get_context(cfg.start_method),
-            initializer=_worker_init,
-            initargs=(crf.path, crf.name, dict(crf.reward_kwargs), cfg.score_range),
-        )
-        # Start every worker (and load the user's file) before any sample's clock runs, so a
-        # slow start is not mistaken for a hung sample.
-        deadline = time.monotonic() + cfg.startup_timeout_s
-        pids: set[int] = set()
-        while len(pids) < n_workers and time.monotonic() < deadline:
-            futures = [self.executor.submit(_worker_pid, i) for i in range(n_workers)]
-            done, _ = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
-            if len(done) < len(futures):
-                self.kill()
-                raise TimeoutError(f"reward worker pool did not start within {cfg.startup_timeout_s} s")
-            try:
-                pids.update(f.result() for f in futures)
-            except BrokenProcessPool as e:
-                self.kill()
-                raise RuntimeError(
-                    f"reward workers failed to start; loading {crf.path}:{crf.name} in a fresh process failed"
-                ) from e
-
-    def submit(self, task: tuple):
-        return self.executor.submit(_worker_score, task)
-
-    def kill(self) -> None:
-        # _processes is private but the only handle on the workers; shutdown() alone would
-        # wait for the hung call forever.
-        procs = list((getattr(self.executor, "_processes", None) or {}).values())
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        for p in procs:
-            p.join(timeout=5)
-
-
 def _score_in_pool(tasks: list[tuple], cfg: RewardConfig) -> tuple[list[tuple], int]:
-    """Run every task in worker processes; returns (results, pool restarts)."""
-    results: list[tuple | None] = [None] * len(tasks)
-    pending = deque(range(len(tasks)))
-    crashes: Counter[int] = Counter()  # times a sample was in flight when a worker died
-    inflight: dict[Any, tuple[int, float]] = {}
-    restarts = 0
-    n_workers = min(cfg.num_workers, len(tasks))
-    pool = _Pool(cfg, n_workers)
-    try:
-        while pending or inflight:
-            # Keep at most n_workers in flight so a submitted sample starts at once and its
-            # clock is honest; a crash suspect runs alone so it cannot take others down.
-            while pending and len(inflight) < n_workers:
-                i = pending[0]
-                if crashes[i] and inflight:
-                    break
-                pending.popleft()
-                inflight[pool.submit(tasks[i])] = (i, time.monotonic())
-                if crashes[i]:
-                    break
-            oldest = min(t for _, t in inflight.values())
-            done, _ = wait(list(inflight), timeout=max(0.0, oldest + cfg.timeout_s - time.monotonic()),
-                           return_when=FIRST_COMPLETED)
-            broken = False
-            for fut in done:
-                try:
-                    results[inflight[fut][0]] = fut.result()
-                    del inflight[fut]
-                except BrokenProcessPool:
-                    broken = True  # stays in flight: handled with the others below
-                except Exception as e:  # e.g. the task or result could not be pickled
-                    results[inflight.pop(fut)[0]] = (_ERR, None, {}, "exception", f"{type(e).__name__}: {e}")
-            if broken:
-                # A worker died (os._exit, segfault, OOM kill). Which sample did it is unknown,
-                # so every sample in flight becomes a suspect and is retried alone; one that
-                # kills a worker twice scores on_error. An innocent one never crashes alone.
-                for i, _ in inflight.values():
-                    crashes[i] += 1
-                    if crashes[i] >= 2:
-                        results[i] = (_ERR, None, {}, "crash", "reward worker process died while scoring this sample")
-                    else:
-                        pending.appendleft(i)
-                inflight.clear()
-            now = time.monotonic()
-            expired = [f for f, (_, t) in inflight.items() if now - t >= cfg.timeout_s]
-            for fut in expired:
-                i, _ = inflight.pop(fut)
-                results[i] = (_ERR, None, {}, "timeout", f"reward function took longer than timeout_s={cfg.timeout_s}")
-            if expired or broken:
-                for i, _ in inflight.values():  # bystanders of a hang: re-run on the new pool
-                    pending.appendleft(i)
-                inflight.clear()
-                pool.kill()
-                if pending:
-                    pool = _Pool(cfg, n_workers)
-                    restarts += 1
-    finally:
-        pool.kill()
-    return results, restarts  # type: ignore[return-value]
+    """Run every task in the sandbox's worker processes; returns (results, pool restarts)."""
+    crf = cfg.custom_reward_function
+    spec = SandboxSpec(work=_worker_score, timeout_s=cfg.timeout_s, num_workers=cfg.num_workers, what="reward",
+                       init=_worker_init, init_args=(crf.path, crf.name, dict(crf.reward_kwargs), cfg.score_range),
+                       start_method=cfg.start_method, startup_timeout_s=cfg.startup_timeout_s)
+    results, restarts = run_guarded(tasks, spec)
+    return [_failure_row(r, cfg) if isinstance(r, Failed) else r for r in results], restarts
+
+
+def _failure_row(failed: Failed, cfg: RewardConfig) -> tuple:
+    message = {"timeout": f"reward function took longer than timeout_s={cfg.timeout_s}",
+               "crash": "reward worker process died while scoring this sample"}.get(failed.kind, failed.message)
+    return (_ERR, None, {}, failed.kind, message)
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,16 +5,20 @@
     >>> rows = engine.generate(prompt_ids, n=8, sampling=SamplingConfig(max_response_length=40, seed=0))
     >>> rows[0]["response_mask"]     # 1 = the model's token, 0 = a tool turn's
 
-One assistant turn is generated until EOS (the end of a chat model's turn). A turn holding a
-tool call ("[calculator(123+456)]" in the built-in `brackets` format) gets the tool's answer
-appended as a tool turn ("<579>"), and generation continues from the whole conversation, up to
-`max_assistant_turns` turns; a turn without a call is the final answer. Every turn of every
-sequence in the batch is generated together, one engine call per turn.
+One assistant turn is generated until EOS (the end of a chat model's turn). The calls in a turn
+are parsed by the call format (gpu_jobs.rollout.turn_formats: `brackets`, "[calculator(123+456)]"
+answered "<579>"; `hermes`, OpenAI tools through the chat template), run (at most
+`max_parallel_calls`; a malformed call, an unknown tool or a tool's failure is answered with an
+error text the model reads), and their results appended as one tool turn; generation continues
+from the whole conversation, up to `max_assistant_turns` turns. A turn without a call is the
+final answer. Every turn of every sequence in the batch is generated together, one engine call
+per turn.
 
-The response is everything after the prompt: model turns (with their EOS) and tool turns, and
-`rollout.max_response_length` bounds all of it together (verl's `response_length`). Tool tokens
-carry response_mask 0: the trainer leaves them out of the loss. Their `rollout_logprobs` were
-not sampled; they are filled with the policy's own log-probs of those tokens, scored by the
+Token-in/token-out: the response is exactly the tokens the engine sampled plus the tool turns'
+tokens, each tool turn rendered and tokenized alone; the conversation is never re-rendered from
+text. `rollout.max_response_length` bounds all of it together (verl's `response_length`). Tool
+tokens carry response_mask 0: the trainer leaves them out of the loss. Their `rollout_logprobs`
+were not sampled; they are filled with the policy's own log-probs of those tokens, scored by the
 engine (`score_tokens`), so every per-token column stays finite and what the trainer recomputes
 on them agrees with it (the agreement probe may then include them).
 """
@@ -22,70 +26,19 @@ on them agrees with it (the agreement probe may then include them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from typing import Any
 
 from gpu_jobs.rollout.base import SamplingConfig, make_row
-from gpu_jobs.rollout.tools import TOOL_FORMATS, ToolSet, check_tool_spec, get_tool_format
+from gpu_jobs.rollout.hermes import Call
+from gpu_jobs.rollout.multi_turn_config import MultiTurnConfig
+from gpu_jobs.rollout.tool_worker import truncate_text
+from gpu_jobs.rollout.tools import ToolSet
+from gpu_jobs.rollout.turn_formats import TURN_FORMATS
 
 __all__ = ["MultiTurnConfig", "AgentLoopEngine", "truncate_text", "with_agent_loop"]
 
 # Each turn draws with its own seed, so turn 2 does not replay turn 1's noise.
 _TURN_SEED_STRIDE = 7_919
-
-
-class MultiTurnConfig(BaseModel):
-    """verl's `rollout.multi_turn` section (names follow it; tools are named inline, not in a
-    separate tool_config_path file)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enable: bool = Field(False, description="Multi-turn rollouts: run the tool calls in the model's turns and "
-                         "continue after each tool's answer (validation and ReMax baselines too).")
-    max_assistant_turns: int = Field(3, ge=1, description="Most model turns per response; a tool call in the "
-                                     "last one is not run.")
-    tools: list[str] = Field(default_factory=lambda: ["calculator"], description="Tools the model may call: "
-                             "built-in names ('calculator') or 'path/to/file.py:function' (called with the "
-                             "argument text, returns the answer text; runs in the reward worker pool).")
-    format: str = Field("brackets", description=f"Tool call format: one of {sorted(TOOL_FORMATS)}; 'brackets' = "
-                        "call '[name(arguments)]' then EOS, answer '<text>'.")
-    max_tool_response_length: int = Field(64, ge=1, description="Most characters of a tool's answer kept in "
-                                           "the conversation (verl's name).")
-    tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
-        "middle", description="Which end of a longer answer to cut: 'left' keeps the end, 'right' the start, "
-        "'middle' both ends.")
-    tool_timeout_s: float = Field(10.0, gt=0, description="Seconds one user-tool call may take; past it the "
-                                  "tool answers with an error text.")
-    tool_num_workers: int = Field(2, ge=1, description="Worker processes that run user tools.")
-
-    @field_validator("tools")
-    @classmethod
-    def _tools_exist(cls, v: list[str], info: ValidationInfo) -> list[str]:
-        if not v:
-            raise ValueError("name at least one tool, e.g. ['calculator']")
-        check_files = (info.context or {}).get("check_files", True)
-        return [check_tool_spec(s, check_files) for s in v]
-
-    @field_validator("format")
-    @classmethod
-    def _known_format(cls, v: str) -> str:
-        if v not in TOOL_FORMATS:
-            raise ValueError(f"unknown tool call format {v!r}: use one of {sorted(TOOL_FORMATS)}")
-        return v
-
-
-def truncate_text(text: str, limit: int, side: str) -> str:
-    """`text` cut to `limit` characters at `side` ("left" drops the start, "right" the end,
-    "middle" the middle, marked with "...")."""
-    if len(text) <= limit:
-        return text
-    if side == "left":
-        return text[-limit:]
-    if side == "right":
-        return text[:limit]
-    head = max(0, (limit - 3) // 2)
-    return text[:head] + "..." + text[len(text) - (limit - 3 - head):] if limit > 3 else text[:limit]
 
 
 @dataclass
@@ -102,6 +55,9 @@ class _Conversation:
     turns: int = 0
     last_turn: list[int] = field(default_factory=list)
     tool_calls: int = 0
+    malformed: int = 0
+    tool_errors: int = 0
+    pending_calls: dict[int, tuple[str, Any]] = field(default_factory=dict)  # the last turn's calls to run
 
     def add_model_turn(self, row: dict) -> None:
         self.last_turn = list(row["response_ids"])
@@ -117,8 +73,9 @@ class AgentLoopEngine:
 
     def __init__(self, engine: Any, config: MultiTurnConfig, tokenizer: Any):
         self.engine, self.config, self.tokenizer = engine, config, tokenizer
-        self.format = get_tool_format(config.format)
-        self.tools = ToolSet(config.tools, config.tool_timeout_s, config.tool_num_workers)
+        self.tools = ToolSet(config.tool_entries(), config.tool_timeout_s, config.tool_num_workers,
+                             config.max_tool_response_length, config.tool_response_truncate_side)
+        self.turns = TURN_FORMATS[config.format](tokenizer, self.tools)
         self.last_metrics: dict[str, float] = {}
 
     def __getattr__(self, name: str) -> Any:  # update_weights_partial, close, model, ...
@@ -132,6 +89,7 @@ class AgentLoopEngine:
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[dict]:
         """See `RolloutEngine.generate`; each row also has response_mask (list[int]) and num_turns."""
         budget = sampling.max_response_length
+        prompts = [self.turns.prompt(list(p)) for p in prompts]  # hermes: the tools shown in the system turn
         convs = []
         for row in self.engine.generate(prompts, n, sampling):
             conv = _Conversation(row["prompt_index"], row["sample_index"], list(row["prompt_ids"]))
@@ -154,20 +112,19 @@ class AgentLoopEngine:
         return [self._row(c) for c in convs]
 
     def _run_tools(self, convs: list[_Conversation], budget: int) -> list[_Conversation]:
-        """Run the calls in the last turns of `convs`, append the answers as tool turns; returns
-        the conversations that continue (a call and room left after its answer)."""
-        calls = []
-        for conv in convs:
-            call = self.format.parse_call(self.tokenizer.decode(conv.last_turn, skip_special_tokens=True))
-            if call is not None:
-                calls.append((conv, call))
-        answers = self.tools.run([call for _, call in calls])
+        """Run the calls in the last turns of `convs`, append their results as tool turns; returns
+        the conversations that continue (a call and room left after its results)."""
+        answered = [(c, self._answers(c)) for c in convs]
+        answered = [(c, texts) for c, texts in answered if texts]
+        pending = [(c, texts, j) for c, texts in answered for j, t in enumerate(texts) if t is None]
+        results = self.tools.run([conv.pending_calls[j] for conv, _, j in pending])
+        for (conv, texts, j), text in zip(pending, results):
+            texts[j] = text
+            conv.tool_errors += text.startswith("error:")
         active = []
-        for (conv, _), answer in zip(calls, answers):
-            text = truncate_text(answer, self.config.max_tool_response_length, self.config.tool_response_truncate_side)
-            ids = self.tokenizer.encode(self.format.render_response(text), add_special_tokens=False)
+        for conv, texts in answered:
+            ids = self.turns.result_ids(texts)
             room = budget - len(conv.response)
-            conv.tool_calls += 1
             conv.response += ids[:room]
             conv.logprobs += [0.0] * len(ids[:room])
             conv.mask += [0] * len(ids[:room])
@@ -176,6 +133,25 @@ class AgentLoopEngine:
             else:
                 active.append(conv)
         return active
+
+    def _answers(self, conv: _Conversation) -> list[str | None]:
+        """One slot per call of the conversation's last turn: an error text already (malformed, or
+        past max_parallel_calls) or None, a call to run (kept in conv.pending_calls)."""
+        calls = self.turns.parse(self.tokenizer.decode(conv.last_turn, skip_special_tokens=True))
+        limit, cut = self.config.max_parallel_calls, self.config.max_tool_response_length
+        conv.tool_calls += len(calls)
+        conv.pending_calls = {}
+        out: list[str | None] = []
+        for j, call in enumerate(calls):
+            if j >= limit:
+                out.append(f"error: at most {limit} tool call(s) per turn; this one was not run")
+            elif isinstance(call, Call):
+                conv.pending_calls[j] = (call.name, call.arguments)
+                out.append(None)
+            else:
+                conv.malformed += 1
+                out.append(truncate_text(call.message, cut, self.config.tool_response_truncate_side))
+        return out
 
     def _fill_tool_logprobs(self, convs: list[_Conversation], sampling: SamplingConfig) -> None:
         """Tool tokens get the policy's log-probs of them (at the sampling temperature)."""
@@ -209,7 +185,11 @@ def _metrics(convs: list[_Conversation]) -> dict[str, float]:
         return {}
     turns = [c.turns for c in convs]
     calls = [c.tool_calls for c in convs]
-    return {"multi_turn/num_turns/mean": sum(turns) / len(turns), "multi_turn/num_turns/max": float(max(turns)),
+    malformed = sum(c.malformed for c in convs)
+    return {"multi_turn/malformed_calls": float(malformed),
+            "multi_turn/malformed_call_frac": malformed / max(1, sum(calls)),
+            "multi_turn/tool_errors": float(sum(c.tool_errors for c in convs)),
+            "multi_turn/num_turns/mean": sum(turns) / len(turns), "multi_turn/num_turns/max": float(max(turns)),
             "multi_turn/tool_calls/mean": sum(calls) / len(calls),
             "multi_turn/tool_call_frac": sum(1 for c in calls if c) / len(calls)}
 

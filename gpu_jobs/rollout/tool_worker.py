@@ -1,23 +1,59 @@
-"""Runs a user's tool inside a reward worker process (loaded by gpu_jobs.reward's pool).
+"""The tool sandbox's entry: what a worker process of gpu_jobs.reward.sandbox runs for one call
+of a user's tool (name and arguments in, text out, cut to the output limit).
 
-The pool calls `call_tool` with verl's reward keywords; the call's arguments travel as
-`solution_str` and the tool's answer comes back in the result dict (reward_extra), so a user
-tool gets the pool's timeout, crash isolation and restarts without a second pool.
+    >>> init_tools({"rev": ("my_tools.py", "reverse", {})}, max_chars=64, side="middle")  # once per worker
+    >>> call_tool(("rev", "abc"))
+    'cba'
+
+A tool is `fn(arguments: str)` in the `brackets` format and `fn(**arguments)` (the call's JSON
+object) in `hermes`; keyword arguments from the tool's config are added to every call. A
+tool's exception comes back as an "error: ..." text, an observation for the model; the
+sandbox's timeout and crash handling cover a tool that hangs or kills its process.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_LOADED: dict[tuple[str, str], Any] = {}
+__all__ = ["call_tool", "init_tools", "truncate_text"]
+
+_TOOLS: dict[str, tuple[Any, dict]] = {}
+_LIMITS: dict[str, Any] = {"max_chars": 1 << 20, "side": "middle"}
 
 
-def call_tool(data_source: str, solution_str: str, ground_truth: Any = None, extra_info: Any = None, *,
-              tool_path: str, tool_name: str) -> dict[str, Any]:
-    """{"score": 0.0, "tool_output": str(tool(arguments))}; the score is unused."""
+def truncate_text(text: str, limit: int, side: str) -> str:
+    """`text` cut to `limit` characters at `side` ("left" drops the start, "right" the end,
+    "middle" the middle, marked with "...").
+
+    >>> truncate_text("abcdefghij", 7, "middle")
+    'ab...ij'
+    """
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return text[-limit:]
+    if side == "right":
+        return text[:limit]
+    head = max(0, (limit - 3) // 2)
+    return text[:head] + "..." + text[len(text) - (limit - 3 - head):] if limit > 3 else text[:limit]
+
+
+def init_tools(tools: dict[str, tuple[str, str, dict]], max_chars: int, side: str) -> None:
+    """Load every user tool (name -> (file path, function name, config keywords)) once per worker."""
     from gpu_jobs.reward import load_custom_reward_function
 
-    key = (tool_path, tool_name)
-    if key not in _LOADED:  # once per worker process
-        _LOADED[key] = load_custom_reward_function(tool_path, tool_name)
-    return {"score": 0.0, "tool_output": str(_LOADED[key](solution_str))}
+    for name, (path, fn, config) in tools.items():
+        _TOOLS[name] = (load_custom_reward_function(path, fn), dict(config))
+    _LIMITS.update(max_chars=max_chars, side=side)
+
+
+def call_tool(call: tuple[str, Any]) -> str:
+    """The text of one call (name, arguments) of a loaded tool, cut to the output limit in the
+    worker, so an enormous answer never travels back."""
+    name, arguments = call
+    fn, config = _TOOLS[name]
+    try:
+        out = fn(**arguments, **config) if isinstance(arguments, dict) else fn(arguments, **config)
+    except Exception as e:  # the tool's bug is the model's observation, never the rollout's failure
+        return f"error: {type(e).__name__}: {e}"
+    return truncate_text(str(out), _LIMITS["max_chars"], _LIMITS["side"])

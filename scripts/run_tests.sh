@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # `make test` and `make e2e`: the environment, the system tools, then one tier of the suite side by
 # side on the cores (pytest-xdist, one worker per core unless RLMILL_TEST_WORKERS says otherwise),
-# and last one line with how long it took against the tier's budget (README "What `make test` runs").
+# and last one line with how long it took against the tier's budget (docs/testing.md).
 #   test  every test but the `e2e` ones; 12 minutes
-#   e2e   the tests marked `e2e` (whole user journeys of many processes: the README walkthrough,
+#   e2e   the tests marked `e2e` (whole user journeys of many processes: the docs walkthrough,
 #         every example, the chaos quick set, ...); 20 minutes. CI (.ci/run) runs both tiers.
 #
 #   bash scripts/run_tests.sh [test|e2e] [pytest args]    (extra args go to pytest)
@@ -13,9 +13,10 @@ start=$(date +%s)
 tier=test
 case "${1:-}" in test|e2e) tier=$1; shift ;; esac
 if [ "$tier" = e2e ]; then marker="e2e"; minutes=20; else marker="not e2e"; minutes=12; fi
-# `bench`: TRL, which the bench tests run for real (tests/bench/test_bench_e2e*.py); it only adds
-# packages to the shared environment (seconds once the wheels are local).
-bash scripts/ensure_venv.sh test bench || exit $?
+# `bench`: TRL, which the bench tests run for real (tests/bench/test_bench_e2e*.py); `docs`: mkdocs,
+# which tests/test_docs_site.py builds the site with. Each only adds packages to the shared
+# environment (seconds once the wheels are local).
+bash scripts/ensure_venv.sh test bench docs || exit $?
 bash scripts/ensure_test_tools.sh || exit $?
 workers=${RLMILL_TEST_WORKERS:-$(nproc)}
 # The real model (tests/flows/test_real_model.py, the SmolLM2 examples, the GGUF conversion test):

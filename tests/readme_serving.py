@@ -66,8 +66,9 @@ def serve_with_keys(walk: Walk, step: Step) -> None:
 
     from tests.servers import free_port
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    keys = re.search(r"```yaml\n(sk-frontend-.*?)```", readme, re.S).group(1)
+    from tests import docs_pages
+
+    keys = re.search(r"```yaml\n(sk-frontend-.*?)```", docs_pages.page("guide/serving.md"), re.S).group(1)
     (walk.clone / "keys.yaml").write_text(keys)
     port = free_port()
     command = walk.serve_ports(step.text).replace("--port 8000", f"--port {port}")

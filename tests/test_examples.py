@@ -1,4 +1,4 @@
-"""Every file in examples/ runs as README.md shows it, through `rlmill train` in a new process, so
+"""Every file in examples/ runs as README.md and the docs pages show it, through `rlmill train` in a new process, so
 an example that fails as written (grpo_arith_tools.yaml did) or silently trains nothing (the
 verl script's second run did) cannot ship again.
 
@@ -37,11 +37,13 @@ from pathlib import Path
 import pytest
 
 from tests.servers import PrefectServer, start_moto_server, stop_process
+from tests import docs_pages
 from tests.tiny import REPO, TINY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.prefect, pytest.mark.s3]
 
-README = (REPO / "README.md").read_text()
+# README.md and every docs page, in the site's nav order: the commands a reader is shown.
+README = docs_pages.readme_and_docs()
 EXAMPLES = sorted(p.name for p in (REPO / "examples").iterdir() if p.is_file())
 SHORT = [*TINY, "trainer.total_iterations=1"]
 SCRIPT = "verl_gsm8k_grpo.sh"
@@ -167,7 +169,7 @@ def _s3_steps(runner: Runner) -> list[Ran]:
     """README "verl-format data on S3": its `data make` and `train` lines, against moto."""
     import boto3
 
-    section = README.split("\n### verl-format data on S3\n", 1)[1].split("\n### ", 1)[0]
+    section = docs_pages.page("guide/verl-data-s3.md")
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     lines = [shlex.split(ln, comments=True) for ln in block.splitlines()]
     steps = [w for w in lines if w[:1] == [".venv/bin/rlmill"]]

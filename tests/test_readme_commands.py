@@ -1,10 +1,11 @@
-"""Every `rlmill` command in README.md's code blocks and in the CLI's help texts is of a kind the
-tests know, parses, and names only config keys that exist (with values the config accepts);
-every config key the README names exists; the README's bad-key example is what the CLI prints,
+"""Every `rlmill` command in the code blocks of README.md and the docs pages (tests/docs_pages.py)
+and in the CLI's help texts is of a kind the tests know, parses, and names only config keys that
+exist (with values the config accepts); every config key the docs name exists; the docs' bad-key
+example is what the CLI prints,
 and deliberate mistakes end in one `rlmill:` error and never a traceback (a new process each,
 as a user runs them).
 
-The README's commands themselves run, in order, in tests/test_readme_walkthrough.py.
+The guide's "Running it for real" commands themselves run, in order, in tests/test_readme_walkthrough.py.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import docs_pages
+
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+# README.md, then every docs page in the site's nav order.
+README = docs_pages.readme_and_docs()
 LAUNCHERS = (["rlmill"], [".venv/bin/rlmill"], ["python", "-m", "flows.cli"], [".venv/bin/python", "-m", "flows.cli"])
 
 # The kinds of rlmill command the README may show, and where each runs.
@@ -196,8 +200,8 @@ def test_every_readme_command_parses_and_names_real_keys(monkeypatch):
         _check_command(argv)
 
 
-# The README's Benchmarks section quotes other programs (`model.generate`, ...): no config keys there.
-USAGE = README.split("\n## Benchmarks\n", 1)[0] + README.split("\n## Reliability\n", 1)[1]
+# The Benchmarks page quotes other programs (`model.generate`, ...): no config keys there.
+USAGE = (REPO / "README.md").read_text() + "\n\n".join(p.read_text() for p in docs_pages.pages() if p.name != "benchmarks.md")
 
 
 def test_every_config_key_the_readme_names_exists():
@@ -224,7 +228,7 @@ def test_the_readme_and_the_help_list_the_datasets_the_registry_has():
 
 
 def test_the_readme_documents_the_custom_reward_key_and_the_s3_example():
-    section = README.split("\n### Your own reward function", 1)[1].split("\n### ", 1)[0]
+    section = docs_pages.page("guide/rewards.md")
     assert "reward.custom_reward_function.path" in section and "compute_score" in section
-    s3 = README.split("\n### verl-format data on S3\n", 1)[1].split("\n### ", 1)[0]
+    s3 = docs_pages.page("guide/verl-data-s3.md")
     assert "examples/verl_dataset_s3.yaml" in s3 and "s3://my-bucket/data/arith" in s3 and "storage.key" in s3

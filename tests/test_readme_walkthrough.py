@@ -1,7 +1,8 @@
-"""A newcomer walks README.md's "Running it for real" top to bottom, in a fresh copy of this
-checkout, against a real Prefect server and process worker (what `make server/deploy/worker`
-start): every shell command of its ```bash blocks runs, in order, in one shell's environment
-(`export` carries over), and each must succeed without printing a Python traceback.
+"""A newcomer walks the docs' "Running it for real" pages (docs/guide/, in mkdocs.yml's nav order)
+top to bottom, in a fresh copy of this checkout, against a real Prefect server and process worker
+(what `make server/deploy/worker` start): every shell command of their ```bash blocks runs, in
+order, in one shell's environment (`export` carries over), and each must succeed without printing
+a Python traceback.
 
     .venv/bin/python -m pytest -q tests/test_readme_walkthrough.py
 
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import docs_pages
 from tests.readme_serving import (canary_decide, completion, feedback, feedback_cli, governance, models_canary, retrain,
                                   serve_with_keys, simulate)
 from tests.servers import free_port, nightly_timezone, start_moto_server, stop_process
@@ -49,8 +51,9 @@ from tests.tiny import REPO, TINY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.prefect, pytest.mark.deepspeed, pytest.mark.s3]
 
-README = (REPO / "README.md").read_text()
-SECTION = README.split("\n## Running it for real\n", 1)[1].split("\n## Reference\n", 1)[0]
+# The walked pages, joined in nav order: the walk depends on state earlier pages left (the server
+# started, the deployments created, the run ids printed), so the nav's order is the walk's.
+SECTION = docs_pages.text(docs_pages.WALKED)
 WHOLE_BLOCKS = ("readme-s3-demo", "readme-multi-rank", "readme-mlflow")  # scripts that only make sense run whole
 ADJUSTED = {
     "tiny runs": "tests/tiny.py overrides and 1 iteration: the walk must fit in make test's budget",

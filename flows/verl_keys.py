@@ -212,13 +212,6 @@ def _model_rollout_ref_rules() -> dict[str, Rule]:
         r + "enable_prefix_caching": accept("vLLM scheduling: speed only"),
         r + "max_num_batched_tokens": accept("vLLM scheduling: speed only"),
         r + "calculate_log_probs": accept("rlmill always records the rollout's log-probs"),
-        **{r + f"multi_turn.{k}": rename(f"rollout.multi_turn.{k}")
-           for k in ("enable", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side",
-                     "format")},
-        r + "multi_turn.max_parallel_calls": accept("one tool call per model turn (rlmill's agent loop)",
-                                                    lambda v: v == 1, "rlmill runs one tool call per turn: set 1"),
-        r + "multi_turn.tool_config_path": reject("rlmill names its tools in rollout.multi_turn.tools (the built-in "
-                                                  "'calculator' or 'path/file.py:function'), not verl's tool YAML"),
         **{r + f"val_kwargs.{k}": rename(f"rollout.val_kwargs.{k}")
            for k in ("n", "do_sample", "temperature", "top_p", "top_k")},
         ref + "log_prob_micro_batch_size_per_gpu": rename("actor.log_prob_micro_batch_size_per_gpu",
@@ -227,10 +220,19 @@ def _model_rollout_ref_rules() -> dict[str, Rule]:
         ref + "strategy": _STRATEGY,
     }
     rules.update({r + k: rename(f"rollout.{k}") for k in ("n", "temperature", "top_p", "top_k", "ignore_eos")})
+    rules.update(_multi_turn_rules(r))
     for role in ("actor", "ref"):
         for k in _FSDP_MEMORY_KEYS:
             rules[f"actor_rollout_ref.{role}.fsdp_config.{k}"] = accept(_MEMORY)
     return rules
+
+
+def _multi_turn_rules(r: str) -> dict[str, Rule]:
+    """verl's rollout.multi_turn keys: the same names in rlmill's section; tool_config_path's YAML
+    is read as verl writes it, with a Python path (or a built-in tool) as class_name."""
+    return {r + f"multi_turn.{k}": rename(f"rollout.multi_turn.{k}")
+            for k in ("enable", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side",
+                      "format", "max_parallel_calls", "tool_config_path")}
 
 
 def _data_rules() -> dict[str, Rule]:

@@ -116,6 +116,19 @@ def test_every_repository_path_the_docs_name_exists():
     assert not missing, f"paths the docs name that do not exist (moved? update the page): {missing}"
 
 
+def test_every_module_the_docs_run_exists():
+    """`python -m flows.online.feedback ...`: a module that moved leaves the command behind."""
+    missing = []
+    for page in [README, *docs_pages.pages()]:
+        for module in sorted(set(re.findall(r"-m ([\w.]+)", page.read_text()))):
+            if module.split(".")[0] not in TOP:
+                continue  # pytest, mkdocs, pip, ...: not the repository's
+            base = REPO / module.replace(".", "/")
+            if not (base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()):
+                missing.append(f"{page.relative_to(REPO)}: python -m {module}")
+    assert not missing, f"modules the docs run that do not exist (moved? update the page): {missing}"
+
+
 def test_no_file_cites_documents_outside_the_repository():
     # Spelt in pieces, so this file does not cite them either.
     outside = ("DESIGN" + ".md", "PLATFORM" + ".md", "../" + "shared")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # System tools the tests use beyond the Python environment: Debian's chromium for the headless
-# check of the Prefect UI, Debian's redis-server (Redis Streams) for the broker between
+# checks of the Prefect UI and the docs site's home page (tests/test_docs_site.py),
+# Debian's redis-server (Redis Streams) for the broker between
 # `rlmill serve` and `rlmill feedback consume` (tests/serve/ start their own on a free port),
 # Debian's podman for the container image's checks (tests/test_image.py), and Debian's postgresql
 # for Prefect on PostgreSQL (scripts/postgres_local.sh; tests/test_prefect_postgres.py starts a
@@ -22,7 +23,7 @@ ensure() {  # ensure <command> <debian package> <what it is for>
         fi
     fi
 }
-ensure chromium chromium "the UI test"
+ensure chromium chromium "the UI and docs-site tests"
 ensure redis-server redis-server "the serve/feedback tests (tests/serve)"
 ensure podman podman "the container image's refusal test (tests/test_image.py; building the image is make image)"
 

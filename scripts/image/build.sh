@@ -2,7 +2,7 @@
 # Build rlmill's container image from Debian packages and the pinned wheels; no base image is pulled.
 #
 #   bash scripts/image/build.sh        (make image) -> localhost/rlmill:<version> and :latest
-#   bash scripts/image/run.sh run      then `rlmill run` inside it (docs/image.md)
+#   bash scripts/image/run.sh run      then `rlmill run` inside it (docs/guide/image.md)
 #
 # Three steps, each skipped when its result is already there:
 #   1. a root filesystem: `debootstrap --variant=minbase bookworm` from the mirror apt uses here,

@@ -8,7 +8,7 @@
 # Runs land in ./.rlmill of the folder it is started from (mounted at /app/.rlmill, under the
 # container's working folder), as with `make run` or `rlmill run`. RLMILL_IMAGE picks another tag (default localhost/rlmill:<version>).
 #
-# The flags are what a nested sandbox needs and harmless elsewhere (docs/image.md): podman's
+# The flags are what a nested sandbox needs and harmless elsewhere (docs/guide/image.md): podman's
 # defaults ask for 1048576 open files, which a process without CAP_SYS_RESOURCE may not raise its
 # limit to ("crun: setrlimit RLIMIT_NOFILE: Operation not permitted"), so the container keeps
 # this shell's hard limit; and crun 1.8 refuses a machine whose cgroup v2 mount holds a controller

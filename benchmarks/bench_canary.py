@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_jobs.serve.canary_stats import METHODS, ArmStats, verdict
+from gpu_jobs.online.canary_stats import METHODS, ArmStats, verdict
 
 __all__ = ["Outcome", "simulate", "main"]
 

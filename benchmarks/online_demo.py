@@ -8,15 +8,15 @@ users, and rl-canary promotes or rolls it back -- C cycles, one of them with a p
 Started here: redis-server and `rlmill serve --model demo --root <work>/root --watch-s 1` on free
 ports, after the built-in model's folder is registered as version v0 (models/demo/versions/v0, CURRENT).
 Each cycle, in this process:
-  1. simulate: --requests requests from --users simulated users (gpu_jobs/serve/simulate.py, the
+  1. simulate: --requests requests from --users simulated users (gpu_jobs/online/simulate.py, the
      hidden preference correct * (1 - min(tokens, L)/(2L))), drawn from a pool of --pool problems
      users keep asking, scores posted to /v1/feedback;
-  2. drain: gpu_jobs.serve.consumer.consume commits the stream as feedback segments;
-  3. retrain: flows.retrain.rl_retrain on the new window, from CURRENT, with the reward in this
+  2. drain: gpu_jobs.online.consumer.consume commits the stream as feedback segments;
+  3. retrain: flows.online.retrain.rl_retrain on the new window, from CURRENT, with the reward in this
      file (`demo_reward`); with --canary-share > 0 a candidate that passes the held-out gate starts
      a canary instead of being promoted;
   4. canary (when one started): simulate --canary-requests more (the candidate's users get it),
-     drain, flows.canary.rl_canary; again until it decides (at most --canary-rounds);
+     drain, flows.online.canary.rl_canary; again until it decides (at most --canary-rounds);
   5. wait (bounded by --max-wait-s) until serve answers with what was decided, timing it from the
      cycle's first feedback post.
 In the --bad-cycle the retrain's reward is sign-flipped (`flipped_everywhere`: 1 - demo_reward,
@@ -134,7 +134,7 @@ class DemoConfig:
                 return f"--{name.replace('_', '-')} {getattr(self, name)} is below 1: give a positive number"
         if not 0 <= self.bad_cycle <= self.cycles:
             return f"--bad-cycle {self.bad_cycle} is not a cycle of 1..{self.cycles} (0: no bad candidate)"
-        from storage.canary import CANARY_METHODS  # not at import: see the note above the imports
+        from gpu_jobs.online.canary import CANARY_METHODS  # not at import: see the note above the imports
 
         if self.canary_method not in CANARY_METHODS:
             return f"--canary-method {self.canary_method!r}: give one of {', '.join(CANARY_METHODS)}"
@@ -235,7 +235,7 @@ class Stack:
 
     def drain(self) -> int:
         """Commit what the stream holds as feedback segments; the feedback rows committed."""
-        from gpu_jobs.serve.consumer import consume
+        from gpu_jobs.online.consumer import consume
 
         r = consume(self.root, self.redis.url, consumer="online-demo")
         if r.quarantined:
@@ -254,7 +254,7 @@ def retrain_overrides(cfg: DemoConfig, reward_name: str) -> list[str]:
 
 
 def _simulate(stack: Stack, cfg: DemoConfig, requests: int, round: int):
-    from gpu_jobs.serve.simulate import plan_requests, simulate
+    from gpu_jobs.online.simulate import plan_requests, simulate
 
     plan = plan_requests(requests, cfg.users, cfg.seed, pool=cfg.pool, round=round)
     return simulate(stack.url, plan, model=MODEL, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
@@ -262,7 +262,7 @@ def _simulate(stack: Stack, cfg: DemoConfig, requests: int, round: int):
 
 
 def _retrain(stack: Stack, cfg: DemoConfig, reward_name: str) -> dict[str, Any]:
-    from flows.retrain import rl_retrain
+    from flows.online.retrain import rl_retrain
 
     test = {"min_samples": cfg.min_samples, "confidence": cfg.confidence, "margin": cfg.margin,
             "method": cfg.canary_method}
@@ -277,8 +277,8 @@ def _retrain(stack: Stack, cfg: DemoConfig, reward_name: str) -> dict[str, Any]:
 
 def _canary_rounds(stack: Stack, cfg: DemoConfig, row: CycleRow, k: int) -> None:
     """Canary traffic and rl-canary decisions until it decides, at most cfg.canary_rounds."""
-    from flows.canary import rl_canary, settle
-    from storage.canary import read_canary
+    from flows.online.canary import rl_canary, settle
+    from gpu_jobs.online.canary import read_canary
 
     answers = []
     for r in range(1, cfg.canary_rounds + 1):

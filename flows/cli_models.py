@@ -13,7 +13,7 @@ write, a model or version that is not there and a version folder without its ind
 replaced whole (os.replace locally, one PUT on S3), and `rlmill serve --watch-s` swaps to it at
 its next poll. S3 credentials come from the AWS_* environment variables, as for `rlmill serve`.
 
-A canary (models/<name>/CANARY, storage/canary.py; decided by flows/canary.py) is ended by a person's
+A canary (models/<name>/CANARY, gpu_jobs/online/canary.py; decided by flows/online/canary.py) is ended by a person's
 move: `rollback` without VERSION ends it as rolled back and leaves CURRENT where it is; `rollback
 VERSION` and `promote VERSION` end it (promoted when VERSION is its candidate, else rolled back)
 and then move CURRENT. Either way its outcome record and a history record keep the numbers.
@@ -167,7 +167,7 @@ def survey(layout) -> Survey:
     GET per version and one of nightly_state.json."""
     from storage import INDEX_NAME, read_index
     from storage.errors import CorruptShardError, NotCommittedError
-    from storage.incoming import read_state, state_url
+    from flows.nightly_state import read_state, state_url
 
     scores = {r.get("promoted_version"): r.get("new") for r in read_state(state_url(layout), layout.storage)["history"]}
     committed, uncommitted = [], {}
@@ -259,8 +259,8 @@ def _move(layout, current: str | None, target: str, by: str, reason: str | None)
 def _end_canary(layout, target: str | None, command: str) -> str | None:
     """End the running canary, if any, for a person's move to `target` (None: no move): promoted
     when `target` is its candidate, else rolled back; returns its outcome, None when none ran."""
-    from flows.canary import measure, settle
-    from storage.canary import read_canary
+    from flows.online.canary import measure, settle
+    from gpu_jobs.online.canary import read_canary
 
     canary = read_canary(layout)
     if canary is None:
@@ -308,8 +308,8 @@ def cmd_models_rollback(args) -> None:
 
 
 def cmd_models_canary(args) -> None:
-    from flows.canary import measure
-    from storage.canary import last_outcome, read_canary
+    from flows.online.canary import measure
+    from gpu_jobs.online.canary import last_outcome, read_canary
 
     layout = _layout(args)
     with _storage_refusals():
@@ -386,7 +386,7 @@ def _num(x: Any) -> str:
 
 
 def cmd_models_lineage(args) -> None:
-    from gpu_jobs.serve.governance import lineage
+    from gpu_jobs.online.governance import lineage
     from storage.errors import InvalidNameError
 
     try:

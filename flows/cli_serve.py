@@ -8,18 +8,18 @@ what users say about its answers, from the broker into storage and into training
     rlmill feedback consume --root s3://bucket/rl --redis redis://127.0.0.1:6379/0 [--follow]
     rlmill feedback dataset --root s3://bucket/rl --model arith --out s3://bucket/data/arith-feedback.parquet
 
-The work is gpu_jobs/serve/; this module parses, checks what a user can get wrong (a model not
+The work is gpu_jobs/online/; this module parses, checks what a user can get wrong (a model not
 registered, a port in use, the broker not reachable, a negative wait: one `rlmill: ...` line each),
 and starts it. While it serves, models/<name>/CURRENT is read every --watch-s seconds and a newly
-promoted version is swapped in (gpu_jobs/serve/swap.py); an answer goes out once its event is in
-the broker, or after --event-wait-ms with the event still queued (gpu_jobs/serve/broker.py).
-models/<name>/CANARY (storage/canary.py) is read at start and at each poll: while a canary runs, its
+promoted version is swapped in (gpu_jobs/online/swap.py); an answer goes out once its event is in
+the broker, or after --event-wait-ms with the event still queued (gpu_jobs/online/broker.py).
+models/<name>/CANARY (gpu_jobs/online/canary.py) is read at start and at each poll: while a canary runs, its
 candidate is loaded beside CURRENT and the record's share of users (by `user`, else `session_id`;
 requests with neither go to CURRENT) is answered by it, the same users on every server and restart.
 
-Keys (--api-keys FILE or $RLMILL_API_KEYS; format in gpu_jobs/serve/auth.py) are required to
+Keys (--api-keys FILE or $RLMILL_API_KEYS; format in gpu_jobs/online/auth.py) are required to
 listen on anything but a loopback address. The limits' flags (--max-body-bytes, --rate-limit, ...)
-are generated from gpu_jobs.serve.limits.ServeLimits, their one declaration. On SIGTERM `serve`
+are generated from gpu_jobs.online.limits.ServeLimits, their one declaration. On SIGTERM `serve`
 stops accepting connections, finishes the requests in flight, sends their events to the broker
 (all within --grace-s) and exits 0; `feedback consume --follow` on SIGTERM or SIGINT commits and
 acknowledges the batch in hand and exits 0 (a second signal ends either at once). Ctrl-C (SIGINT)
@@ -39,10 +39,10 @@ import threading
 import time
 
 from flows.reporting import UserError
+from gpu_jobs.online.broker import DEFAULT_REDIS
 
 __all__ = ["add_serve_parsers"]
 
-DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 KEYS_ENV = "RLMILL_API_KEYS"
 # Kills `rlmill feedback consume` between a segment's commit and its XACK (tests/serve).
 FAILPOINT_AFTER_COMMIT = "feedback:after-commit"
@@ -106,7 +106,7 @@ def add_serve_parsers(sub) -> None:
 
 def _add_limit_flags(parser) -> None:
     """One flag per ServeLimits field (--max-body-bytes, ...), its help and default from there."""
-    from gpu_jobs.serve.limits import ServeLimits  # stdlib only: cheap at parser build
+    from gpu_jobs.online.limits import ServeLimits  # stdlib only: cheap at parser build
 
     group = parser.add_argument_group("limits (per request and per caller)")
     for f in dataclasses.fields(ServeLimits):
@@ -116,7 +116,7 @@ def _add_limit_flags(parser) -> None:
 
 
 def _limits(args: argparse.Namespace):
-    from gpu_jobs.serve.limits import ServeLimits
+    from gpu_jobs.online.limits import ServeLimits
 
     try:
         return ServeLimits(**{f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(ServeLimits)})
@@ -141,7 +141,7 @@ def _keys(args: argparse.Namespace):
                             f"--api-keys FILE (or set {KEYS_ENV}; format: `rlmill serve --help`), or listen on "
                             "127.0.0.1")
         return None
-    from gpu_jobs.serve.auth import ApiKeys, ApiKeysError
+    from gpu_jobs.online.auth import ApiKeys, ApiKeysError
 
     try:
         return ApiKeys.from_file(args.api_keys)
@@ -165,7 +165,7 @@ def _publisher(url: str, queue_size: int):
     if url.lower() == "none":
         print("rlmill: --redis none: answers and feedback are not logged", flush=True)
         return None
-    from gpu_jobs.serve.broker import BrokerUnreachable, EventPublisher, connect
+    from gpu_jobs.online.broker import BrokerUnreachable, EventPublisher, connect
 
     try:
         connect(url)
@@ -192,8 +192,8 @@ def cmd_serve(args) -> None:
     publisher = _publisher(args.redis, args.queue_size)
     import torch
 
-    from gpu_jobs.serve.app import Server, ServeSettings, create_app
-    from gpu_jobs.serve.model import ModelNotServable, ModelSource
+    from gpu_jobs.online.app import Server, ServeSettings, create_app
+    from gpu_jobs.online.model import ModelNotServable, ModelSource
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     # The batcher thread runs the model's Python generate loop; the event loop and the event
@@ -211,7 +211,7 @@ def cmd_serve(args) -> None:
     settings = ServeSettings(retention_hours=args.retention_hours, max_batch=args.max_batch,
                              batch_wait_ms=args.batch_wait_ms, event_wait_ms=args.event_wait_ms,
                              watch_s=args.watch_s, limits=limits)
-    from gpu_jobs.serve.recall import AnswerRecall
+    from gpu_jobs.online.recall import AnswerRecall
 
     recall = AnswerRecall(None if publisher is None else args.redis, args.root, served.name)
     server = Server(served, publisher, settings, source=source, keys=keys, recall=recall)
@@ -263,8 +263,8 @@ def _die_after_commit(result) -> None:
 
 
 def cmd_feedback_consume(args) -> None:
-    from gpu_jobs.serve.broker import BrokerUnreachable
-    from gpu_jobs.serve.consumer import consume
+    from gpu_jobs.online.broker import BrokerUnreachable
+    from gpu_jobs.online.consumer import consume
 
     if not args.linger_ms >= 0:  # NaN too
         raise UserError(f"--linger-ms {args.linger_ms:g} is negative: give the milliseconds a batch may wait, or 0")
@@ -295,7 +295,7 @@ def cmd_feedback_consume(args) -> None:
 
 
 def cmd_feedback_dataset(args) -> None:
-    from gpu_jobs.serve.dataset import write_training_dataset
+    from gpu_jobs.online.dataset import write_training_dataset
     from storage.errors import InvalidNameError
 
     try:
@@ -311,7 +311,7 @@ def cmd_feedback_dataset(args) -> None:
 def cmd_feedback_forget(args) -> None:
     import getpass
 
-    from gpu_jobs.serve.governance import forget_user
+    from gpu_jobs.online.governance import forget_user
     from storage.errors import InvalidNameError
 
     try:

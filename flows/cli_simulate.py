@@ -1,6 +1,6 @@
 """`rlmill simulate`: simulated users ask a running `rlmill serve` the built-in task's held-out
 problems and rate every answer with a hidden preference (correct and short; see
-gpu_jobs/serve/simulate.py for the formula), posted to /v1/feedback.
+gpu_jobs/online/simulate.py for the formula), posted to /v1/feedback.
 
     rlmill simulate --url http://127.0.0.1:8000 --requests 64 --users 8 --seed 0
     rlmill simulate --url http://127.0.0.1:8000 --model arith --temperature 0 --thumbs
@@ -60,7 +60,7 @@ def check_args(args) -> None:
 
 def cmd_simulate(args) -> None:
     check_args(args)
-    from gpu_jobs.serve.simulate import SimulateError, format_table, plan_requests, served_model, simulate
+    from gpu_jobs.online.simulate import SimulateError, format_table, plan_requests, served_model, simulate
 
     try:
         model, version = served_model(args.url, args.model)  # before any work: is a server there?

@@ -7,7 +7,7 @@ promote the new one only if it is not worse.
 
 One night, as Prefect tasks and one `rl-training` subflow (each step is one plain function):
   1. new data: verl-format Parquet files under `new_data_prefix` (default <root>/incoming/<model>/)
-     that the last successful night did not process (storage.incoming); none -> a "nothing to do"
+     that the last successful night did not process (flows.nightly_state); none -> a "nothing to do"
      artifact, done;
   2. the gate: validate them (great-expectations, gpu_jobs.data.gates.validate_prompts);
   3. train: rl_training starting from the promoted version (models/<name>/CURRENT) or, before the
@@ -16,7 +16,7 @@ One night, as Prefect tasks and one `rl-training` subflow (each step is one plai
   5. decide: promote if new - promoted >= min_gain;
   6. promote (or, with canary_share > 0, start a canary: the version is published the same way and
      models/<name>/CANARY sends that share of live users to it until rl-canary's stated test
-     promotes or rolls it back, flows/canary.py; with nothing promoted yet, or a canary of another
+     promotes or rolls it back, flows/online/canary.py; with nothing promoted yet, or a canary of another
      candidate still running, see `_publish`): copy the HF folder to models/<name>/versions/<run id>
      through storage's commit primitive (every file verified, index last, create-only), then point CURRENT at it (a LoRA
      run's folder is its adapter + a pointer to its base; with export_merged_hf a plain merged
@@ -24,7 +24,7 @@ One night, as Prefect tasks and one `rl-training` subflow (each step is one plai
      a markdown artifact shows the decision and both scores;
   7. record: write models/<name>/nightly_state.json (only on success): which files are done.
 
-Steps 3-6 are one function, `train_and_gate`, which retraining on arrival (flows/retrain.py) calls
+Steps 3-6 are one function, `train_and_gate`, which retraining on arrival (flows/online/retrain.py) calls
 too: the two flows differ in where the data comes from, not in how a candidate is judged.
 
 A night that fails leaves the state untouched, so the next night sees the same files again and,
@@ -45,11 +45,11 @@ from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.config import load_run_config
-from flows.nightly_run_id import pick_run_id
+from flows.nightly_state import pick_run_id
 from flows.reporting import artifact_key, run_logger
 from storage import ModelLayout, RunLayout, copy_checkpoint, join, url_to_fs
-from storage.canary import CanaryPolicy, CanaryRunning, start_canary
-from storage.incoming import NewFile, list_new_files, read_state, record_success, state_url
+from gpu_jobs.online.canary import CanaryPolicy, CanaryRunning, start_canary
+from flows.nightly_state import NewFile, list_new_files, read_state, record_success, state_url
 
 if TYPE_CHECKING:
     from flows.config import RunConfig
@@ -242,7 +242,7 @@ def promote(src_url: str, models: ModelLayout, version: str, by: str = "nightly"
 
 def canary_version(src_url: str, models: ModelLayout, version: str, policy: CanaryPolicy, by: str) -> str | None:
     """Publish the checkpoint at `src_url` as version `version` (as promote_version does), then
-    start a canary of it against CURRENT (storage.canary.start_canary); returns the canary id, or
+    start a canary of it against CURRENT (gpu_jobs.online.canary.start_canary); returns the canary id, or
     None (logged) when a canary of another candidate runs: one is compared at a time, and this
     version waits, published, for a person (`rlmill models promote`). Safe to retry: the copy is
     create-only and a canary of the same candidate is the same one."""

@@ -1,5 +1,6 @@
-"""New training data landing under a prefix, and the state file recording which of it a model
-has already trained on (models/<name>/nightly_state.json). Used by the nightly flow.
+"""The nightly flow's own records: which new training files landed under a prefix, the state file
+recording which of them a model has already trained on (models/<name>/nightly_state.json), and
+which run a night trains as. Used by flows/nightly.py (and `rlmill models list`).
 
 Example:
     >>> from storage import ModelLayout
@@ -7,6 +8,12 @@ Example:
     >>> state = read_state(state_url(ModelLayout("memory://rlmill-doc", "arith")))
     >>> [f.rel for f in list_new_files("memory://rlmill-doc/in", state["processed"])]
     ['a.parquet']
+    >>> pick_run_id("20260101", {"processed": {}, "history": []}, ["s3://in/a.parquet"], "memory://rlmill-doc")
+    'nightly-20260101'
+
+These are the flow's rules, not storage's: storage gives the bytes (a pointer file replaced
+atomically, a listing) and the run layout; what a processed file is and how a night is named live
+here.
 """
 
 from __future__ import annotations
@@ -16,11 +23,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .config import StorageConfig
-from .fs import join, read_pointer, url_to_fs, write_pointer
-from .layout import ModelLayout
+from storage import ModelLayout, RunLayout, StorageConfig, join, read_pointer, url_to_fs, write_pointer
 
-__all__ = ["NewFile", "list_new_files", "state_url", "read_state", "write_state", "record_success",
+__all__ = ["NewFile", "list_new_files", "state_url", "read_state", "write_state", "record_success", "pick_run_id",
            "STATE_NAME", "HISTORY_KEPT"]
 
 STATE_NAME = "nightly_state.json"
@@ -90,3 +95,21 @@ def record_success(url: str, state: dict[str, Any], new: list[NewFile], record: 
     state["history"].append(record)
     state["last_success"] = {"night": record["night"], "run_id": record["run_id"], "finished_at": record["finished_at"]}
     write_state(url, state, storage)
+
+
+# ------------------------------------------------------------------------------------ run id
+def pick_run_id(night: str, state: dict[str, Any], train_files: list[str], root: str,
+                storage: StorageConfig | None = None) -> str:
+    """nightly-<night>, or -2, -3 ... when that id already finished or trained on other files: the
+    state file's history and the frozen run.json's `data.train_files` tell a failed night (same
+    files: it keeps its id, so it resumes) from a finished one.
+    """
+    done = {h.get("run_id") for h in state["history"]}
+    for n in range(1, 100):
+        run_id = f"nightly-{night}" + (f"-{n}" if n > 1 else "")
+        if run_id in done:
+            continue
+        frozen = RunLayout(root, run_id, storage).read_run_json()
+        if frozen is None or frozen["config"]["data"]["train_files"] == train_files:
+            return run_id
+    raise RuntimeError(f"more than 99 nightly runs on {night}: clean up {root}/runs/nightly-{night}*")

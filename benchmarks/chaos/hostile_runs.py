@@ -103,7 +103,7 @@ def _window(client: Client, seconds: float) -> tuple[float, float]:
 
 def _votes_per_choice(root: str, principal: str) -> int:
     """The most committed feedback rows of `principal` on one answer choice."""
-    from gpu_jobs.serve.dataset import read_segments
+    from gpu_jobs.online.dataset import read_segments
 
     _, feedback = read_segments(root, "builtin")
     per = Counter((f["answer_id"], f["index"]) for f in feedback if f.get("principal") == principal)

@@ -177,7 +177,7 @@ def _canary_records(models: Any) -> tuple[set[str], set[str]]:
     import json
 
     from storage import join, url_to_fs
-    from storage.canary import OUTCOMES_DIR, read_canary
+    from gpu_jobs.online.canary import OUTCOMES_DIR, read_canary
 
     fs, path = url_to_fs(join(models.root, OUTCOMES_DIR), models.storage)
     found = [p for p in fs.ls(path, detail=False) if p.endswith(".json")] if fs.exists(path) else []
@@ -189,10 +189,10 @@ def _canary_records(models: Any) -> tuple[set[str], set[str]]:
 
 def collect(root: str, model: str, storage: Any = None) -> Layout:
     """Read `model`'s segments, windows, done records, versions, canaries and answer log under `root`."""
-    from flows.retrain import feedback_pieces, window_rows
-    from gpu_jobs.serve.dataset import read_segments
+    from flows.online.retrain import feedback_pieces, window_rows
+    from gpu_jobs.online.dataset import read_segments
     from storage import INDEX_NAME, ModelLayout, committed, join
-    from storage.windows import WindowLog
+    from gpu_jobs.online.windows import WindowLog
 
     models = ModelLayout(root, model, storage)
     windows, done = WindowLog(models).read()

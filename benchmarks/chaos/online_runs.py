@@ -7,10 +7,10 @@ ever named promoted versions or the canary's candidate).
     .venv/bin/python -m benchmarks.chaos --only serve-restart-canary,broker-restart-online
     RLMILL_FAILPOINT=after-train:update:1 RLMILL_FAILPOINT_MARKER=/tmp/m \\
         .venv/bin/python -m benchmarks.chaos.online_runs retrain --model arith root=/tmp/rl ...
-        # `python -m flows.retrain` with a failpoint of benchmarks/chaos/failpoints.py armed
+        # `python -m flows.online.retrain` with a failpoint of benchmarks/chaos/failpoints.py armed
 
 Every process is a real one, started as a user or a deployment would: rl-retrain runs are
-`python -m flows.retrain` processes (through the wrapper above when a failpoint is armed) against
+`python -m flows.online.retrain` processes (through the wrapper above when a failpoint is armed) against
 the session's Prefect API; serve, the feedback consumer and redis-server (appendonly, fsync always)
 are serve_stack's. Faults happen at named points: a failpoint's marker, a committed segment, the
 simulated users' round having been drained and counted.
@@ -57,10 +57,10 @@ def seed_feedback(work: Path, root: str, n: int, model: str = RETRAIN_MODEL, ver
     serve publishes them to a real redis-server, committed by the consumer; returns the rows."""
     import redis
 
-    from gpu_jobs.serve.answers import new_answer_id
-    from gpu_jobs.serve.broker import STREAM
-    from gpu_jobs.serve.consumer import consume
-    from gpu_jobs.serve.events import answer_event, encode, feedback_event
+    from gpu_jobs.online.answers import new_answer_id
+    from gpu_jobs.online.broker import STREAM
+    from gpu_jobs.online.consumer import consume
+    from gpu_jobs.online.events import answer_event, encode, feedback_event
 
     broker = RedisServer(work).start()
     try:
@@ -100,7 +100,7 @@ def _retrain_setup(chaos: Chaos, name: str) -> tuple[Path, str, Path, Any]:
 
 def retrain(chaos: Chaos, work: Path, root: str, reward: Path, name: str, failpoint: str | None = None,
             release: Path | None = None) -> Proc:
-    """Start one rl-retrain run (`python -m flows.retrain` on the tiny run), armed at `failpoint`
+    """Start one rl-retrain run (`python -m flows.online.retrain` on the tiny run), armed at `failpoint`
     (its marker: work/marker-<name>; held until `release` exists, else until killed)."""
     from tests.tiny import tiny_overrides
 
@@ -110,7 +110,7 @@ def retrain(chaos: Chaos, work: Path, root: str, reward: Path, name: str, failpo
     env = chaos.env(failpoint, work / f"marker-{name}") if failpoint else chaos.env()
     if release is not None:
         env["RLMILL_FAILPOINT_RELEASE"] = str(release)
-    cmd = [sys.executable, "-m", "benchmarks.chaos.online_runs" if failpoint else "flows.retrain",
+    cmd = [sys.executable, "-m", "benchmarks.chaos.online_runs" if failpoint else "flows.online.retrain",
            *(["retrain"] if failpoint else []), *args]
     return Proc(f"retrain-{name}", cmd, work, env).start()
 
@@ -145,7 +145,7 @@ def retrain_trigger_twice(chaos: Chaos, fault: str) -> Outcome:
     trigger's second firing, starts and runs to its end ("in progress": the window's run lock is
     held by A); A is released and finishes; run C starts after A finished ("nothing new").
     Exactly one run trains the window."""
-    from storage.windows import WindowLog
+    from gpu_jobs.online.windows import WindowLog
 
     work, root, reward, models = _retrain_setup(chaos, "retrain-trigger-twice")
     release = work / "release-a"
@@ -181,9 +181,9 @@ def retrain_trigger_twice(chaos: Chaos, fault: str) -> Outcome:
 
 def retrain_kill_mid_run(chaos: Chaos, fault: str) -> Outcome:
     """The run is SIGKILLed with update 1 applied in memory (failpoint after-train:update:1, every
-    earlier stage committed); `python -m flows.retrain` again resumes it: the same window (run id,
+    earlier stage committed); `python -m flows.online.retrain` again resumes it: the same window (run id,
     segment URIs), nothing committed lost or changed, the run finished."""
-    from storage.windows import WindowLog
+    from gpu_jobs.online.windows import WindowLog
 
     from .audit import audit, snapshot
     from .harness import layout
@@ -224,7 +224,7 @@ def canary_stack(chaos: Chaos, name: str, share: float = 0.5, min_samples: int =
     built-in model) CURRENT, v1 (a copy) its canary's candidate with `share` of the users. Yields
     (serve_runs.Stack, ModelLayout, Canary) once serve names the canary on /health."""
     from storage import ModelLayout
-    from storage.canary import CanaryPolicy, start_canary
+    from gpu_jobs.online.canary import CanaryPolicy, start_canary
 
     from .serve_runs import Stack
 
@@ -262,7 +262,7 @@ def _wait_canary(s, canary_id: str) -> dict[str, Any]:
 
 
 def _simulate(s, requests: int, users: int, round: int):
-    from gpu_jobs.serve.simulate import plan_requests, simulate
+    from gpu_jobs.online.simulate import plan_requests, simulate
 
     return simulate(s.serve.base, plan_requests(requests, users, 0, round=round), model=SERVE_MODEL,
                     max_tokens=6, concurrency=2)
@@ -270,7 +270,7 @@ def _simulate(s, requests: int, users: int, round: int):
 
 def _arms(models: Any, canary: Any) -> tuple[int, int]:
     """(baseline, candidate) scored feedback rows as rl-canary counts them from the committed log."""
-    from flows.canary import measure
+    from flows.online.canary import measure
 
     v = measure(models, canary)
     return v.n_baseline, v.n_candidate
@@ -279,7 +279,7 @@ def _arms(models: Any, canary: Any) -> tuple[int, int]:
 def _expected(answers: list, canary: Any) -> tuple[tuple[int, int], list[str]]:
     """((baseline, candidate) answers the users rated, by the arm that answered; the users whose
     answers came from an arm other than the sticky split's -- or from both)."""
-    from gpu_jobs.serve.swap import route_key
+    from gpu_jobs.online.swap import route_key
 
     n = [0, 0]
     moved = set()
@@ -299,7 +299,7 @@ def serve_restart_canary(chaos: Chaos, fault: str, requests: int = 24, users: in
     """A round of simulated users during a canary, drained and counted; serve SIGKILLed and
     restarted on its port; a second round; the split (share, canary id), each user's arm and the
     arms' counts must be what they were, plus the second round's, once; rl-canary decides."""
-    from flows.canary import rl_canary
+    from flows.online.canary import rl_canary
 
     from .serve_runs import restart_on_same_port
 
@@ -412,9 +412,9 @@ ROWS = {
 
 
 def main(argv: list[str]) -> None:
-    """`retrain <flows.retrain args>` with RLMILL_FAILPOINT (benchmarks/chaos/failpoints.py) armed."""
+    """`retrain <flows.online.retrain args>` with RLMILL_FAILPOINT (benchmarks/chaos/failpoints.py) armed."""
     if not argv or argv[0] != "retrain":
-        sys.exit("usage: python -m benchmarks.chaos.online_runs retrain <python -m flows.retrain options>")
+        sys.exit("usage: python -m benchmarks.chaos.online_runs retrain <python -m flows.online.retrain options>")
     spec, marker = os.environ.get("RLMILL_FAILPOINT"), os.environ.get("RLMILL_FAILPOINT_MARKER")
     if spec:
         if not marker:
@@ -428,7 +428,7 @@ def main(argv: list[str]) -> None:
         except ValueError as exc:
             sys.exit(str(exc))
         install(spec, marker)
-    from flows.retrain import main as retrain_main
+    from flows.online.retrain import main as retrain_main
 
     retrain_main(argv[1:])
 

@@ -253,7 +253,7 @@ def _arm_before_commit(marker: str) -> None:
     import storage
 
     from flows.failpoints import hold
-    from gpu_jobs.serve.consumer import SEGMENT_KIND
+    from gpu_jobs.online.consumer import SEGMENT_KIND
 
     real = storage.commit
 

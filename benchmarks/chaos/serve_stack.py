@@ -184,7 +184,7 @@ def consumer(work: Path, root: str, redis_url: str, failpoint: str | None = None
 
 def stream_drained(redis_url: str) -> bool:
     """Every entry of the stream delivered to the consumer group and acknowledged (committed)."""
-    from gpu_jobs.serve.broker import GROUP, STREAM, connect
+    from gpu_jobs.online.broker import GROUP, STREAM, connect
 
     try:
         groups = connect(redis_url, check=False).xinfo_groups(STREAM)
@@ -321,8 +321,8 @@ class AnswerAudit:
 def committed_ids(root: str, model: str = MODEL, storage: Any = None) -> tuple[Counter, Counter]:
     """(answer id -> answer rows with choice 0, event id -> manifests listing it) over every
     committed segment of `model`; the rows are read back through storage's sha256 verifier."""
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifests
-    from gpu_jobs.serve.dataset import read_segments
+    from gpu_jobs.online.consumer import FEEDBACK_DIR, segment_manifests
+    from gpu_jobs.online.dataset import read_segments
     from storage import join
 
     events = Counter(e for m in segment_manifests(join(root, FEEDBACK_DIR, model), storage)
@@ -342,7 +342,7 @@ def audit_answers(root: str, answered: list[str], dropped: int = 0, model: str =
 
 def orphan_files(root: str, model: str = MODEL) -> int:
     """Parquet files under the model's feedback folder that no manifest lists (a killed attempt's)."""
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR
+    from gpu_jobs.online.consumer import FEEDBACK_DIR
 
     folder = Path(root) / FEEDBACK_DIR / model
     listed = {str(Path(m).parent / f) for m in folder.rglob("_MANIFEST.json")

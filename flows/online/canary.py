@@ -1,8 +1,8 @@
-"""The canary's decision: a candidate served to a sticky share of live traffic (storage/canary.py,
-gpu_jobs/serve/swap.py) is promoted or rolled back by a stated test on the two arms' feedback.
+"""The canary's decision: a candidate served to a sticky share of live traffic (gpu_jobs/online/canary.py,
+gpu_jobs/online/swap.py) is promoted or rolled back by a stated test on the two arms' feedback.
 
     prefect deployment run 'rl-canary/decide' -p model=arith -p root=s3://bucket/rl      # by hand
-    python -m flows.canary --model arith --root /tmp/rl
+    python -m flows.online.canary --model arith --root /tmp/rl
     rlmill models canary arith --root /tmp/rl                                              # the numbers now
 
 Started by its deployment trigger (deployments/prefect.yaml) on each `rlmill.feedback.segment.committed`
@@ -13,8 +13,8 @@ the feedback consumer emits for a model. One run:
      -> applied and finished, never decided again;
   3. the arms: every committed feedback row of the model given since the canary started, split
      by the version that answered (the `version` column): baseline = the record's baseline,
-     candidate = its candidate (gpu_jobs.serve.canary_stats.split_arms);
-  4. the test: gpu_jobs.serve.canary_stats.canary_test, a one-sided Welch t-test of
+     candidate = its candidate (gpu_jobs.online.canary_stats.split_arms);
+  4. the test: gpu_jobs.online.canary_stats.canary_test, a one-sided Welch t-test of
      non-inferiority with the record's min_samples, confidence, margin and max_duration_s;
   5. the decision: wait -> nothing changes; promote -> the outcome record (create-only), CURRENT
      -> candidate (history by "canary", its numbers as the reason), CANARY removed, serve swaps
@@ -34,9 +34,9 @@ from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.reporting import artifact_key
-from gpu_jobs.serve.canary_stats import CanaryVerdict, canary_test, split_arms
+from gpu_jobs.online.canary_stats import CanaryVerdict, canary_test, split_arms
 from storage import ModelLayout, join, url_to_fs
-from storage.canary import Canary, end_canary, read_canary, read_outcome, remove_canary
+from gpu_jobs.online.canary import Canary, end_canary, read_canary, read_outcome, remove_canary
 
 __all__ = ["DEPLOYMENT", "arm_feedback", "measure", "rl_canary", "settle", "verdict_markdown", "verdict_table"]
 
@@ -49,8 +49,8 @@ def arm_feedback(root: str, model: str, since: float, storage: Any = None) -> li
     """Every committed feedback row of `model` in the hour folders that can hold feedback given at
     or after `since` (Unix s): a segment's hour is its events' `created` hour, so older hours are
     not read. Costs one listing, then one listing and the manifests of each hour folder read."""
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR, SEGMENT_KIND, hour_of, manifest_rows, segment_manifests
-    from gpu_jobs.serve.governance import forgotten_users
+    from gpu_jobs.online.consumer import FEEDBACK_DIR, SEGMENT_KIND, hour_of, manifest_rows, segment_manifests
+    from gpu_jobs.online.governance import forgotten_users
     from storage import check_name
 
     base = join(root, FEEDBACK_DIR, check_name(model, "model name"))
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     import json
     import os
 
-    p = argparse.ArgumentParser(prog="python -m flows.canary", description="decide a model's running canary")
+    p = argparse.ArgumentParser(prog="python -m flows.online.canary", description="decide a model's running canary")
     p.add_argument("--model", default="arith")
     p.add_argument("--root", default=".rlmill")
     a = p.parse_args(argv)

@@ -3,7 +3,7 @@ event stream into storage, with its counts, lag and segments as artifacts and on
 per committed segment.
 
     prefect deployment run 'rl-feedback/consume' -p root=s3://bucket/rl -p redis_url=redis://host:6379/0
-    python -m flows.feedback schedule on        # start the deployment's every-minute schedule (off: pause it)
+    python -m flows.online.feedback schedule on        # start the deployment's every-minute schedule (off: pause it)
     rlmill feedback consume --root ROOT          # the same consumer as a plain command, no Prefect
 
 Why one flow run per drain (a deployment on a 60 s interval schedule, deployment concurrency 1)
@@ -16,7 +16,7 @@ rather than one long-running flow with a task run per segment:
 - A crash costs one drain, and nothing restarts it by hand: when the worker or its machine dies,
   the next scheduled run, under the same consumer name (`consumer`), reads that consumer's
   pending entries first, and the committed-ids index skips every event already committed
-  (gpu_jobs.serve.consumer): each event lands once. A long-running flow that crashes stays down
+  (gpu_jobs.online.consumer): each event lands once. A long-running flow that crashes stays down
   until an automation or a person starts it again.
 - Cost: a run is one process start on the worker (a few CPU seconds), once a minute. A run reads
   for `window_s` (default 40 s): it commits what waits, then keeps committing events as they
@@ -40,8 +40,8 @@ URI, so an event sent again for the same segment is stored and evaluated once by
 run's related resources (flow run, flow, deployment) are attached by Prefect.
 
 Readiness: since Prefect counts events, not rows, the rows are counted here. After each drain,
-for every model under <root>/feedback/, the run evaluates issue 26's rule (storage.windows.readiness
-via flows.retrain.window_readiness): at least `ready_rows` feedback rows that no finished retraining
+for every model under <root>/feedback/, the run evaluates issue 26's rule (gpu_jobs.online.windows.readiness
+via flows.online.retrain.window_readiness): at least `ready_rows` feedback rows that no finished retraining
 run trained on, or the oldest of them waiting `ready_after_s` seconds, whichever first. When it holds
 it emits `rlmill.feedback.window.ready` (resource rlmill.model.<name>; payload model, root, rows,
 oldest_age_s, reason), which starts 'rl-retrain/on-feedback' (its trigger in deployments/prefect.yaml).
@@ -59,12 +59,11 @@ from typing import Any
 from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NONE as NO_CACHE
 
-from flows.cli_serve import DEFAULT_REDIS
 from flows.reporting import artifact_key
 from storage.fs import redact_url
-from gpu_jobs.serve.broker import GROUP, STREAM, BrokerUnreachable, connect
-from gpu_jobs.serve.consumer import (FEEDBACK_DIR, QUARANTINE_DIR, QUARANTINE_KIND, ConsumeResult, GroupLag, Segment,
-                                     consume, group_lag)
+from gpu_jobs.online.broker import DEFAULT_REDIS, GROUP, STREAM, BrokerUnreachable, connect
+from gpu_jobs.online.consumer import (FEEDBACK_DIR, QUARANTINE_DIR, QUARANTINE_KIND, ConsumeResult, GroupLag, Segment,
+                                      consume, group_lag)
 
 __all__ = ["DEPLOYMENT", "QUARANTINE_EVENT", "READY_EVENT", "SEGMENT_EVENT", "counts_table", "ready_event", "rl_feedback", "segment_event",
            "segments_table", "summary_markdown"]
@@ -82,7 +81,7 @@ _EVENT_NS = uuid.UUID("5b0c6f2e-6a55-4d0a-9a7c-2f1d2f6b1e0a")
 def segment_event(segment: Segment, root: str) -> dict[str, Any]:
     """The keyword arguments of `prefect.events.emit_event` for one committed segment.
 
-    >>> from gpu_jobs.serve.consumer import SEGMENT_KIND
+    >>> from gpu_jobs.online.consumer import SEGMENT_KIND
     >>> e = segment_event(Segment("/r/feedback/arith/2026-12-02-10/segment-evt-1/_MANIFEST.json",
     ...                           SEGMENT_KIND, "arith", "2026-12-02-10", answers=3, feedback=2), "/r")
     >>> e["event"], e["resource"]["prefect.resource.id"], e["payload"]["feedback"]
@@ -109,9 +108,9 @@ def _emit(segment: Segment, root: str) -> None:
 
 def ready_event(model: str, root: str, readiness: Any) -> dict[str, Any]:
     """The keyword arguments of `prefect.events.emit_event` announcing that `model`'s feedback
-    window is ready (`readiness`: a storage.windows.Readiness that holds).
+    window is ready (`readiness`: a gpu_jobs.online.windows.Readiness that holds).
 
-    >>> from storage.windows import readiness
+    >>> from gpu_jobs.online.windows import readiness
     >>> e = ready_event("arith", "/r", readiness(300, 12.5, 256, 300.0))
     >>> e["event"], e["resource"]["prefect.resource.id"], e["payload"]["model"], e["payload"]["rows"]
     ('rlmill.feedback.window.ready', 'rlmill.model.arith', 'arith', 300)
@@ -223,7 +222,7 @@ def announce_ready(root: str, ready_rows: int, ready_after_s: float) -> dict[str
     """Emit READY_EVENT for every model whose feedback window is ready; returns model -> reason."""
     from prefect.events import emit_event
 
-    from flows.retrain import window_readiness
+    from flows.online.retrain import window_readiness
 
     ready = {}
     for model in feedback_models(root):
@@ -371,7 +370,7 @@ def set_schedule(active: bool, deployment: str = DEPLOYMENT) -> int:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m flows.feedback",
+    p = argparse.ArgumentParser(prog="python -m flows.online.feedback",
                                 description="turn the rl-feedback deployment's schedule on or off")
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
     sched = sub.add_parser("schedule", help="resume (on) or pause (off) the every-minute drain of rl-feedback/consume")

@@ -1,7 +1,7 @@
 """Replay for retraining on arrival: beside a feedback window, rows from older windows
 ("feedback") and from the user's cold-start data ("cold_start", the files in
 "cold_start_files"), each as a share of the window's rows, so an incremental update also sees what
-it learnt before (the online loop's cold-start/online mix). Used by flows/retrain.py.
+it learnt before (the online loop's cold-start/online mix). Used by flows/online/retrain.py.
 
     replay = {"feedback": 0.2, "cold_start": 0.1, "cold_start_files": ["s3://bucket/data/train.parquet"]}
     check_replay(replay)             # None, or the one line that refuses it
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from storage import ModelLayout, url_to_fs
-from storage.windows import Window, WindowLog
+from gpu_jobs.online.windows import Window, WindowLog
 
 __all__ = ["REPLAY_SOURCES", "check_replay", "replay_counts", "sample_rows", "older_rows", "cold_start_rows"]
 
@@ -66,7 +66,7 @@ def sample_rows(rows: list[Any], k: int, seed: int) -> list[Any]:
 
 def older_rows(root: str, model: str, window: Window, storage: Any) -> list[dict[str, Any]]:
     """The training rows of every window before `window` (each with its own ratings)."""
-    from gpu_jobs.serve.dataset import training_rows
+    from gpu_jobs.online.dataset import training_rows
 
     uris = [u for w in WindowLog(ModelLayout(root, model, storage)).windows() if w.seq < window.seq for u in w.uris]
     return training_rows(root, model, storage, feedback_from=uris) if uris else []

@@ -1,12 +1,12 @@
 """Retrain on arrival: when enough feedback waits, train the promoted model on exactly the feedback
 no earlier run trained on, score it against the promoted model on the fixed held-out set, and
 promote it only if it is not worse (the nightly gate) -- or, with canary_share > 0, send that share of
-live users to it and let rl-canary's stated test promote or roll it back (flows/canary.py).
+live users to it and let rl-canary's stated test promote or roll it back (flows/online/canary.py).
 
     prefect deployment run 'rl-retrain/on-feedback' -p model=arith -p root=s3://bucket/rl     # by hand
-    python -m flows.retrain --model arith root=/tmp/rl reward.custom_reward_function.path=my_reward.py
+    python -m flows.online.retrain --model arith root=/tmp/rl reward.custom_reward_function.path=my_reward.py
 
-Started by its deployment trigger (deployments/prefect.yaml): the feedback consumer (flows/feedback.py)
+Started by its deployment trigger (deployments/prefect.yaml): the feedback consumer (flows/online/feedback.py)
 emits `rlmill.feedback.window.ready` for a model after a drain when `readiness` holds -- at least
 `ready_rows` feedback rows no run has trained on, or the oldest of them waiting `ready_after_s`
 seconds -- and the trigger starts this flow with the event's model and root. The deployment's
@@ -17,13 +17,13 @@ One run, as Prefect tasks and one `rl-training` subflow:
   1. the reward check: the feedback rows' only ground truth is the logged answer's own text, so a
      built-in rule reward (which compares against a ground truth) is refused in one line (a config
      with a `preference:` section trains DPO/KTO on the window's ratings and needs no reward);
-  2. the window (storage.windows): the run's own window when it is a retry or resume (run_id
+  2. the window (gpu_jobs.online.windows): the run's own window when it is a retry or resume (run_id
      given, or a window whose run never finished), else a new one holding every committed
      feedback segment no window holds, committed create-only; none -> a "nothing new" artifact,
      Completed; its run training in another live process (its run lock held: the trigger fired
      again meanwhile) -> "in progress", Completed, nothing touched. The run id is
      retrain-<model>-w<seq>, so a resume finds its committed stages;
-  3. the rows: gpu_jobs.serve.dataset's training rows of the window's feedback, written once as a
+  3. the rows: gpu_jobs.online.dataset's training rows of the window's feedback, written once as a
      verl-format prompt file under models/<name>/retrain/<run id>/, through the nightly's gate --
      or, for a preference run, the window's DPO pairs / KTO examples (window_preferences) as a
      preference file, preference.val_size of them (at most a quarter) held out for val/acc;
@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, Any
 from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NONE as NO_CACHE
 
-from flows.replay import check_replay, cold_start_rows, older_rows, replay_counts, sample_rows
+from flows.online.replay import check_replay, cold_start_rows, older_rows, replay_counts, sample_rows
 from flows.reporting import artifact_key, run_logger
 from flows.run_lock import RunLock
 from storage import ModelLayout, join, url_to_fs
-from storage.windows import Piece, Readiness, Window, WindowLog, backlog, readiness
+from gpu_jobs.online.windows import Piece, Readiness, Window, WindowLog, backlog, readiness
 
 if TYPE_CHECKING:
     from flows.config import RunConfig
@@ -70,7 +70,7 @@ def run_id_for(model: str, seq: int) -> str:
 def feedback_pieces(root: str, model: str, storage: Any = None) -> list[Piece]:
     """Every committed feedback segment of `model` as a window piece: manifest URI, its rows
     (answers, feedback) and commit time. One listing plus one GET per segment manifest."""
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR, SEGMENT_KIND, segment_manifests
+    from gpu_jobs.online.consumer import FEEDBACK_DIR, SEGMENT_KIND, segment_manifests
     from storage import check_name
 
     out = []
@@ -92,12 +92,12 @@ def window_readiness(root: str, model: str, min_rows: int, max_wait_s: float, no
 
 
 def window_rows(root: str, model: str, window: Window, storage: Any = None) -> list[dict[str, Any]]:
-    """The verl-format training rows (gpu_jobs.serve.dataset.training_rows) of the answer choices
+    """The verl-format training rows (gpu_jobs.online.dataset.training_rows) of the answer choices
     that received feedback in `window`'s segments -- a preference's loser included -- oldest first,
     each carrying only this window's ratings. Each feedback event lies in one segment and each
     segment in one window, so every feedback row is trained in exactly one window; a choice rated
     again later is trained again then, with the later ratings."""
-    from gpu_jobs.serve.dataset import training_rows
+    from gpu_jobs.online.dataset import training_rows
 
     return training_rows(root, model, storage, feedback_from=window.uris)
 
@@ -362,7 +362,7 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
     over the window; eval_size, min_gain, heldout_files, export_merged_hf: the nightly's gate
     (flows/nightly.py); canary_share: > 0 starts a canary of a candidate that passed the gate, with
     that share of live users (0.0 promotes directly); canary_test: its test settings (min_samples,
-    confidence, margin, max_duration_s, method: welch | msprt; storage.canary.CanaryPolicy);
+    confidence, margin, max_duration_s, method: welch | msprt; gpu_jobs.online.canary.CanaryPolicy);
     replay: rows replayed per window row, by source (check_replay). A wrong parameter or reward
     ends the run Failed with one line and the fix, before any window is taken.
     """
@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from flows.cli import _quiet_env
 
-    p = argparse.ArgumentParser(prog="python -m flows.retrain", description="retrain a model on its next feedback window")
+    p = argparse.ArgumentParser(prog="python -m flows.online.retrain",
+                                description="retrain a model on its next feedback window")
     p.add_argument("--model", default="arith")
     p.add_argument("--config", default="examples/grpo_arith.yaml")
     p.add_argument("--run-id", default=None, help="retrain-<model>-w<seq>: retry that window (default: the next)")

@@ -1,21 +1,36 @@
-"""Serving the promoted model and collecting what users say about its answers.
+"""The online loop's work: serving the promoted model, collecting what users say about its
+answers, and the records that turn that feedback into retraining windows and canaries. Its flows
+(drain, retrain, decide) are flows/online/; the `rlmill serve|feedback|simulate` commands are
+flows/cli_serve.py and flows/cli_simulate.py.
 
     rlmill serve --model arith --root s3://bucket/rl --redis redis://127.0.0.1:6379/0 --watch-s 5
     rlmill feedback consume --root s3://bucket/rl --redis redis://127.0.0.1:6379/0
 
+Serving:
 - app.py: the OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions,
-  /v1/models, /v1/feedback, /health, /metrics.
+  /v1/models, /v1/feedback, /health, /metrics; protocol.py its request and response shapes,
+  streaming.py its server-sent events, auth.py and limits.py its keys, roles and limits.
 - model.py: which model and version to serve (models/<name>/CURRENT, or the built-in model), loaded.
 - swap.py: hot swap: CURRENT watched, a new version loaded beside the old one and switched to; a
-  request finishes on the version it started on, which its event names.
+  request finishes on the version it started on, which its event names; a running canary's
+  candidate served beside it to its share of ids.
 - batching.py: concurrent requests -> one `engine.generate` call per batch, in one worker thread.
-- answers.py: ids that carry their time, and the bounded index of recent answers feedback checks.
+- answers.py: ids that carry their time, and the bounded index of recent answers feedback checks;
+  recall.py: an older answer found again (the stream, then the committed log).
+Feedback:
 - events.py: the answer and feedback events, and the quality gate the consumer applies.
 - broker.py: Redis Streams: a response waits (bounded) until its event is XADDed; a slow or down
   broker never blocks answering: events wait in a bounded queue (counted as buffered), what does
   not fit is dropped, counted and logged.
-- consumer.py: the stream -> Parquet segments committed through storage's manifest, acked after.
+- consumer.py: the stream -> Parquet segments committed through storage's manifest, acked after;
+  deliveries.py: the consumer group's bookkeeping (redeliveries, lag, broker outages).
 - dataset.py: answers joined with their feedback as verl-format training rows.
+- governance.py: forgetting a user, and a version's lineage back to the feedback it trained on.
+- simulate.py: simulated users against a running server (`rlmill simulate`).
+Windows and canaries (records under models/<name>/, written create-only with storage's primitives):
+- windows.py: which committed feedback a retraining run trained on, each piece exactly once.
+- canary.py: a candidate's sticky share of live traffic, and the outcome that ended it.
+- canary_stats.py: the stated test on the two arms' feedback (Welch, mSPRT).
 
 Importing this package is light: torch and the engines load when a server is built.
 """

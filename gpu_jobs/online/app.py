@@ -53,15 +53,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpu_jobs.serve.answers import AnswerIndex, KnownAnswer, id_time, new_answer_id
-from gpu_jobs.serve.batching import Batcher, QueueFull
-from gpu_jobs.serve.events import answer_event, feedback_event
-from gpu_jobs.serve.limits import Gate, RateLimiter, ServeLimits, client_key, principal_of
-from gpu_jobs.serve.protocol import (ApiError, ChatRequest, CompletionRequest, FeedbackRequest, ParamError,
-                                     chat_response, check_token_ids, completion_response, error_body, make_choices,
-                                     refused_param, sampling_of)
-from gpu_jobs.serve.streaming import sse_answer
-from gpu_jobs.serve.swap import Generation, HotSwap, route_key
+from gpu_jobs.online.answers import AnswerIndex, KnownAnswer, id_time, new_answer_id
+from gpu_jobs.online.batching import Batcher, QueueFull
+from gpu_jobs.online.events import answer_event, feedback_event
+from gpu_jobs.online.limits import Gate, RateLimiter, ServeLimits, client_key, principal_of
+from gpu_jobs.online.protocol import (ApiError, ChatRequest, CompletionRequest, FeedbackRequest, ParamError,
+                                      chat_response, check_token_ids, completion_response, error_body, make_choices,
+                                      refused_param, sampling_of)
+from gpu_jobs.online.streaming import sse_answer
+from gpu_jobs.online.swap import Generation, HotSwap, route_key
 
 __all__ = ["Server", "ServeSettings", "create_app"]
 

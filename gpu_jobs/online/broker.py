@@ -33,12 +33,13 @@ import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 
-from gpu_jobs.serve.events import encode
+from gpu_jobs.online.events import encode
 
-__all__ = ["STREAM", "GROUP", "BrokerUnreachable", "EventPublisher", "connect"]
+__all__ = ["DEFAULT_REDIS", "STREAM", "GROUP", "BrokerUnreachable", "EventPublisher", "connect"]
 
 log = logging.getLogger("rlmill.serve")
 
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"  # the broker `rlmill serve` and the consumer use unless told
 STREAM = "rlmill:events"
 PASSWORD_ENV = "RLMILL_REDIS_PASSWORD"
 GROUP = "rlmill-feedback"

@@ -32,17 +32,18 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import ObjectExistsError
-from .fs import join, url_to_fs, write_once
-from .layout import ModelLayout, check_name
+from gpu_jobs.online.canary_stats import METHODS
+from storage.errors import ObjectExistsError
+from storage.fs import join, url_to_fs, write_once
+from storage.layout import ModelLayout, check_name
 
 __all__ = ["Canary", "CanaryPolicy", "CanaryRunning", "CANARY_NAME", "OUTCOMES_DIR", "canary_url", "end_canary",
            "last_outcome", "read_canary", "read_outcome", "remove_canary", "start_canary", "split_point"]
 
 CANARY_NAME = "CANARY"
 OUTCOMES_DIR = "canaries"
-OUTCOMES = ("promote", "rollback")
-CANARY_METHODS = ("welch", "msprt")  # the tests gpu_jobs/serve/canary_stats.py registers (storage does not import it)  # what the stated test decides; a person's end is "rollback" too
+OUTCOMES = ("promote", "rollback")  # what the stated test decides; a person's end is "rollback" too
+CANARY_METHODS = tuple(METHODS)  # the stated tests canary_stats.py registers
 
 
 class CanaryRunning(ValueError):
@@ -51,7 +52,7 @@ class CanaryRunning(ValueError):
 
 @dataclass(frozen=True)
 class CanaryPolicy:
-    """How much traffic a candidate gets and what the stated test needs (gpu_jobs/serve/canary_stats.py).
+    """How much traffic a candidate gets and what the stated test needs (canary_stats.py).
 
     >>> CanaryPolicy(share=0.1).min_samples, CanaryPolicy(share=0.1).margin
     (100, 0.05)
@@ -64,7 +65,7 @@ class CanaryPolicy:
     max_duration_s: float = 86400.0  # after this, the canary ends: promote if the test passes, else roll back
     # welch: a fixed-sample t-test at min_samples; msprt: an always-valid sequential test that may
     # decide at any look after min_samples and rolls back once the candidate is shown worse
-    # (gpu_jobs/serve/canary_stats.py METHODS)
+    # (canary_stats.METHODS)
     method: str = "welch"
 
     def __post_init__(self):
@@ -194,7 +195,7 @@ def end_canary(models: ModelLayout, canary: Canary, outcome: str, numbers: dict[
     """Commit the outcome of `canary` (models/<name>/canaries/<id>.json, create-only); returns the
     outcome record -- the one already committed when another decider got there first (its
     decision stands, whatever `outcome` says here). The caller then applies it (moves CURRENT on a
-    promote) and calls remove_canary (flows/canary.py)."""
+    promote) and calls remove_canary (flows/online/canary.py)."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome {outcome!r}: one of {', '.join(OUTCOMES)}")
     record = {"canary": asdict(canary), "outcome": outcome, "by": by, "numbers": numbers,

@@ -47,12 +47,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gpu_jobs.serve.answers import id_time
-from gpu_jobs.serve.broker import GROUP, STREAM, BrokerUnreachable, connect
-from gpu_jobs.serve.deliveries import (CLAIM_IDLE_S, MAX_DELIVERIES, Deliveries, GroupLag, Outage, group_lag,
-                                      id_time_of_stream, trim_acknowledged)
-from gpu_jobs.serve.events import (answers_table, check_event, decode, feedback_table, gate_columns,
-                                   gate_expectations, quarantine_table)
+from gpu_jobs.online.answers import id_time
+from gpu_jobs.online.broker import GROUP, STREAM, BrokerUnreachable, connect
+from gpu_jobs.online.deliveries import (CLAIM_IDLE_S, MAX_DELIVERIES, Deliveries, GroupLag, Outage, group_lag,
+                                        id_time_of_stream, trim_acknowledged)
+from gpu_jobs.online.events import (answers_table, check_event, decode, feedback_table, gate_columns,
+                                    gate_expectations, quarantine_table)
 
 __all__ = ["FEEDBACK_DIR", "QUARANTINE_DIR", "QUARANTINE_KIND", "SEGMENT_KIND", "ConsumeResult", "GroupLag",
            "Segment", "consume", "group_lag", "hour_of", "manifest_rows", "segment_manifests"]

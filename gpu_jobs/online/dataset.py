@@ -35,9 +35,9 @@ def read_segments(root: str, model: str, storage=None,
     later segment than its answer)."""
     from storage import check_name, join
 
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR, manifest_rows, segment_manifests
+    from gpu_jobs.online.consumer import FEEDBACK_DIR, manifest_rows, segment_manifests
 
-    from gpu_jobs.serve.governance import forgotten_users
+    from gpu_jobs.online.governance import forgotten_users
 
     answers, feedback = [], []
     wanted = None if feedback_from is None else set(feedback_from)
@@ -57,7 +57,7 @@ def training_rows(root: str, model: str, storage=None,
     `feedback_from` (segment manifest URIs: a retrain window), only the feedback of those segments
     counts, so a choice rated in two windows carries each window's ratings in that window's rows.
     One vote per voter, choice and kind of signal (canary_stats.one_vote_each: the latest)."""
-    from gpu_jobs.serve.canary_stats import one_vote_each
+    from gpu_jobs.online.canary_stats import one_vote_each
 
     answers, feedback = read_segments(root, model, storage, feedback_from)
     feedback = one_vote_each(feedback)  # repeated votes of one voter on one choice count once

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_jobs.serve.broker import GROUP, STREAM, connect
-from gpu_jobs.serve.events import event_json
+from gpu_jobs.online.broker import GROUP, STREAM, connect
+from gpu_jobs.online.events import event_json
 
 __all__ = ["DEAD_SUFFIX", "MAX_DELIVERIES", "CLAIM_IDLE_S", "Deliveries", "GroupLag", "Outage", "dead_letters", "group_lag",
            "id_time_of_stream", "trim_acknowledged"]

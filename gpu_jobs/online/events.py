@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from gpu_jobs.serve.answers import new_event_id
+from gpu_jobs.online.answers import new_event_id
 
 __all__ = ["ANSWER_SCHEMA", "FEEDBACK_SCHEMA", "QUARANTINE_SCHEMA", "answer_event", "feedback_event",
            "check_event", "event_problem", "gate_columns", "gate_expectations", "encode", "decode", "answers_table",

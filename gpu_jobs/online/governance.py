@@ -6,13 +6,13 @@
 
 Committed feedback segments are immutable (create-only manifests), so forgetting is a record, not
 an edit: `<root>/feedback/_forget/<utc time>-<id>.json`, written create-only, names the user. Every
-reader of segments (gpu_jobs.serve.dataset.read_segments: training rows, retrain windows, replay,
+reader of segments (gpu_jobs.online.dataset.read_segments: training rows, retrain windows, replay,
 the feedback dataset, the canary's arms) leaves out the answers and feedback of a forgotten user,
 so no window trained after the request sees them. The bytes stay in the segments until retention
 removes the hour folders; what the request could not undo -- versions already trained on the
 user's rows -- `forget_user` reports and `lineage` lists (`forgotten_reached`).
 
-Lineage reads the retrain windows (storage.windows): each window's done record names its run, its
+Lineage reads the retrain windows (gpu_jobs.online.windows): each window's done record names its run, its
 segments and the version it promoted; the segments name their rows, their users and their times.
 """
 
@@ -64,7 +64,7 @@ class VersionLineage:
 
 
 def _forget_dir(root: str) -> str:
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR
+    from gpu_jobs.online.consumer import FEEDBACK_DIR
     from storage import join
 
     return join(root, FEEDBACK_DIR, FORGET_DIR)
@@ -115,7 +115,7 @@ def forget_user(root: str, user: str, *, requested_by: str | None = None, reason
 
 def _models(root: str, storage: Any) -> list[str]:
     """The models with committed feedback under `root`."""
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR
+    from gpu_jobs.online.consumer import FEEDBACK_DIR
     from storage import join, url_to_fs
 
     fs, path = url_to_fs(join(root, FEEDBACK_DIR), storage)
@@ -127,14 +127,14 @@ def _models(root: str, storage: Any) -> list[str]:
 
 def _segment_rows(uri: str, storage: Any) -> list[dict[str, Any]]:
     """Answer and feedback rows of one committed segment (verified on read)."""
-    from gpu_jobs.serve.consumer import manifest_rows
+    from gpu_jobs.online.consumer import manifest_rows
     from storage import read_manifest
 
     return manifest_rows(read_manifest(uri, storage), storage=storage)
 
 
 def _user_rows(root: str, model: str, user: str, storage: Any) -> int:
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifests
+    from gpu_jobs.online.consumer import FEEDBACK_DIR, segment_manifests
     from storage import join
 
     return sum(1 for m in segment_manifests(join(root, FEEDBACK_DIR, model), storage)
@@ -146,9 +146,9 @@ def lineage(root: str, model: str, version: str | None = None, storage: Any = No
     """For each version the retrain windows promoted (or `version` only): the windows it was
     trained on, their segments, feedback rows, distinct users, and the forgotten users whose rows
     they trained on (a forget asked after the window was opened). Oldest version first."""
-    from gpu_jobs.serve.canary_stats import voter
+    from gpu_jobs.online.canary_stats import voter
     from storage.layout import ModelLayout
-    from storage.windows import WindowLog
+    from gpu_jobs.online.windows import WindowLog
 
     asked = {r.user: dt.datetime.fromisoformat(r.requested_at) for r in forget_requests(root, storage)}
     asked.update(extra_forgotten or {})

@@ -142,7 +142,7 @@ def _header(scope: dict, name: bytes) -> str | None:
 
 async def _send_error(send, status: int, message: str, kind: str = "invalid_request_error",
                   headers: dict[str, str] | None = None) -> None:
-    from gpu_jobs.serve.protocol import error_body
+    from gpu_jobs.online.protocol import error_body
 
     body = json.dumps(error_body(status, message, None, kind)).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -156,7 +156,7 @@ class Gate:
 
     def __init__(self, app: Any, *, keys: Any = None, limits: ServeLimits = ServeLimits(),
                  rates: RateLimiter | None = None, refused: dict[int, int] | None = None):
-        from gpu_jobs.serve.auth import OPEN_PATHS, role_of
+        from gpu_jobs.online.auth import OPEN_PATHS, role_of
 
         self.app, self.keys, self.limits = app, keys, limits
         self.rates = rates or RateLimiter(limits)

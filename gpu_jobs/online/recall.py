@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_jobs.serve.answers import KnownAnswer, id_time
+from gpu_jobs.online.answers import KnownAnswer, id_time
 
 __all__ = ["AnswerRecall", "SCAN_AFTER_S", "SCAN_MAX"]
 
@@ -56,8 +56,8 @@ class AnswerRecall:
     def _in_stream(self, answer_id: str, born: float) -> KnownAnswer | None:
         if self.redis_url is None:
             return None
-        from gpu_jobs.serve.broker import connect
-        from gpu_jobs.serve.events import decode
+        from gpu_jobs.online.broker import connect
+        from gpu_jobs.online.events import decode
 
         client = connect(self.redis_url, check=False)
         start, end = int((born - SCAN_BEFORE_S) * 1000), int((born + SCAN_AFTER_S) * 1000)
@@ -72,7 +72,7 @@ class AnswerRecall:
     def _in_storage(self, answer_id: str, born: float) -> KnownAnswer | None:
         if self.root is None:
             return None
-        from gpu_jobs.serve.consumer import FEEDBACK_DIR, hour_of, manifest_rows, segment_manifests
+        from gpu_jobs.online.consumer import FEEDBACK_DIR, hour_of, manifest_rows, segment_manifests
         from storage import check_name, join
 
         for hour in (hour_of(born), hour_of(born - 3600)):

@@ -83,7 +83,7 @@ async def sse_answer(kind: str, head: dict, prompt_ids: list[int], n: int, token
     (protocol.make_choices) add, finish reasons, usage, and `[DONE]`. `finish(choices)` logs the
     answer once, before `[DONE]`; `held` (the request's lease on its version) is released when the
     stream ends, however it ends."""
-    from gpu_jobs.serve.protocol import _pieces, _usage, make_choices
+    from gpu_jobs.online.protocol import _pieces, _usage, make_choices
 
     with held:
         text = TokenText(n, tokenizer, stops)
@@ -122,6 +122,6 @@ async def sse_answer(kind: str, head: dict, prompt_ids: list[int], n: int, token
 
 def _error(status: int, message: str, kind: str) -> str:
     """An error inside a stream whose status line (200) is already sent, in OpenAI's shape."""
-    from gpu_jobs.serve.protocol import error_body
+    from gpu_jobs.online.protocol import error_body
 
     return f"data: {json.dumps(error_body(status, message, None, kind))}\n\n"

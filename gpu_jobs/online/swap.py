@@ -22,7 +22,7 @@ A version that fails to load is logged once (one `rlmill: ...` line), counted
 serving. CURRENT that cannot be read (storage down) or is missing is logged when it starts and
 counted (`watch_errors`); serving goes on. The built-in model has nothing to watch.
 
-The canary (storage/canary.py): while models/<name>/CANARY names a candidate other than the served
+The canary (gpu_jobs/online/canary.py): while models/<name>/CANARY names a candidate other than the served
 version, a second generation holds the candidate, loaded the same way (at start, and by the
 watcher when CANARY appears or changes). A request whose route key (`route_key`: its `user`, else
 its `session_id`) falls in the record's share (`Canary.routes_to_candidate`, a pure hash of the
@@ -61,8 +61,8 @@ def route_key(user: str | None, session_id: str | None) -> str | None:
 class Generation:
     """One loaded version and the requests holding it."""
 
-    served: Any  # a gpu_jobs.serve.model.ServedModel
-    batcher: Any  # a gpu_jobs.serve.batching.Batcher over served.engine
+    served: Any  # a gpu_jobs.online.model.ServedModel
+    batcher: Any  # a gpu_jobs.online.batching.Batcher over served.engine
     in_flight: int = 0
     retired: bool = False
     closed: threading.Event = field(default_factory=threading.Event)
@@ -97,7 +97,7 @@ class HotSwap:
         self._retired_batches = {"requests": 0, "batches": 0, "sequences": 0}
         self._counts = {"swaps": 0, "swap_failures": 0, "watch_polls": 0, "watch_errors": 0}
         self._canary: Generation | None = None  # the candidate's generation while a canary routes to it
-        self._canary_record: Any = None  # its storage.canary.Canary
+        self._canary_record: Any = None  # its gpu_jobs.online.canary.Canary
         self._canary_seen: str | None = None  # the canary id CANARY named at the last read (None: none)
         self._canary_failing = False
         self._arms = {"baseline": 0, "candidate": 0}  # requests leased per arm
@@ -124,7 +124,7 @@ class HotSwap:
 
     @property
     def canary(self) -> Any:
-        """The storage.canary.Canary requests are routed by now, or None."""
+        """The gpu_jobs.online.canary.Canary requests are routed by now, or None."""
         return self._canary_record
 
     @contextlib.contextmanager
@@ -226,7 +226,7 @@ class HotSwap:
         """One read of models/<name>/CANARY: "same", "started" (the candidate loaded and routed
         to), "ended" (its generation retired), "failed" (the candidate did not load; not tried
         again until CANARY changes), "unreadable", or "none" (no canary, none running)."""
-        from storage.canary import read_canary
+        from gpu_jobs.online.canary import read_canary
 
         try:
             record = read_canary(self._models())

@@ -23,7 +23,7 @@ Why this is exactly once:
   claimed again.
 
 Storage knows nothing about what a piece holds: the caller lists them (`Piece`: URI, row counts,
-commit time) -- for feedback, gpu_jobs.serve.consumer.segment_manifests.
+commit time) -- for feedback, gpu_jobs.online.consumer.segment_manifests.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from .errors import ObjectExistsError
-from .fs import join, url_to_fs, write_once
-from .layout import ModelLayout, check_name
+from storage.errors import ObjectExistsError
+from storage.fs import join, url_to_fs, write_once
+from storage.layout import ModelLayout, check_name
 
 __all__ = ["Piece", "Window", "WindowLog", "Readiness", "readiness", "backlog", "WINDOWS_DIR"]
 

@@ -31,10 +31,10 @@ def test_bad_options_are_refused_naming_the_flag(argv, named, capsys):
 def test_load_feedback_latency_and_audit_on_a_real_broker(tmp_path):
     import torch
 
-    from gpu_jobs.serve.app import Server
-    from gpu_jobs.serve.broker import EventPublisher
-    from gpu_jobs.serve.consumer import consume
-    from gpu_jobs.serve.model import load_served_model
+    from gpu_jobs.online.app import Server
+    from gpu_jobs.online.broker import EventPublisher
+    from gpu_jobs.online.consumer import consume
+    from gpu_jobs.online.model import load_served_model
     from tests.serve.conftest import running
 
     torch.set_num_threads(1)

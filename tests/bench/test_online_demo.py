@@ -59,7 +59,7 @@ def test_wrong_settings_are_one_line_before_any_work():
 @pytest.mark.e2e  # two retrain cycles with a canary through real serve and redis: minutes on 2 busy cores
 def test_two_cycles_with_a_planted_bad_candidate(tmp_path):
     from storage import ModelLayout
-    from storage.canary import read_canary
+    from gpu_jobs.online.canary import read_canary
 
     # 4 passes at 3e-4 over the 32-row window: the flipped candidate is far worse live (a weaker
     # one, 2 passes at 1e-4, once passed a 0.05 margin on 16 samples); margin 0.02 makes the test strict.

@@ -11,7 +11,7 @@ from gpu_jobs.registry import UnknownNameError
 
 def row(aid: str, index: int = 0, *, prompt: str = "12+34=", response: str = "46", ids=None, thumbs=(),
         reward=None, preferred_over=(), version: str = "v1") -> dict:
-    """A row shaped like gpu_jobs.serve.dataset.training_rows' (the fields the builders read)."""
+    """A row shaped like gpu_jobs.online.dataset.training_rows' (the fields the builders read)."""
     return {"prompt": [{"role": "user", "content": prompt}], "data_source": "rlmill/feedback/arith",
             "extra_info": {"answer_id": aid, "index": index, "version": version, "response": response,
                            "response_ids": list(ids if ids is not None else [ord(c) for c in response]),
@@ -130,9 +130,9 @@ def test_from_committed_feedback_segments(tmp_path):
     """Answers and feedback committed as the consumer commits them, read by training_rows."""
     import time
 
-    from gpu_jobs.serve.consumer import FEEDBACK_DIR, SEGMENT_KIND, _commit_segment, hour_of
-    from gpu_jobs.serve.dataset import training_rows
-    from gpu_jobs.serve.events import answer_event, answers_table, feedback_event, feedback_table
+    from gpu_jobs.online.consumer import FEEDBACK_DIR, SEGMENT_KIND, _commit_segment, hour_of
+    from gpu_jobs.online.dataset import training_rows
+    from gpu_jobs.online.events import answer_event, answers_table, feedback_event, feedback_table
 
     now = time.time()
     choices = [{"index": i, "text": t, "token_ids": [ord(c) for c in t], "logprobs": [-0.5] * len(t),

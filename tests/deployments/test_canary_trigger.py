@@ -1,4 +1,4 @@
-"""rl-canary/decide (deployments/prefect.yaml, flows/canary.py) as `make deploy` creates it: one
+"""rl-canary/decide (deployments/prefect.yaml, flows/online/canary.py) as `make deploy` creates it: one
 decider at a time (CANCEL_NEW) and a trigger on rlmill.feedback.segment.committed; and (e2e) the
 journey through the worker: a canary runs, users rate both arms, the feedback consumer's deployment
 commits the segment, its event starts rl-canary/decide, and the decision promotes the candidate.
@@ -23,10 +23,10 @@ def _decide(api):
 
 
 def test_canary_deployment_is_triggered_by_each_committed_segment_one_at_a_time(deployed, api, tools):
-    from flows.feedback import SEGMENT_EVENT
+    from flows.online.feedback import SEGMENT_EVENT
 
     d = _decide(api)
-    assert d.entrypoint == "flows/canary.py:rl_canary" and d.work_pool_name == tools.pool
+    assert d.entrypoint == "flows/online/canary.py:rl_canary" and d.work_pool_name == tools.pool
     tools.check_model_trigger(api, d, TRIGGER, SEGMENT_EVENT)
 
 
@@ -35,9 +35,9 @@ def _plant(url: str, arms: dict[str, tuple[int, int]]) -> int:
     `rlmill serve` puts them (one user per answer); returns the feedback events written."""
     import redis
 
-    from gpu_jobs.serve.answers import new_answer_id
-    from gpu_jobs.serve.broker import STREAM
-    from gpu_jobs.serve.events import answer_event, encode, feedback_event
+    from gpu_jobs.online.answers import new_answer_id
+    from gpu_jobs.online.broker import STREAM
+    from gpu_jobs.online.events import answer_event, encode, feedback_event
 
     r, n = redis.Redis.from_url(url), 0
     for version, (ups, downs) in arms.items():
@@ -58,7 +58,7 @@ def _plant(url: str, arms: dict[str, tuple[int, int]]) -> int:
 @pytest.mark.e2e  # two flow-run processes through the worker (the drain, then the decider its event starts)
 def test_a_committed_segment_starts_the_decision_that_promotes_the_candidate(prefect_worker, api, tools, tmp_path):
     from storage import ModelLayout
-    from storage.canary import CanaryPolicy, read_canary, read_outcome, start_canary
+    from gpu_jobs.online.canary import CanaryPolicy, read_canary, read_outcome, start_canary
     from tests.serve.conftest import redis_server
 
     root = tmp_path / "store"

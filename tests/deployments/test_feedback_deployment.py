@@ -1,4 +1,4 @@
-"""rl-feedback/consume (deployments/prefect.yaml, flows/feedback.py) as `make deploy` creates it:
+"""rl-feedback/consume (deployments/prefect.yaml, flows/online/feedback.py) as `make deploy` creates it:
 an every-minute schedule deployed paused, deployment concurrency 1 that cancels a run that would
 overlap; and (e2e) a deployment run through the worker draining a real redis-server.
 
@@ -12,17 +12,17 @@ import json
 
 import pytest
 
-from gpu_jobs.serve.broker import GROUP, STREAM
+from gpu_jobs.online.broker import GROUP, STREAM
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
 
 def test_feedback_deployment_is_paused_every_minute_one_at_a_time(deployed, api, tools):
-    from flows.feedback import DEPLOYMENT, rl_feedback
+    from flows.online.feedback import DEPLOYMENT, rl_feedback
 
     d = api(lambda c: c.read_deployment_by_name(DEPLOYMENT))
     assert DEPLOYMENT == f"{rl_feedback.name}/consume"
-    assert d.entrypoint == "flows/feedback.py:rl_feedback" and d.work_pool_name == tools.pool
+    assert d.entrypoint == "flows/online/feedback.py:rl_feedback" and d.work_pool_name == tools.pool
     assert d.parameters == {"root": ".rlmill", "redis_url": "redis://127.0.0.1:6379/0", "window_s": 40}
     (sched,) = d.schedules
     assert sched.schedule.interval == dt.timedelta(seconds=60) and not sched.active
@@ -35,8 +35,8 @@ def test_feedback_deployment_is_paused_every_minute_one_at_a_time(deployed, api,
 def test_feedback_deployment_run_drains_the_stream(prefect_worker, api, tools, tmp_path):
     import redis
 
-    from gpu_jobs.serve.answers import new_answer_id
-    from gpu_jobs.serve.events import encode, feedback_event
+    from gpu_jobs.online.answers import new_answer_id
+    from gpu_jobs.online.events import encode, feedback_event
     from tests.serve.conftest import redis_server
 
     root = tmp_path / "store"

@@ -1,4 +1,4 @@
-"""The nightly flow's plain functions (and the storage.incoming ones it uses) and the deployment
+"""The nightly flow's plain functions (and the flows.nightly_state ones it uses) and the deployment
 files, without a Prefect server.
 
     .venv/bin/python -m pytest -q tests/deployments/test_nightly_unit.py
@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from flows import nightly as N
+from flows import nightly_state as I
 from storage import ModelLayout, RunLayout
-from storage import incoming as I
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,7 +93,7 @@ def test_state_roundtrip(tmp_path):
 
 
 def test_pick_run_id(tmp_path):
-    from flows.nightly_run_id import pick_run_id
+    from flows.nightly_state import pick_run_id
 
     root = str(tmp_path)
     state = {"processed": {}, "history": []}
@@ -105,6 +105,12 @@ def test_pick_run_id(tmp_path):
     assert pick_run_id("20260101", state, ["f2"], root) == "nightly-20260101-2"
     state["history"].append({"run_id": "nightly-20260101"})
     assert pick_run_id("20260101", state, ["f1"], root) == "nightly-20260101-2"
+
+
+def test_nightly_state_docstring_examples():
+    import doctest
+
+    assert doctest.testmod(I, optionflags=doctest.ELLIPSIS).failed == 0
 
 
 # ------------------------------------------------------------------------------------ promotion

@@ -1,4 +1,4 @@
-"""rl-retrain/on-feedback (deployments/prefect.yaml, flows/retrain.py) as `make deploy` creates it:
+"""rl-retrain/on-feedback (deployments/prefect.yaml, flows/online/retrain.py) as `make deploy` creates it:
 one run at a time (CANCEL_NEW) and a trigger on rlmill.feedback.window.ready; and (e2e) the whole
 journey through the worker: the feedback consumer's deployment commits segments and announces the
 window, the trigger starts rl-retrain, the announcement repeated twice more, and exactly one run
@@ -22,16 +22,16 @@ REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=
 
 
 def _retrain(api):
-    from flows.retrain import DEPLOYMENT
+    from flows.online.retrain import DEPLOYMENT
 
     return api(lambda c: c.read_deployment_by_name(DEPLOYMENT))
 
 
 def test_retrain_deployment_is_triggered_by_the_ready_event_one_at_a_time(deployed, api, tools):
-    from flows.feedback import READY_EVENT
+    from flows.online.feedback import READY_EVENT
 
     d = _retrain(api)
-    assert d.entrypoint == "flows/retrain.py:rl_retrain" and d.work_pool_name == tools.pool
+    assert d.entrypoint == "flows/online/retrain.py:rl_retrain" and d.work_pool_name == tools.pool
     tools.check_model_trigger(api, d, "rlmill retrain on arrival (feedback window ready)", READY_EVENT)
 
 
@@ -40,12 +40,12 @@ def test_committed_feedback_fires_one_retraining(prefect_worker, api, tools, tmp
     import redis
     from prefect.client.schemas.actions import DeploymentUpdate
 
-    from flows.feedback import READY_EVENT
-    from gpu_jobs.serve.answers import new_answer_id
-    from gpu_jobs.serve.broker import STREAM
-    from gpu_jobs.serve.events import answer_event, encode, feedback_event
+    from flows.online.feedback import READY_EVENT
+    from gpu_jobs.online.answers import new_answer_id
+    from gpu_jobs.online.broker import STREAM
+    from gpu_jobs.online.events import answer_event, encode, feedback_event
     from storage import ModelLayout
-    from storage.windows import WindowLog
+    from gpu_jobs.online.windows import WindowLog
     from tests.serve.conftest import redis_server
 
     root = tmp_path / "store"

@@ -1,5 +1,5 @@
 """The rl-canary flow on local storage, deciding from feedback segments the consumer committed (a
-real redis-server, gpu_jobs.serve.consumer.consume): wait below the minimum sample, promote a
+real redis-server, gpu_jobs.online.consumer.consume): wait below the minimum sample, promote a
 candidate that is not worse, roll back one that is, finish an outcome a crashed decider committed;
 `rlmill models canary` shows the numbers and `rlmill models rollback` ends a canary."""
 
@@ -10,14 +10,14 @@ import time
 import pytest
 
 from storage import ModelLayout
-from storage.canary import CanaryPolicy, end_canary, read_canary, read_outcome, start_canary
+from gpu_jobs.online.canary import CanaryPolicy, end_canary, read_canary, read_outcome, start_canary
 
 POLICY = CanaryPolicy(share=0.5, min_samples=10, confidence=0.95, margin=0.05, max_duration_s=3600.0)
 
 
 def _answer(model: str, version: str, i: int) -> dict:
-    from gpu_jobs.serve.answers import new_answer_id
-    from gpu_jobs.serve.events import answer_event
+    from gpu_jobs.online.answers import new_answer_id
+    from gpu_jobs.online.events import answer_event
 
     return answer_event(new_answer_id("chatcmpl"), endpoint="chat.completions", model=model, version=version,
                         created=time.time(), latency_s=0.01, prompt=[{"role": "user", "content": f"{i}+1="}],
@@ -31,9 +31,9 @@ def _plant(redis_url: str, root: str, arms: dict[tuple[str, str], tuple[int, int
     and the consumer's own commit."""
     import redis
 
-    from gpu_jobs.serve.broker import STREAM
-    from gpu_jobs.serve.consumer import consume
-    from gpu_jobs.serve.events import encode, feedback_event
+    from gpu_jobs.online.broker import STREAM
+    from gpu_jobs.online.consumer import consume
+    from gpu_jobs.online.events import encode, feedback_event
 
     r, n = redis.Redis.from_url(redis_url), 0
     for (model, version), (ups, downs) in arms.items():
@@ -79,7 +79,7 @@ def _cli(*argv: str) -> str:
 
 
 def test_rl_canary_waits_promotes_rolls_back_and_finishes(tmp_path):
-    from flows.canary import rl_canary
+    from flows.online.canary import rl_canary
     from tests.serve.conftest import redis_server
 
     root = str(tmp_path / "root")
@@ -142,12 +142,12 @@ def test_the_decide_deployment_is_triggered_by_committed_segments():
 
     import yaml
 
-    from flows.canary import DEPLOYMENT, rl_canary
-    from flows.feedback import SEGMENT_EVENT
+    from flows.online.canary import DEPLOYMENT, rl_canary
+    from flows.online.feedback import SEGMENT_EVENT
 
     spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "deployments" / "prefect.yaml").read_text())
     (dep,) = [d for d in spec["deployments"] if d["name"] == DEPLOYMENT.split("/")[1]]
-    assert f"{rl_canary.name}/{dep['name']}" == DEPLOYMENT and dep["entrypoint"] == "flows/canary.py:rl_canary"
+    assert f"{rl_canary.name}/{dep['name']}" == DEPLOYMENT and dep["entrypoint"] == "flows/online/canary.py:rl_canary"
     assert dep["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
     (trigger,) = dep["triggers"]
     assert trigger["expect"] == [SEGMENT_EVENT] and trigger["match"] == {"prefect.resource.id": "rlmill.model.*"}
@@ -180,7 +180,7 @@ def test_a_candidate_that_passes_the_gate_goes_to_a_canary(tmp_path):
     published and a canary of it starts; retried, the same canary; a second candidate while it
     runs is published only; without a policy, or before any promotion, the move is direct."""
     from flows.nightly import Decision, Outcome, _publish, canary_policy, outcome_status
-    from flows.retrain import rl_retrain
+    from flows.online.retrain import rl_retrain
 
     root = str(tmp_path / "root")
     models = ModelLayout(root, "arith")

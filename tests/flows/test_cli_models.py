@@ -21,7 +21,7 @@ import pytest
 from flows.cli import main
 from flows.nightly import promote_version
 from storage import INDEX_NAME, ModelLayout, RunLayout, StorageConfig, commit, url_to_fs, write_files, write_pointer
-from storage.incoming import read_state, record_success, state_url
+from flows.nightly_state import read_state, record_success, state_url
 from tests.servers import free_port, stop_process
 
 NAME = "arith"

@@ -1,4 +1,4 @@
-"""Retrain on arrival (flows/retrain.py, storage/windows.py): the window is taken exactly once (a
+"""Retrain on arrival (flows/online/retrain.py, gpu_jobs/online/windows.py): the window is taken exactly once (a
 second claim finds nothing new, a retry finds its own window, two racing writers get one window,
 a crashed run's window is the next run's), the readiness rule, the reward refusal, and one tiny
 rl-retrain flow run on feedback segments committed by the real consumer (redis-server).
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from storage import ModelLayout
-from storage.windows import Piece, WindowLog, backlog, readiness
+from gpu_jobs.online.windows import Piece, WindowLog, backlog, readiness
 
 
 def _log(root) -> WindowLog:
@@ -110,7 +110,7 @@ def test_backlog_counts_unheld_and_unfinished(tmp_path):
 
 # ------------------------------------------------------------------------------------ checks
 def test_reward_refused_without_a_function(tiny_config, tmp_path):
-    from flows.retrain import check_reward
+    from flows.online.retrain import check_reward
 
     line = check_reward(tiny_config())
     assert "reward.custom_reward_function.path" in line and "ground truth" in line
@@ -151,8 +151,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def _answer(prompt: str, text: str) -> dict:
     """An answer event of model arith (version v0): one chat prompt, one choice `text`."""
-    from gpu_jobs.serve.answers import new_answer_id
-    from gpu_jobs.serve.events import answer_event
+    from gpu_jobs.online.answers import new_answer_id
+    from gpu_jobs.online.events import answer_event
 
     return answer_event(new_answer_id("chatcmpl"), endpoint="chat.completions", model="arith", version="v0",
                         created=time.time(), latency_s=0.01, prompt=[{"role": "user", "content": prompt}],
@@ -164,9 +164,9 @@ def _commit_feedback(root: str, tmp_path, n: int) -> None:
     """n answers to arithmetic prompts and a thumbs-up for each, through redis and the consumer."""
     import redis
 
-    from gpu_jobs.serve.broker import STREAM
-    from gpu_jobs.serve.consumer import consume
-    from gpu_jobs.serve.events import encode, feedback_event
+    from gpu_jobs.online.broker import STREAM
+    from gpu_jobs.online.consumer import consume
+    from gpu_jobs.online.events import encode, feedback_event
     from tests.serve.conftest import redis_server
 
     with redis_server(tmp_path) as url:
@@ -184,12 +184,12 @@ def test_a_window_carries_only_its_own_ratings(tmp_path):
     with the second rating only (training_rows(feedback_from=...)); all history has both."""
     import redis
 
-    from gpu_jobs.serve.broker import STREAM
-    from gpu_jobs.serve.consumer import consume
-    from gpu_jobs.serve.dataset import training_rows
-    from gpu_jobs.serve.events import encode, feedback_event
-    from flows.retrain import feedback_pieces, window_rows
-    from storage.windows import Window
+    from gpu_jobs.online.broker import STREAM
+    from gpu_jobs.online.consumer import consume
+    from gpu_jobs.online.dataset import training_rows
+    from gpu_jobs.online.events import encode, feedback_event
+    from flows.online.retrain import feedback_pieces, window_rows
+    from gpu_jobs.online.windows import Window
     from tests.serve.conftest import redis_server
 
     root = str(tmp_path / "root")
@@ -215,7 +215,7 @@ def test_a_window_carries_only_its_own_ratings(tmp_path):
 
 
 def test_rl_retrain_trains_the_pending_window_once(tiny, example_path, tmp_path):
-    from flows.retrain import open_window, rl_retrain, window_readiness, window_rows
+    from flows.online.retrain import open_window, rl_retrain, window_readiness, window_rows
 
     root = str(tmp_path / "root")
     _commit_feedback(root, tmp_path, 8)
@@ -264,12 +264,12 @@ def test_rl_retrain_trains_the_pending_window_once(tiny, example_path, tmp_path)
 def test_ready_event_and_docstring_examples(tmp_path):
     import doctest
 
-    import flows.replay
-    import flows.retrain
-    import storage.windows
-    from flows.feedback import READY_EVENT, feedback_models, ready_event
+    import flows.online.replay
+    import flows.online.retrain
+    import gpu_jobs.online.windows
+    from flows.online.feedback import READY_EVENT, feedback_models, ready_event
 
-    for module in (storage.windows, flows.retrain, flows.replay):
+    for module in (gpu_jobs.online.windows, flows.online.retrain, flows.online.replay):
         assert doctest.testmod(module).failed == 0, module.__name__
     (tmp_path / "feedback" / "_quarantine").mkdir(parents=True)  # no model name: never announced
     (tmp_path / "feedback" / "arith").mkdir()
@@ -288,10 +288,10 @@ def test_a_kto_retrain_trains_the_windows_thumbs(tiny, tmp_path):
     import pyarrow.parquet as pq
     import redis
 
-    from flows.retrain import rl_retrain
-    from gpu_jobs.serve.broker import STREAM
-    from gpu_jobs.serve.consumer import consume
-    from gpu_jobs.serve.events import encode, feedback_event
+    from flows.online.retrain import rl_retrain
+    from gpu_jobs.online.broker import STREAM
+    from gpu_jobs.online.consumer import consume
+    from gpu_jobs.online.events import encode, feedback_event
     from tests.serve.conftest import redis_server
     from tests.tiny import REPO
 
@@ -321,7 +321,7 @@ def test_a_kto_retrain_trains_the_windows_thumbs(tiny, tmp_path):
 def test_replay_adds_older_windows_and_cold_start_rows_by_share(tmp_path):
     """Window 2 with replay {feedback: 0.5, cold_start: 1.0}: its own 4 rows, 2 of window 1's 6
     (seeded: the same 2 on a retry) and 4 cold-start rows; refusals are one line each."""
-    from flows.retrain import check_replay, open_window, write_window_rows
+    from flows.online.retrain import check_replay, open_window, write_window_rows
     from gpu_jobs.data.generators import arith_pairs, arith_row
     from storage.datasets import read_prompts, write_prompts
 

@@ -30,9 +30,9 @@ def locked_redis(tmp_path_factory):
 
 
 def test_the_password_is_redacted_and_can_come_from_the_environment(locked_redis, monkeypatch, tmp_path, capfd, caplog):
-    from flows.feedback import check_inputs
-    from gpu_jobs.serve.broker import BrokerUnreachable, EventPublisher, connect
-    from gpu_jobs.serve.consumer import consume
+    from flows.online.feedback import check_inputs
+    from gpu_jobs.online.broker import BrokerUnreachable, EventPublisher, connect
+    from gpu_jobs.online.consumer import consume
 
     port = locked_redis
     wrong = f"redis://:wrong-{SECRET}@127.0.0.1:{port}/0"

@@ -51,7 +51,7 @@ def redis_url(tmp_path):
 def served():
     import torch
 
-    from gpu_jobs.serve.model import load_served_model
+    from gpu_jobs.online.model import load_served_model
 
     torch.set_num_threads(1)  # two cores shared with other test sessions
     model = load_served_model(None)
@@ -64,7 +64,7 @@ def running(server):
     """The app of `server` under uvicorn on a free port, in a thread; yields its base URL."""
     import uvicorn
 
-    from gpu_jobs.serve.app import create_app
+    from gpu_jobs.online.app import create_app
 
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))

@@ -9,9 +9,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from gpu_jobs.serve.app import Server, ServeSettings, create_app
-from gpu_jobs.serve.auth import ApiKeys, ApiKeysError
-from gpu_jobs.serve.limits import ServeLimits
+from gpu_jobs.online.app import Server, ServeSettings, create_app
+from gpu_jobs.online.auth import ApiKeys, ApiKeysError
+from gpu_jobs.online.limits import ServeLimits
 from tests.serve.conftest import Capture
 
 ALICE, BOB, GRAFANA = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef", "sk-grafana-0123456789abcdef"

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_jobs.serve.app import Server, ServeSettings, create_app
-from gpu_jobs.serve.limits import ServeLimits
+from gpu_jobs.online.app import Server, ServeSettings, create_app
+from gpu_jobs.online.limits import ServeLimits
 
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/feedback")
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from gpu_jobs.serve.app import Server, ServeSettings, create_app
-from gpu_jobs.serve.limits import ServeLimits
+from gpu_jobs.online.app import Server, ServeSettings, create_app
+from gpu_jobs.online.limits import ServeLimits
 from tests.serve.conftest import Capture
 
 COMPLETION = {"prompt": "12+34=", "max_tokens": 4, "temperature": 0}

@@ -61,7 +61,7 @@ def _all_acked(client) -> bool:
 def test_serve_drains_and_consume_stops_on_sigterm(redis_url, tmp_path):
     import redis
 
-    from gpu_jobs.serve.dataset import read_segments
+    from gpu_jobs.online.dataset import read_segments
 
     client = redis.Redis.from_url(redis_url)
     root, port = tmp_path / "store", free_port()

@@ -11,11 +11,11 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from gpu_jobs.serve.app import Server, ServeSettings, create_app
-from gpu_jobs.serve.model import ModelSource
-from gpu_jobs.serve.swap import route_key
+from gpu_jobs.online.app import Server, ServeSettings, create_app
+from gpu_jobs.online.model import ModelSource
+from gpu_jobs.online.swap import route_key
 from storage import ModelLayout
-from storage.canary import CanaryPolicy, end_canary, read_canary, remove_canary, start_canary
+from gpu_jobs.online.canary import CanaryPolicy, end_canary, read_canary, remove_canary, start_canary
 from tests.serve.test_hot_swap import BOUND_S, publish_version
 
 

@@ -1,5 +1,5 @@
-"""The canary's pure parts: the stated test on hand-computed arms (gpu_jobs/serve/canary_stats.py),
-the sticky split, and the CANARY record's create-only life (storage/canary.py). No servers."""
+"""The canary's pure parts: the stated test on hand-computed arms (gpu_jobs/online/canary_stats.py),
+the sticky split, and the CANARY record's create-only life (gpu_jobs/online/canary.py). No servers."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from gpu_jobs.serve.canary_stats import TEST_NAME, arm_stats, canary_test, feedback_value, split_arms
+from gpu_jobs.online.canary import (Canary, CanaryPolicy, CanaryRunning, end_canary, last_outcome, read_canary,
+                                    read_outcome, remove_canary, split_point, start_canary)
+from gpu_jobs.online.canary_stats import TEST_NAME, arm_stats, canary_test, feedback_value, split_arms
 from storage import ModelLayout
-from storage.canary import (Canary, CanaryPolicy, CanaryRunning, end_canary, last_outcome, read_canary, read_outcome,
-                            remove_canary, split_point, start_canary)
 
 # baseline: 5 up, 5 down -> mean 0.5, sample variance 10 * 0.25 / 9 = 5/18
 # candidate: 8 up, 2 down -> mean 0.8, sample variance (8 * 0.04 + 2 * 0.64) / 9 = 8/45
@@ -174,8 +174,8 @@ def test_the_sequential_test_keeps_its_error_rates_under_repeated_looks():
 
 
 def test_the_method_is_part_of_the_policy_and_the_record():
-    from gpu_jobs.serve.canary_stats import METHODS
-    from storage.canary import CANARY_METHODS, Canary, CanaryPolicy
+    from gpu_jobs.online.canary_stats import METHODS
+    from gpu_jobs.online.canary import CANARY_METHODS, Canary, CanaryPolicy
 
     assert tuple(METHODS) == CANARY_METHODS  # storage's list of names follows the registry
     with pytest.raises(ValueError, match="canary method 'sprt': give one of welch, msprt"):

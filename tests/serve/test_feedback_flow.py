@@ -1,4 +1,4 @@
-"""The rl-feedback flow (flows/feedback.py) on a real redis-server and the test session's Prefect
+"""The rl-feedback flow (flows/online/feedback.py) on a real redis-server and the test session's Prefect
 server: what a drain commits, the artifacts (counts, quarantine, lag, segments) and the Prefect
 events it emits, read back through the API; and consume()'s bound, callback and lag reading.
 
@@ -14,10 +14,10 @@ import uuid
 
 import pytest
 
-from gpu_jobs.serve.answers import new_answer_id
-from gpu_jobs.serve.broker import GROUP, STREAM
-from gpu_jobs.serve.consumer import QUARANTINE_KIND, SEGMENT_KIND, consume, group_lag
-from gpu_jobs.serve.events import answer_event, encode, feedback_event
+from gpu_jobs.online.answers import new_answer_id
+from gpu_jobs.online.broker import GROUP, STREAM
+from gpu_jobs.online.consumer import QUARANTINE_KIND, SEGMENT_KIND, consume, group_lag
+from gpu_jobs.online.events import answer_event, encode, feedback_event
 
 
 def _answer(model: str = "arith") -> dict:
@@ -42,7 +42,7 @@ def _crash(result) -> None:
 def test_bounded_drain_reports_segments_and_lag(redis_url, tmp_path):
     import redis
 
-    from gpu_jobs.serve.consumer import id_time_of_stream
+    from gpu_jobs.online.consumer import id_time_of_stream
 
     r = redis.Redis.from_url(redis_url)
     a = _answer()
@@ -115,7 +115,7 @@ def _events(flow_run_id, expected: int, timeout_s: float = 60.0) -> list:
 def test_flow_run_artifacts_and_events(redis_url, tmp_path):
     import redis
 
-    from flows.feedback import CONSUMER, QUARANTINE_EVENT, SEGMENT_EVENT, rl_feedback
+    from flows.online.feedback import CONSUMER, QUARANTINE_EVENT, SEGMENT_EVENT, rl_feedback
 
     r = redis.Redis.from_url(redis_url)
     root = str(tmp_path / "store")
@@ -166,7 +166,7 @@ def test_flow_run_artifacts_and_events(redis_url, tmp_path):
 
 @pytest.mark.prefect
 def test_flow_input_errors_are_one_line(tmp_path):
-    from flows.feedback import rl_feedback
+    from flows.online.feedback import rl_feedback
     from tests.servers import free_port
 
     dead = f"redis://127.0.0.1:{free_port()}/0"
@@ -184,13 +184,13 @@ def test_schedule_on_and_off(capsys):
     from prefect.client.schemas.actions import DeploymentScheduleCreate
     from prefect.client.schemas.schedules import IntervalSchedule
 
-    from flows.feedback import main, rl_feedback
+    from flows.online.feedback import main, rl_feedback
 
     name = f"schedule-test-{uuid.uuid4().hex[:8]}"  # on the session's server, which no worker polls
 
     async def create(c):
         flow_id = await c.create_flow_from_name(rl_feedback.name)
-        return await c.create_deployment(flow_id, name, entrypoint="flows/feedback.py:rl_feedback", schedules=[
+        return await c.create_deployment(flow_id, name, entrypoint="flows/online/feedback.py:rl_feedback", schedules=[
             DeploymentScheduleCreate(schedule=IntervalSchedule(interval=dt.timedelta(seconds=60)), active=False)])
 
     deployment_id = _api(create)
@@ -257,7 +257,7 @@ def test_a_following_consumer_waits_out_a_broker_restart(tmp_path, caplog):
             broker = start()
             after = [_answer() for _ in range(2)]
             _xadd(redis.Redis.from_url(url), *after)
-            from gpu_jobs.serve.consumer import FEEDBACK_DIR, segment_manifests
+            from gpu_jobs.online.consumer import FEEDBACK_DIR, segment_manifests
 
             wanted, deadline = {e["event_id"] for e in before + after}, time.monotonic() + 60
             while True:
@@ -280,8 +280,8 @@ def test_a_following_consumer_waits_out_a_broker_restart(tmp_path, caplog):
 def test_the_stream_gate_is_great_expectations_over_each_check():
     """One batch with good and bad events: the gate (storage.quality.run_gate) refuses exactly the
     bad ones, each with its check's own reason; the derived columns say which check failed."""
-    from gpu_jobs.serve.consumer import gate
-    from gpu_jobs.serve.events import gate_columns
+    from gpu_jobs.online.consumer import gate
+    from gpu_jobs.online.events import gate_columns
 
     good = _answer()
     fb = feedback_event(good["answer_id"], model="arith", version="v1", score=0.5)

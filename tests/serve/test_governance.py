@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from gpu_jobs.serve.answers import new_answer_id
-from gpu_jobs.serve.consumer import consume, segment_manifests
-from gpu_jobs.serve.events import answer_event, encode, feedback_event
+from gpu_jobs.online.answers import new_answer_id
+from gpu_jobs.online.consumer import consume, segment_manifests
+from gpu_jobs.online.events import answer_event, encode, feedback_event
 from tests.serve.conftest import redis_server
 
 
@@ -34,9 +34,9 @@ def test_forget_and_lineage(tmp_path, capsys):
     import redis
 
     from flows.cli import main
-    from gpu_jobs.serve.dataset import training_rows
+    from gpu_jobs.online.dataset import training_rows
     from storage.layout import ModelLayout
-    from storage.windows import Piece, WindowLog
+    from gpu_jobs.online.windows import Piece, WindowLog
 
     root = str(tmp_path / "store")
     log = WindowLog(ModelLayout(root, "arith"))

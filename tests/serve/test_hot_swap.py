@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpu_jobs.serve.app import Server, ServeSettings
-from gpu_jobs.serve.broker import STREAM, EventPublisher
-from gpu_jobs.serve.model import ModelSource
+from gpu_jobs.online.app import Server, ServeSettings
+from gpu_jobs.online.broker import STREAM, EventPublisher
+from gpu_jobs.online.model import ModelSource
 from tests.servers import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[2]

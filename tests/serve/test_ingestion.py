@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from gpu_jobs.serve.answers import new_answer_id
-from gpu_jobs.serve.consumer import consume
-from gpu_jobs.serve.deliveries import DEAD_SUFFIX, dead_letters
-from gpu_jobs.serve.events import answer_event, encode, feedback_event
+from gpu_jobs.online.answers import new_answer_id
+from gpu_jobs.online.consumer import consume
+from gpu_jobs.online.deliveries import DEAD_SUFFIX, dead_letters
+from gpu_jobs.online.events import answer_event, encode, feedback_event
 from tests.serve.conftest import redis_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def _committed(root: str) -> tuple[list[str], list[dict]]:
     """(event ids of committed answers and feedback, quarantine rows) under `root`."""
     import pyarrow.parquet as pq
 
-    from gpu_jobs.serve.dataset import read_segments
+    from gpu_jobs.online.dataset import read_segments
 
     answers, feedback = read_segments(root, "arith") if (Path(root) / "feedback" / "arith").exists() else ([], [])
     ids = sorted({a["event_id"] for a in answers}) + [f["event_id"] for f in feedback]
@@ -121,7 +121,7 @@ def test_the_consume_command_exits_0_on_poison(broker, tmp_path):
 
 def test_a_row_that_cannot_be_stored_is_quarantined_alone(broker, tmp_path, monkeypatch):
     """Any failure of one event up to its Parquet row quarantines that event; the batch goes on."""
-    import gpu_jobs.serve.consumer as consumer
+    import gpu_jobs.online.consumer as consumer
 
     url, r = broker
     stream = _stream()
@@ -166,7 +166,7 @@ def test_an_entry_the_consumer_keeps_dying_on_is_dead_lettered(broker, tmp_path)
 def test_a_storage_failure_is_not_the_entries_fault(broker, tmp_path, monkeypatch):
     """A failure the consumer catches (object storage down) gives the delivery back: retried
     runs during an outage never dead-letter valid events."""
-    import gpu_jobs.serve.consumer as consumer
+    import gpu_jobs.online.consumer as consumer
 
     url, r = broker
     stream = _stream()
@@ -280,7 +280,7 @@ def test_fuzz_no_stream_entry_stops_ingestion(broker, entries):
 def test_repeated_votes_train_once(broker, tmp_path):
     """Three thumbs-up on one answer by one user weigh as one vote in the training rows; another
     user's vote still counts."""
-    from gpu_jobs.serve.dataset import training_rows
+    from gpu_jobs.online.dataset import training_rows
 
     url, r = broker
     stream = _stream()
@@ -299,9 +299,9 @@ def test_feedback_on_an_answer_given_before_a_restart(broker, served, tmp_path):
     consumer committed and trimmed it, in the committed log (issue 42 item 5)."""
     from fastapi.testclient import TestClient
 
-    from gpu_jobs.serve.app import Server, create_app
-    from gpu_jobs.serve.broker import STREAM, EventPublisher
-    from gpu_jobs.serve.recall import AnswerRecall
+    from gpu_jobs.online.app import Server, create_app
+    from gpu_jobs.online.broker import STREAM, EventPublisher
+    from gpu_jobs.online.recall import AnswerRecall
 
     url, r = broker
     r.delete(STREAM)

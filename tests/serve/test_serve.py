@@ -16,10 +16,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from gpu_jobs.serve.answers import new_answer_id
-from gpu_jobs.serve.app import Server, ServeSettings, create_app
-from gpu_jobs.serve.broker import STREAM, EventPublisher
-from gpu_jobs.serve.events import encode, feedback_event
+from gpu_jobs.online.answers import new_answer_id
+from gpu_jobs.online.app import Server, ServeSettings, create_app
+from gpu_jobs.online.broker import STREAM, EventPublisher
+from gpu_jobs.online.events import encode, feedback_event
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = {"model": "builtin", "messages": [{"role": "user", "content": "12+34="}], "max_tokens": 6, "temperature": 0}
@@ -121,7 +121,7 @@ def _consume(root, redis_url, env_extra=None):
 def test_every_answer_and_feedback_lands_exactly_once(served, redis_url, tmp_path):
     import redis
 
-    from gpu_jobs.serve.dataset import read_segments, training_rows, write_training_dataset
+    from gpu_jobs.online.dataset import read_segments, training_rows, write_training_dataset
     from storage.datasets import read_prompts
 
     server = Server(served, EventPublisher(redis_url))
@@ -204,7 +204,7 @@ def test_serve_a_promoted_model_and_the_cli_user_errors(tmp_path, redis_url):
 
     from flows.cli import main
     from gpu_jobs.models import resolve_model_path
-    from gpu_jobs.serve.model import load_served_model
+    from gpu_jobs.online.model import load_served_model
     from storage import ModelLayout
 
     layout = ModelLayout(str(tmp_path), "arith")

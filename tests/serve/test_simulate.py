@@ -1,4 +1,4 @@
-"""`rlmill simulate` (gpu_jobs/serve/simulate.py, flows/cli_simulate.py): the hidden preference and
+"""`rlmill simulate` (gpu_jobs/online/simulate.py, flows/cli_simulate.py): the hidden preference and
 the table by hand, the seeded plan, ten simulated requests against a real server of the built-in
 model with redis (every answer scored as stated, every score in the stream as feedback naming
 the user and the answering version), and the one-line refusals.
@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from gpu_jobs.serve.simulate import (SimAnswer, format_table, plan_requests, preference_score, score_answer,
-                                     version_table)
+from gpu_jobs.online.simulate import (SimAnswer, format_table, plan_requests, preference_score, score_answer,
+                                      version_table)
 
 
 # ------------------------------------------------------------------------------------ pure parts
@@ -61,7 +61,7 @@ def test_version_table_and_its_text():
 
 
 def test_plan_is_seeded_and_pooled():
-    import gpu_jobs.serve.simulate as sim
+    import gpu_jobs.online.simulate as sim
 
     assert doctest.testmod(sim).failed == 0
     key = lambda plan: [(p.user, p.row["prompt"][0]["content"], p.seed) for p in plan]  # noqa: E731
@@ -80,10 +80,10 @@ def test_plan_is_seeded_and_pooled():
 def test_simulated_users_rate_real_answers(served, redis_url, run_app):
     import redis
 
-    from gpu_jobs.serve.app import Server, ServeSettings
-    from gpu_jobs.serve.broker import STREAM, EventPublisher
-    from gpu_jobs.serve.events import decode
-    from gpu_jobs.serve.simulate import simulate
+    from gpu_jobs.online.app import Server, ServeSettings
+    from gpu_jobs.online.broker import STREAM, EventPublisher
+    from gpu_jobs.online.events import decode
+    from gpu_jobs.online.simulate import simulate
 
     plan = plan_requests(10, 3, 0)
     server = Server(served, EventPublisher(redis_url), ServeSettings(event_wait_ms=60_000))
@@ -137,7 +137,7 @@ def test_wrong_numbers_are_one_line(argv, line):
 
 
 def test_no_server_or_another_model_is_one_line(served, run_app, capsys):
-    from gpu_jobs.serve.app import Server
+    from gpu_jobs.online.app import Server
     from flows.cli_simulate import cmd_simulate
     from flows.reporting import UserError
     from tests.servers import free_port

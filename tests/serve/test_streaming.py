@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import httpx
 
-from gpu_jobs.serve.app import Server
-from gpu_jobs.serve.streaming import TokenText
+from gpu_jobs.online.app import Server
+from gpu_jobs.online.streaming import TokenText
 
 
 class Held:

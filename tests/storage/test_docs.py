@@ -11,8 +11,7 @@ import storage
 
 
 @pytest.mark.parametrize("module", ["storage.config", "storage.fs", "storage.retry", "storage.layout", "storage.tables",
-                                    "storage.checkpoints", "storage.manifest",
-                                    "storage.incoming"])
+                                    "storage.checkpoints", "storage.manifest"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0

@@ -1,0 +1,11 @@
+"""The online loop's flows: feedback is drained into committed segments, enough of it starts a
+retraining run on exactly the new window, and a candidate that passes the held-out gate is promoted
+or served to a share of live users until a stated test decides. The work they call is
+gpu_jobs/online/ (serving, events, windows, canaries); the held-out gate is the nightly's
+(flows.nightly.train_and_gate).
+
+- feedback.py: rl-feedback/consume, the consumer as a deployment; announces a ready window.
+- retrain.py: rl-retrain/on-feedback, one feedback window trained, gated, promoted or canaried.
+- replay.py: older windows' and cold-start rows mixed into a window's training rows.
+- canary.py: rl-canary/decide, a running canary promoted or rolled back on its arms' feedback.
+"""

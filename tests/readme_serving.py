@@ -1,5 +1,5 @@
-"""The README walkthrough's steps (tests/test_readme_walkthrough.py, which lists them in STEPS)
-for "Serving and feedback" and "Online learning": curl against a real `rlmill serve`, the feedback
+"""The docs walkthrough's steps (tests/test_readme_walkthrough.py, which lists them in STEPS)
+for docs/guide/serving.md and docs/guide/online.md: curl against a real `rlmill serve`, the feedback
 consumer, simulated users, and the retrain and canary deployments through the walk's worker. Each
 step takes the walk and the README's command, runs it as the user's shell would (walk.sh) and
 checks what it changed: counts in storage, the canary's routing, the registered model.
@@ -55,18 +55,16 @@ def feedback_cli(walk: Walk, step: Step) -> None:
 
 
 def serve_with_keys(walk: Walk, step: Step) -> None:
-    """`rlmill serve --api-keys keys.yaml --host 0.0.0.0`: the README's keys file (its yaml block)
-    in the clone, the server on a free port beside the walk's; /v1/models is a 401 without a key
-    and a 200 with the README's first key; SIGTERM drains it and it exits 0."""
+    """`rlmill serve --api-keys keys.yaml --host 0.0.0.0`: the keys file of docs/guide/serving.md (its
+    yaml block) in the clone, the server on a free port beside the walk's; /v1/models is a 401
+    without a key and a 200 with the page's first key; SIGTERM drains it and it exits 0."""
     import signal
     import subprocess
     import urllib.error
     import urllib.request
-    from pathlib import Path
-
-    from tests.servers import free_port
 
     from tests import docs_pages
+    from tests.servers import free_port
 
     keys = re.search(r"```yaml\n(sk-frontend-.*?)```", docs_pages.page("guide/serving.md"), re.S).group(1)
     (walk.clone / "keys.yaml").write_text(keys)
@@ -115,8 +113,8 @@ def governance(walk: Walk, step: Step) -> None:
 def simulate(walk: Walk, step: Step) -> None:
     """`rlmill simulate`: its table counts, per version, the requests serve's canary routing (the
     running record's hash of each planned user) sends there -- all to CURRENT without a canary."""
-    from gpu_jobs.serve.simulate import plan_requests
-    from storage.canary import read_canary
+    from gpu_jobs.online.simulate import plan_requests
+    from gpu_jobs.online.canary import read_canary
 
     words = shlex.split(step.text)
     requests, users, seed = (int(words[words.index(f) + 1]) if f in words else default
@@ -166,8 +164,8 @@ def retrain(walk: Walk, step: Step) -> None:
     """rl-retrain through the worker (ADJUSTED['retrain'], ['gates']): Completed; its window holds
     exactly the ratings given since the last window, one training row each; the candidate passed
     the gate and a canary of it runs; serve then routes to it."""
-    from storage.canary import read_canary
-    from storage.windows import WindowLog
+    from gpu_jobs.online.canary import read_canary
+    from gpu_jobs.online.windows import WindowLog
 
     words = walk.with_overrides(shlex.split(step.text), RETRAIN_TINY)
     _watched(walk, [*words, "-p", "eval_size=32", "-p", "min_gain=-1"])
@@ -184,7 +182,7 @@ def retrain(walk: Walk, step: Step) -> None:
 def models_canary(walk: Walk, step: Step) -> None:
     """`rlmill models canary`: each arm's n is what the last simulate's table gave its version
     (every rating since the canary started), then the decision now."""
-    from storage.canary import read_canary
+    from gpu_jobs.online.canary import read_canary
 
     out = walk.sh(step.text)
     canary = read_canary(walk.models(shlex.split(step.text)[3]))
@@ -198,7 +196,7 @@ def canary_decide(walk: Walk, step: Step) -> None:
     """rl-canary/decide through the worker: Completed, and storage shows the decision `rlmill
     models canary` stated just before it: wait keeps the canary, promote moves CURRENT to the
     candidate, rollback ends the canary and keeps CURRENT."""
-    from storage.canary import read_canary
+    from gpu_jobs.online.canary import read_canary
 
     assert walk.decision_now, "the README decides a canary before `rlmill models canary` showed its numbers"
     models = walk.models(_param(shlex.split(step.text), "model"))

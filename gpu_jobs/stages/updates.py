@@ -22,7 +22,7 @@ def train_on(run: Run, roles: Roles, k: int, table: pa.Table, probe=None) -> dic
     metrics: dict[str, float] = {}
     warming_critic = roles.critic is not None and k <= run.cfg.critic.critic_warmup
     if len(table) and not warming_critic and run.cfg.preference is not None:
-        metrics.update(roles.trainer.preference_update(table, run.cfg.preference))  # DPO/KTO: preference.py
+        metrics.update(roles.trainer.preference_update(table, run.cfg.preference))  # DPO/KTO: ActorTrainer protocol
     elif len(table) and not warming_critic:
         metrics.update(roles.trainer.update(table, probe=probe))
     t1 = time.perf_counter()

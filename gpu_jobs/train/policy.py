@@ -19,6 +19,9 @@ import numpy as np
 
 from .batch import Rows, read_rows
 from .config import ActorConfig
+from .errors import TrainInputError
+from .loop import PhaseTimer, optimizer_step, update_steps
+from .memory import trim_heap
 from .zero_module import ZeroModule
 from .protocol import InProcessTrainer
 
@@ -264,10 +267,40 @@ class PolicyTrainer(_CausalLM, InProcessTrainer):
 
     def preference_update(self, batch: Any, preference: Any) -> dict[str, float]:
         """One DPO/KTO update on a committed preference batch (rows with ref_logprobs, role and
-        unit; gpu_jobs/train/preference.py): the same engine, optimizer and lr schedule as update()."""
-        from .preference import preference_update
+        unit; gpu_jobs/train/preference.py): ppo_epochs passes of shuffled mini-batches of whole
+        units, one optimizer step each, with the engine, optimizer, lr schedule and step loop of
+        update() (loop.update_steps, loop.optimizer_step). Returns TRL-named metrics (rewards/*,
+        logps/*, kl for KTO) averaged over the update, with actor/preference_loss,
+        actor/grad_norm and actor/lr. One rank only (module doc of preference.py)."""
+        from .preference import NanWeightedMeans, PreferenceBatch
 
-        return preference_update(self, batch, preference)
+        if self.world_size > 1:
+            raise TrainInputError(f"preference (DPO/KTO) updates train on one rank, not {self.world_size}: KTO's "
+                                  "reference point and the pair shares are not reduced over ranks")
+        t0, c = time.perf_counter(), self.config
+        rows = self._read(batch, ("ref_logprobs",))
+        layout = PreferenceBatch.of(batch, preference)
+        means = NanWeightedMeans()  # KTO reports NaN for a side a micro-batch lacks: skipped, not averaged in
+
+        def forward(micro: list[int]):
+            mb = self._collate(rows, micro, micro[0])
+            return layout.loss(self._response_terms(mb, with_entropy=False)[0], mb, micro)
+
+        def train_minibatch(mini: list[list[int]], first: bool) -> None:
+            micros = layout.micro_batches(mini, c.ppo_micro_batch_size_per_gpu)
+            optimizer_step(self.engine, micros, forward, self.world_size, means, PhaseTimer())
+
+        self.engine.train()
+        shuffle = self._shuffle if c.shuffle else None
+        lr = update_steps(c, self.optimizer, self.step, lambda: layout.minibatches(c.ppo_mini_batch_size, shuffle),
+                          train_minibatch)
+        trim_heap()  # as after update(): the activations' pages go back (memory.py)
+        self.step += 1
+        self.samples_seen += len(rows)
+        out = means.mean()
+        out["actor/grad_norm"] = out.pop("grad_norm")
+        out.update({"actor/lr": lr, "timing_s/update_actor": time.perf_counter() - t0})
+        return out
 
     def _single_step(self, rows: Rows) -> bool:
         """Whether this update is one optimizer step from unchanged weights with a deterministic

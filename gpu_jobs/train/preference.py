@@ -1,6 +1,11 @@
-"""The preference update (DPO / KTO) on a PolicyTrainer's engine, and the objectives' batch layout.
+"""The preference objectives (DPO / KTO) and how a preference batch is laid out for an update;
+PolicyTrainer.preference_update takes the steps, with the optimizer-step loop of every update
+(loop.update_steps / loop.optimizer_step).
 
     metrics = trainer.preference_update(table, PreferenceConfig(algorithm="dpo", beta=0.1))
+    batch = PreferenceBatch.of(table, preference)      # roles, units and their pair/example counts
+    for mini in batch.minibatches(config.ppo_mini_batch_size, generator):    # shuffled units
+        micros = batch.micro_batches(mini, config.ppo_micro_batch_size_per_gpu)  # [(rows, share)]
 
 ``table`` is a committed preference batch (gpu_jobs/stages/preference_data.py lays it out): one
 row per scored sequence with ``prompt_ids``, ``response_ids``, ``ref_logprobs`` (the reference
@@ -13,14 +18,13 @@ micro-batch holds ``ppo_micro_batch_size_per_gpu`` whole pairs, a KTO micro-batc
 Each micro-batch's loss is scaled by its share of the mini-batch's pairs/examples, so the step
 equals one on the whole mini-batch whatever the micro-batching.
 
-One rank only (the run config refuses more for preference runs): KTO's reference point would
-need an all-reduce across ranks.
+One rank only (the run config refuses more for preference runs, PolicyTrainer.preference_update
+refuses it too): KTO's reference point would need an all-reduce across ranks.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +33,7 @@ import numpy as np
 
 from gpu_jobs.registry import Registry
 
-from .memory import trim_heap
-
-__all__ = ["PREFERENCE_OBJECTIVES", "Objective", "units_of", "preference_update", "sequence_sums",
+__all__ = ["PREFERENCE_OBJECTIVES", "Objective", "PreferenceBatch", "units_of", "sequence_sums",
            "NanWeightedMeans"]
 
 
@@ -120,8 +122,8 @@ class NanWeightedMeans:
         return {k: s / self.weights[k] for k, s in self.sums.items() if self.weights[k] > 0}
 
 
-def _minibatches(units: list[list[int]], counts: list[int], per_step: int) -> list[list[int]]:
-    """Unit indices of each mini-batch: consecutive units until they hold ``per_step`` pairs/examples."""
+def _minibatches(units: list[list[int]], counts: list[int], per_step: int) -> list[list[list[int]]]:
+    """The units of each mini-batch: consecutive units until they hold ``per_step`` pairs/examples."""
     out, cur, n = [], [], 0
     for u, c in zip(units, counts):
         cur.append(u)
@@ -132,57 +134,53 @@ def _minibatches(units: list[list[int]], counts: list[int], per_step: int) -> li
     return out + ([cur] if cur else [])
 
 
-def preference_update(trainer: Any, batch: Any, preference: Any) -> dict[str, float]:
-    """One preference update of ``trainer`` (a one-rank PolicyTrainer) on ``batch`` (module doc);
-    ``preference``: a gpu_jobs.algos.preference.PreferenceConfig. Returns TRL-named metrics
-    (rewards/*, logps/*, kl for KTO) averaged over the update, with actor/preference_loss,
-    actor/grad_norm and actor/lr."""
-    import torch
+@dataclass(frozen=True)
+class PreferenceBatch:
+    """A committed preference batch (module doc) as the update reads it: ``roles`` ``(rows,)``,
+    ``units`` (row indices of each, as units_of), ``counts`` (pairs/examples in each unit), the
+    algorithm's ``objective`` and its loss ``kwargs`` (PreferenceConfig.loss_kwargs())."""
 
-    t0 = time.perf_counter()
-    c = trainer.config
-    objective: Objective = PREFERENCE_OBJECTIVES[preference.algorithm]
-    rows = trainer._read(batch, ("ref_logprobs",))
-    roles = np.asarray(batch.column("role").to_pylist(), dtype=object)
-    units = units_of(batch.column("unit").to_pylist())
-    counts = [int(np.isin(roles[u], objective.counted).sum()) for u in units]
-    lr = c.lr_at(trainer.step)
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = lr
-    means = NanWeightedMeans()
-    trainer.engine.train()
-    for _ in range(c.ppo_epochs):
-        order = torch.randperm(len(units), generator=trainer._shuffle).tolist() if c.shuffle else range(len(units))
-        for mini in _minibatches([units[i] for i in order], [counts[i] for i in order], c.ppo_mini_batch_size):
-            _step(trainer, rows, roles, mini, objective, preference.loss_kwargs(), means)
-    trim_heap()
-    trainer.step += 1
-    trainer.samples_seen += len(rows)
-    out = means.mean()
-    out.update({"actor/lr": lr, "timing_s/update_actor": time.perf_counter() - t0})
-    return out
+    objective: Objective
+    roles: np.ndarray
+    units: list[list[int]]
+    counts: list[int]
+    kwargs: dict[str, Any]
 
+    @classmethod
+    def of(cls, table: Any, preference: Any) -> "PreferenceBatch":
+        """``table``: pyarrow with ``role`` and ``unit``; ``preference``: a PreferenceConfig."""
+        objective: Objective = PREFERENCE_OBJECTIVES[preference.algorithm]
+        roles = np.asarray(table.column("role").to_pylist(), dtype=object)
+        units = units_of(table.column("unit").to_pylist())
+        counts = [int(np.isin(roles[u], objective.counted).sum()) for u in units]
+        return cls(objective, roles, units, counts, preference.loss_kwargs())
 
-def _step(trainer: Any, rows: Any, roles: np.ndarray, mini: list[list[int]], objective: Objective,
-          kwargs: dict[str, Any], means: NanWeightedMeans) -> None:
-    """Accumulate the mini-batch's micro-batches (whole units each), then one optimizer step."""
-    engine = trainer.engine
-    per_micro = objective.units_per_micro(trainer.config.ppo_micro_batch_size_per_gpu)
-    micros = [mini[s : s + per_micro] for s in range(0, len(mini), per_micro)]
-    total = sum(int(np.isin(roles[u], objective.counted).sum()) for u in mini)
-    for j, micro in enumerate(micros):
-        idx = [i for unit in micro for i in unit]
-        mb = trainer._collate(rows, idx, idx[0])
-        log_prob, _ = trainer._response_terms(mb, with_entropy=False)
+    def minibatches(self, per_step: int, generator: Any | None) -> list[list[list[int]]]:
+        """One pass's mini-batches (the units of each) of ``per_step`` pairs/examples, the units
+        in an order drawn from the torch ``generator`` (None: table order)."""
+        import torch
+
+        order = torch.randperm(len(self.units), generator=generator).tolist() if generator is not None \
+            else range(len(self.units))
+        return _minibatches([self.units[i] for i in order], [self.counts[i] for i in order], per_step)
+
+    def micro_batches(self, mini: list[list[int]], micro_size: int) -> list[tuple[list[int], float]]:
+        """``(rows, share)`` of each micro-batch of a mini-batch: ``objective.units_per_micro
+        (micro_size)`` whole units each, its share the part of the mini-batch's pairs/examples it
+        holds (so the step equals one on the whole mini-batch)."""
+        per_micro = self.objective.units_per_micro(micro_size)
+        total = sum(self._counted(u) for u in mini)
+        micros = [[i for unit in mini[s : s + per_micro] for i in unit] for s in range(0, len(mini), per_micro)]
+        return [(rows, self._counted(rows) / total) for rows in micros]
+
+    def loss(self, log_prob: Any, mb: dict[str, Any], rows: list[int]) -> tuple[Any, dict[str, Any]]:
+        """The objective's (scalar loss, metrics) on a collated micro-batch of ``rows``, from the
+        policy's per-token ``log_prob`` ``(b, R)`` and ``mb``'s ref_logprobs and response_mask;
+        the metrics add ``actor/preference_loss``."""
         seq, length = sequence_sums(log_prob, mb["response_mask"])
         ref, _ = sequence_sums(mb["ref_logprobs"], mb["response_mask"])
-        loss, metrics = objective.loss(seq, ref, length, roles[idx], kwargs)
-        share = int(np.isin(roles[idx], objective.counted).sum()) / total
-        engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
-        engine.backward(loss * share, scale_wrt_gas=False)
-        means.add({**metrics, "actor/preference_loss": loss.detach()}, share)
-    norm = trainer._grad_norm_untracked_by_deepspeed()
-    engine.step()
-    if norm is None:
-        norm = float(engine.get_global_grad_norm() or 0.0)
-    means.add({"actor/grad_norm": norm}, 1.0)
+        loss, metrics = self.objective.loss(seq, ref, length, self.roles[rows], self.kwargs)
+        return loss, {**metrics, "actor/preference_loss": loss.detach()}
+
+    def _counted(self, rows: list[int]) -> int:
+        return int(np.isin(self.roles[rows], self.objective.counted).sum())

@@ -6,7 +6,9 @@
 - ``Trainer``: trained by the update stage and checkpointed: ``update``, ``save``/``load``
   (exact resume), ``save_hf``.
 - ``LogProbModel``: scores response tokens (``compute_log_probs``): the reference model.
-- ``ActorTrainer``: the policy: both of the above, plus the weight stream to the rollout engine
+- ``ActorTrainer``: the policy: both of the above, plus the offline preference update
+  (``preference_update``: DPO/KTO, one rank only; a trainer that cannot run it raises
+  NotImplementedError saying so), the weight stream to the rollout engine
   (``gathered_state_dict``/``iter_weight_buckets``), whether its update can be its own agreement
   probe (``probes_in_update``), and what a rank group adds (``groups_started``, ``state_lost``,
   ``close``; None/False/no-op in process, from ``InProcessTrainer``).
@@ -20,9 +22,12 @@ ranks.trainer.GroupTrainer (ActorTrainer), Critic (CriticTrainer), RefModel and 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .weights import DEFAULT_BUCKET_BYTES, state_dict_buckets
+
+if TYPE_CHECKING:
+    from gpu_jobs.algos.preference import PreferenceConfig
 
 __all__ = ["Trainer", "LogProbModel", "ActorTrainer", "CriticTrainer", "InProcessTrainer", "Probe"]
 
@@ -75,6 +80,15 @@ class ActorTrainer(Trainer, LogProbModel, Protocol):
         """One policy update; ``probe`` needs ``probes_in_update``."""
         ...
 
+    def preference_update(self, batch: Any, preference: PreferenceConfig) -> dict[str, float]:
+        """One DPO/KTO update (``preference.algorithm``) on a committed preference batch
+        (pyarrow.Table, one row per scored sequence: prompt_ids, response_ids, ref_logprobs, role,
+        unit; gpu_jobs/train/preference.py), with the same optimizer, lr schedule and step count
+        as ``update``. Returns TRL-named metrics (rewards/*, logps/*, kl for KTO) with
+        actor/preference_loss, actor/grad_norm and actor/lr. One rank only: a trainer over
+        several ranks or pipeline stages raises NotImplementedError before anything trains."""
+        ...
+
     def gathered_state_dict(self) -> dict[str, Any]:
         """Full fp32 weights (HF names), in this process."""
         ...
@@ -114,3 +128,9 @@ class InProcessTrainer:
 
     def close(self) -> None:
         """Nothing to shut down: the engine goes with the object."""
+
+    def preference_update(self, batch: Any, preference: PreferenceConfig) -> dict[str, float]:
+        """No preference update on this trainer (PolicyTrainer has one): say so, by name."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot run preference (DPO/KTO) updates: they train on one rank with "
+            "PolicyTrainer (no pipeline, one trainer rank: the run config's defaults)")

@@ -18,7 +18,7 @@ from .attention import attention_for_packing
 from .batch import Rows, collate, plan_microbatches
 from .checkpoint import Resumable
 from .config import _UpdateConfig
-from .loop import MetricSums, PhaseTimer, adamw, optimizer_steps
+from .loop import MetricSums, PhaseTimer, adamw, optimizer_step, optimizer_steps
 from .memory import trim_heap
 from .ranks import dist
 
@@ -190,7 +190,8 @@ class ZeroModule(Resumable):
 
         Each micro-batch loss is scaled by its share of the mini-batch (tokens for token-mean,
         rows otherwise) times world_size (DeepSpeed averages gradients over ranks), so the step
-        equals one step on the whole mini-batch whatever the micro-batching or rank count."""
+        equals one step on the whole mini-batch whatever the micro-batching or rank count
+        (loop.optimizer_step, which the preference update takes its steps with too)."""
         c = self.config
         tokens, n = max(1, rows.response_tokens(mini)), len(mini)
         # Dr. GRPO's constant normaliser is the padded width: keep it the batch's, not the micro's.
@@ -199,38 +200,12 @@ class ZeroModule(Resumable):
             rows, mini, micro_size=c.ppo_micro_batch_size_per_gpu,
             max_tokens=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
         )
-        for k, micro in enumerate(micros):
-            share = rows.response_tokens(micro) / tokens if agg_mode == "token-mean" else len(micro) / n
-            self.engine.set_gradient_accumulation_boundary(k == len(micros) - 1)
-            with timer("forward"):
-                loss, metrics = loss_of(self._collate(rows, micro, int(mini[0]), pad_to))
-            with timer("backward"):
-                self.engine.backward(loss * (share * self.world_size), scale_wrt_gas=False)
-            sums.add(metrics, share)
-        if before_step is not None:
-            try:
-                before_step()
-            except BaseException:
-                self.engine.zero_grad()  # ZeRO-0 keeps them in param.grad: this mini-batch never reaches the weights
-                raise
-        with timer("optimizer"):
-            norm = self._grad_norm_untracked_by_deepspeed()
-            self.engine.step()
-        if norm is None:
-            norm = float(self.engine.get_global_grad_norm() or 0.0)
-        sums.add({"grad_norm": norm}, 1 / self.world_size)
+        shares = [rows.response_tokens(m) / tokens if agg_mode == "token-mean" else len(m) / n for m in micros]
+        fallback = int(mini[0])
+        optimizer_step(self.engine, list(zip(micros, shares)),
+                       lambda micro: loss_of(self._collate(rows, micro, fallback, pad_to)),
+                       self.world_size, sums, timer, before_step)
         sums.steps += 1
-
-    def _grad_norm_untracked_by_deepspeed(self) -> float | None:
-        """The pre-clip global gradient norm where DeepSpeed records none (ZeRO-0 in fp32: a
-        plain torch optimizer; its gradients are already averaged over ranks here), else None."""
-        if hasattr(self.engine.optimizer, "_global_grad_norm"):
-            return None
-        import torch
-
-        norms = [p.grad.detach().float().norm() for p in self.engine.module.parameters()
-                 if p.grad is not None]
-        return float(torch.stack(norms).norm()) if norms else 0.0
 
     # ---- sharded iteration ---------------------------------------------------------------
     def _local_microbatches(

@@ -42,8 +42,8 @@ def test_each_trainer_has_every_member_of_its_protocol(cls, protocol):
 
 
 def test_the_protocol_lists_what_the_stages_call():
-    assert {"update", "save", "load", "save_hf", "compute_log_probs", "gathered_state_dict", "iter_weight_buckets",
-            "probes_in_update", "groups_started", "state_lost", "close", "step"} <= _members(ActorTrainer)
+    assert {"update", "preference_update", "save", "load", "save_hf", "compute_log_probs", "gathered_state_dict",
+            "iter_weight_buckets", "probes_in_update", "groups_started", "state_lost", "close", "step"} <= _members(ActorTrainer)
 
 
 def test_a_trainer_missing_a_member_is_caught():

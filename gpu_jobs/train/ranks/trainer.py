@@ -209,6 +209,14 @@ class GroupTrainer:
         self._dirty = True
         return out["metrics"]
 
+    def preference_update(self, table: Any, preference: Any) -> dict[str, float]:
+        """Not on a rank group: preference updates train on one rank (PolicyTrainer), because
+        KTO's reference point and the pair shares are not reduced over ranks. Raises before any
+        rank is started or any batch is written; the run config refuses such runs first."""
+        raise NotImplementedError(
+            f"a {self.world_size}-rank group cannot run preference (DPO/KTO) updates: they train on one rank; "
+            "set trainer.n_gpus_per_node=1 and trainer.nnodes=1 (the defaults) for a preference run")
+
     def compute_log_probs(self, table: Any) -> list:
         """Per-row float32 log-probs of each response token (no grad)."""
         self._check(table, ())

@@ -118,13 +118,11 @@ def _secrets_to_env(overrides: list[str]) -> list[str]:
     return kept
 
 
-def _choose_run_id(config: str | None, overrides: list[str]) -> tuple[list[str], str | None]:
-    """The overrides with a fresh `run_id=<config>-<time>` added when none is named (see
-    flows.overrides.with_run_id), and that fresh id (None when the user named the run)."""
-    from flows.overrides import with_run_id
-    from flows.reporting import run_id_taken
+def _decide_run_id(cfg, config: str | None, overrides: list[str], **how):
+    """flows.config.decide_run_id: this command's one decision of the run id, on its validated config."""
+    from flows.config import decide_run_id
 
-    return with_run_id(config, overrides, taken=run_id_taken(config, overrides))
+    return decide_run_id(cfg, config, overrides, **how)
 
 
 def _announce(cfg, fresh: str | None) -> None:
@@ -148,19 +146,39 @@ def _check_storage(cfg, write: bool = True) -> None:
 
 
 def cmd_train(args) -> None:
-    _check_storage(_check_config(args.config, args.overrides))  # before Prefect, a model or any write
-    overrides, fresh = _choose_run_id(args.config, args.overrides)
+    """Validate once, check storage, decide the run id once, check the run can start, then hand
+    the typed config and the id to the rl-training flow (flows.config.prepared_run): nothing
+    is parsed, validated or decided twice."""
+    overrides = _secrets_to_env(args.overrides)  # credentials never reach a flow's parameters or run.json
     cfg = _check_config(args.config, overrides)
+    _check_storage(cfg)  # before Prefect, a model or any write; deciding the id reads run.json files
+    cfg, fresh = _decide_run_id(cfg, args.config, overrides)
     _check_startable(cfg)
     _announce(cfg, fresh)
     resume = ["rlmill", "train", *(["--config", args.config] if args.config else []),
               *_plain_overrides(args.overrides), f"run_id={cfg.run_id}"]
+    # The flow run's parameters name the run as the CLI decided it (the UI shows them).
+    flow_overrides = [*overrides, f"run_id={fresh}"] if fresh else overrides
+    summary = _run_flow(cfg, fresh, resume, args.config, flow_overrides)
+    _print_summary(summary, PREFERENCE_LABEL if cfg.preference is not None else SUMMARY_LABEL)
+
+
+def _run_flow(cfg, fresh: str | None, resume: list[str], config: str | None, overrides: list[str],
+              threads: int | None = None) -> dict:
+    """The rl-training flow on this command's validated ``cfg`` (and ``fresh`` id), stoppable by
+    SIGINT/SIGTERM with ``resume`` named; ``config``/``overrides`` are its Prefect parameters;
+    ``threads``: torch's intra-op threads for the run (None: torch's default)."""
     with _stoppable(cfg, resume):
         _start_ephemeral_api()
-        from flows.training import rl_training
+        if threads is not None:
+            import torch
 
-        summary = rl_training(config=args.config, overrides=_secrets_to_env(overrides))
-    _print_summary(summary, PREFERENCE_LABEL if cfg.preference is not None else SUMMARY_LABEL)
+            torch.set_num_threads(threads)
+        from flows import training
+        from flows.config import prepared_run
+
+        with prepared_run(cfg, fresh, config, overrides):
+            return training.rl_training(config=config, overrides=overrides)
 
 
 def _plain_overrides(overrides: list[str]) -> list[str]:
@@ -186,27 +204,21 @@ def _stoppable(cfg, resume: list[str]):
 
 
 def cmd_run(args) -> None:
-    """The main job: a fresh run id each time (unless --run-id names one to resume), so `make
-    run` always trains and shows the gain. The config is examples/grpo_arith.yaml, embedded."""
-    from flows.overrides import fresh_run_id
-
-    named = [value.strip() for prefix, key, value in map(_key_of, args.overrides)
-             if key == "run_id" and prefix != "~" and value is not None]
-    run_id = args.run_id or (named[-1] if named else fresh_run_id(DEFAULT_CONFIG_NAME))
-    overrides = [*as_overrides(DEFAULT_RUN_CONFIG), *args.overrides, f"run_id={run_id}"]
+    """The main job: a fresh run id each time (unless --run-id or run_id= names one to resume),
+    so `make run` always trains and shows the gain. The config is examples/grpo_arith.yaml,
+    embedded. Validated once and its run id decided once, as `rlmill train` does."""
+    named = [f"run_id={args.run_id}"] if args.run_id else []
+    overrides = _secrets_to_env([*as_overrides(DEFAULT_RUN_CONFIG), *args.overrides, *named])
     cfg = _check_config(None, overrides)
     _check_storage(cfg)
+    cfg, _ = _decide_run_id(cfg, None, overrides, stem=DEFAULT_CONFIG_NAME)
     _check_startable(cfg)
+    run_id = cfg.run_id
     print(f"rlmill: GRPO on the built-in arithmetic task ({DEFAULT_CONFIG_NAME}), run {run_id}; "
           f"to resume it: rlmill run --run-id {run_id}", flush=True)
-    with _stoppable(cfg, ["rlmill", "run", "--run-id", run_id, *_plain_overrides(args.overrides)]):
-        _start_ephemeral_api()
-        import torch
-
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-        from flows.training import rl_training
-
-        summary = rl_training(config=None, overrides=_secrets_to_env(overrides))
+    resume = ["rlmill", "run", "--run-id", run_id, *_plain_overrides(args.overrides)]
+    summary = _run_flow(cfg, None, resume, None, [*overrides, f"run_id={run_id}"],
+                        threads=max(1, min(2, os.cpu_count() or 1)))
     _print_summary(summary)
 
 
@@ -287,10 +299,8 @@ def cmd_config_show(args) -> None:
     fresh `<config file>-<date>-<time>` at each train, shown as it would be now."""
     import yaml
 
-    from flows.overrides import with_run_id
-
-    overrides, fresh = with_run_id(args.config, args.overrides)
-    cfg = _check_config(args.config, overrides)
+    cfg = _check_config(args.config, args.overrides)
+    cfg, fresh = _decide_run_id(cfg, args.config, args.overrides, skip_taken=False)  # no storage read
     text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     if fresh:
         text = text.replace(f"run_id: {fresh}\n", f"run_id: {fresh}  # new at each `rlmill train`: <config file>-"

@@ -197,17 +197,12 @@ def fresh_run_id(config: str | None, when: float | None = None) -> str:
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
 
 
-def with_run_id(config: str | None, overrides: list[str], taken=None) -> tuple[list[str], str | None]:
-    """The rule for run ids: a run the config and overrides do not name gets a fresh timestamped
-    id (`fresh_run_id`); naming an id (`run_id=...`) resumes that run. Returns the overrides with
-    `run_id=<fresh>` added when one was chosen, and the chosen id (None when the user named one).
-    `taken(run_id) -> bool`, when given, skips ids already used (-2, -3, ... are appended)."""
-    overrides = list(overrides)
-    if config_names_run_id(config, overrides):
-        return overrides, None
+def unused_run_id(config: str | None, taken: Callable[[str], bool] | None = None) -> str:
+    """A fresh id (`fresh_run_id`) that ``taken(run_id)`` does not claim: -2, -3, ... are appended
+    to one already used (two runs started in one second). flows.config.decide_run_id applies it."""
     base = fresh_run_id(config)
     run_id, n = base, 1
     while taken is not None and taken(run_id) and n < 100:
         n += 1
         run_id = f"{base}-{n}"
-    return [*overrides, f"run_id={run_id}"], run_id
+    return run_id

@@ -27,7 +27,7 @@ from typing import Any
 from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import RunConfig, frozen_config, load_run_config
+from flows.config import RunConfig, flow_run_config, frozen_config
 from flows.failpoints import reach
 from flows.reporting import (MetricLoggers, Progress, curves_png, final_artifact, iteration_artifacts,
                              local_tb_dir, validation_artifact)
@@ -207,19 +207,14 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
     """
     from prefect.context import FlowRunContext
 
-    from flows.overrides import with_run_id
-    from flows.reporting import check_startable, one_traceback_per_error, run_id_taken, run_start_words
+    from flows.reporting import check_startable, one_traceback_per_error, run_start_words
 
     in_run = FlowRunContext.get() is not None  # False for rl_training.fn(...): plain exceptions
     logger = get_run_logger() if in_run else log
     one_traceback_per_error()
     cfg = None
     try:
-        extra = list(overrides or [])
-        extra += [f"trainer.total_iterations={iterations}"] if iterations else []
-        extra += [f"run_id={run_id}"] if run_id else []
-        extra, fresh = with_run_id(config, extra, taken=run_id_taken(config, extra))
-        cfg = load_run_config(config, extra)
+        cfg, fresh = flow_run_config(config, overrides, iterations, run_id)  # once (prepared_run: the CLI's)
         logger.info("run %s (%s)", cfg.run_id, run_start_words(cfg, fresh))
         check_startable(cfg)
         with RunLock(cfg.root, cfg.run_id), tags("rlmill", f"run:{cfg.run_id}"), \

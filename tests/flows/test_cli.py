@@ -198,20 +198,29 @@ def test_examples_name_no_run_id_so_runs_never_collide(example_path):
         assert "run_id" not in (yaml.safe_load(path.read_text()) or {}), f"{path.name} fixes a run id"
 
 
-def test_the_run_id_rule(example_path):
-    from flows.overrides import fresh_run_id, with_run_id
+def test_the_run_id_rule(example_path, tmp_path):
+    from flows.config import decide_run_id, load_run_config
+    from flows.overrides import fresh_run_id, unused_run_id
+    from storage import RunLayout
 
     when = 1796117400.0  # fixed: local time of that instant names the run
     stamp = __import__("time").strftime("%Y%m%d-%H%M%S", __import__("time").localtime(when))
     assert fresh_run_id(str(example_path), when) == f"grpo-arith-{stamp}"
     assert fresh_run_id(None, when) == f"run-{stamp}"
-    # Not named: a fresh id is added (and returned); named (override or YAML): left alone.
-    overrides, fresh = with_run_id(str(example_path), ["rollout.n=4"])
-    assert fresh and fresh.startswith("grpo-arith-") and overrides == ["rollout.n=4", f"run_id={fresh}"]
-    assert with_run_id(str(example_path), ["run_id=mine"]) == (["run_id=mine"], None)
+    # Not named: a fresh id is decided on the validated config (and returned); named (override or YAML): left alone.
+    overrides = [f"root={tmp_path}", "rollout.n=4"]
+    cfg = load_run_config(str(example_path), overrides)
+    chosen, fresh = decide_run_id(cfg, str(example_path), overrides)
+    assert fresh and fresh.startswith("grpo-arith-") and chosen.run_id == fresh
+    assert chosen.model_dump(exclude={"run_id"}) == cfg.model_dump(exclude={"run_id"})
+    named = load_run_config(str(example_path), [*overrides, "run_id=mine"])
+    assert decide_run_id(named, str(example_path), [*overrides, "run_id=mine"]) == (named, None)
+    assert decide_run_id(cfg, None, overrides, stem="examples/grpo_arith.yaml")[1].startswith("grpo-arith-")
     # A fresh id already used (two runs in one second) gets -2, -3, ...
-    _, again = with_run_id(str(example_path), [], taken=lambda r: not r.endswith("-3"))
-    assert again.endswith("-3")
+    RunLayout(str(tmp_path), fresh).write_run_json({"run_uid": "u", "config": {}})
+    again = decide_run_id(cfg, str(example_path), overrides)[1]
+    assert again in (f"{fresh}-2", fresh_run_id(str(example_path)))  # -2, unless the clock moved on
+    assert unused_run_id(str(example_path), taken=lambda r: not r.endswith("-3")).endswith("-3")
 
 
 def test_train_prints_the_fresh_run_id_first_and_passes_it_to_the_flow(example_path, tiny, tmp_path, monkeypatch,

@@ -28,7 +28,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from flows.reporting import UserError
+from flows.user_errors import UserError
 
 __all__ = ["add_models_parser", "cmd_models_canary", "cmd_models_fetch", "cmd_models_list", "cmd_models_promote",
            "cmd_models_rollback", "VersionInfo", "survey"]

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 
-from flows.reporting import UserError
+from flows.user_errors import UserError
 from gpu_jobs.online.broker import DEFAULT_REDIS
 
 __all__ = ["add_serve_parsers"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from flows.reporting import UserError
+from flows.user_errors import UserError
 
 __all__ = ["add_simulate_parser", "check_args", "cmd_simulate"]
 

@@ -67,7 +67,7 @@ def test_training_with_smollm2_before_fetching_names_the_command(monkeypatch, tm
     import importlib.util
 
     from flows.config import load_run_config
-    from flows.reporting import UserError, check_startable
+    from flows.user_errors import UserError, check_startable
 
     # Neither converted (an empty model cache) nor installed: once converted, the package is not needed.
     monkeypatch.setenv("RLMILL_CACHE_DIR", str(tmp_path))

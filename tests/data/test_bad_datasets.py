@@ -70,9 +70,9 @@ def _overrides(path: Path, root: Path) -> list[str]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_pre_start_check_names_the_file_the_place_and_the_fix(case, bad_file, tmp_path, monkeypatch):
-    """What `rlmill train` runs before Prefect (flows.reporting.check_startable), in-process."""
+    """What `rlmill train` runs before Prefect (flows.user_errors.check_startable), in-process."""
     from flows.config import load_run_config
-    from flows.reporting import check_startable, user_error_line
+    from flows.user_errors import check_startable, user_error_line
 
     monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path / "locks"))
     path = bad_file(case)
@@ -89,7 +89,7 @@ def test_quarantine_and_filter_let_the_rows_through_as_the_run_would(bad_file, t
     """Refused only where the run refuses: gate.on_failure=quarantine sets bad rows aside and
     data.overlong_prompts=filter drops long ones, so the pre-start check lets them pass."""
     from flows.config import load_run_config
-    from flows.reporting import check_startable
+    from flows.user_errors import check_startable
 
     monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path / "locks"))
     root = tmp_path / "root"
@@ -100,7 +100,7 @@ def test_quarantine_and_filter_let_the_rows_through_as_the_run_would(bad_file, t
 
 def test_the_run_itself_reports_a_missing_column_as_the_users_mistake(bad_file):
     """Inside the flow (a deployment run), reading the file raises DatasetError: one line."""
-    from flows.reporting import user_error_line
+    from flows.user_errors import user_error_line
     from storage.datasets import DatasetError, read_prompts
 
     path = bad_file("missing column")

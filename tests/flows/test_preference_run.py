@@ -39,7 +39,7 @@ def _config(example: Path, root: Path, *extra: str):
     ({"preference": {"generate": None}}, "preference.train_files is empty"),
 ])
 def test_bad_combinations_are_one_line_naming_the_fix(section, named):
-    from flows.reporting import user_error_line
+    from flows.user_errors import user_error_line
     from gpu_jobs.stages.config import ConfigError, build_run_config
 
     data = {"preference": {}, **section}
@@ -75,7 +75,7 @@ def _write(path: Path, rows: list[dict]) -> str:
 ])
 def test_a_bad_preference_file_is_one_line_before_any_model_loads(tmp_path, rows, algorithm, named):
     from flows.config import load_run_config
-    from flows.reporting import user_error_line
+    from flows.user_errors import user_error_line
     from gpu_jobs.stages.preference_data import preference_frames
 
     url = _write(tmp_path / "prefs.parquet", rows)
@@ -272,7 +272,7 @@ def test_with_lora_the_reference_is_the_base_model_however_far_the_adapter_train
 
 
 def test_an_overlong_prompt_is_refused_before_the_run_exists(tmp_path):
-    from flows.reporting import user_error_line
+    from flows.user_errors import user_error_line
     from gpu_jobs.stages import Run
 
     url = _write(tmp_path / "prefs.parquet", [{"prompt": "1+1=" * 40, "chosen": "2", "rejected": "3"}] * 20)

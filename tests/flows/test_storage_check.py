@@ -151,7 +151,7 @@ def test_the_flow_checks_storage_first_and_names_it_in_one_line(storage_config_s
     """Deployment runs meet the same check: the rl-training flow's first step (check_startable)
     raises it, and its Failed state message is the line (user_error_line)."""
     from flows.config import load_run_config
-    from flows.reporting import check_startable, user_error_line
+    from flows.user_errors import check_startable, user_error_line
 
     monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path / "locks"))
     storage = [f"storage.endpoint_url={storage_config_s3.endpoint_url}"]

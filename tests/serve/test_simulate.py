@@ -129,7 +129,7 @@ def _args(*argv: str):
 ])
 def test_wrong_numbers_are_one_line(argv, line):
     from flows.cli_simulate import cmd_simulate
-    from flows.reporting import UserError
+    from flows.user_errors import UserError
 
     with pytest.raises(UserError) as exc:
         cmd_simulate(_args(*argv))
@@ -139,7 +139,7 @@ def test_wrong_numbers_are_one_line(argv, line):
 def test_no_server_or_another_model_is_one_line(served, run_app, capsys):
     from gpu_jobs.online.app import Server
     from flows.cli_simulate import cmd_simulate
-    from flows.reporting import UserError
+    from flows.user_errors import UserError
     from tests.servers import free_port
 
     nobody = f"http://127.0.0.1:{free_port()}"

@@ -12,7 +12,9 @@ One night, as Prefect tasks and one `rl-training` subflow (each step is one plai
   2. the gate: validate them (great-expectations, gpu_jobs.data.gates.validate_prompts);
   3. train: rl_training starting from the promoted version (models/<name>/CURRENT) or, before the
      first promotion, from the config's model; run id nightly-<YYYYMMDD>;
-  4. evaluate: greedy decoding of both models on the fixed held-out set, scored by the run's reward;
+  4. evaluate: the run's own validation stage on the fixed held-out set (its first eval_size rows):
+     before the first update it scores the promoted model, after the last the new one -- the one
+     evaluation path a training run has, read back from its committed stages (`validation_scores`);
   5. decide: promote if new - promoted >= min_gain;
   6. promote (or, with canary_share > 0, start a canary: the version is published the same way and
      models/<name>/CANARY sends that share of live users to it until rl-canary's stated test
@@ -45,11 +47,10 @@ from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.config import load_run_config
-from flows.nightly_state import pick_run_id
+from flows.nightly_state import NewFile, list_new_files, pick_run_id, read_state, record_success, state_url
 from flows.reporting import artifact_key, run_logger
-from storage import ModelLayout, RunLayout, copy_checkpoint, join, url_to_fs
 from gpu_jobs.online.canary import CanaryPolicy, CanaryRunning, start_canary
-from flows.nightly_state import NewFile, list_new_files, read_state, record_success, state_url
+from storage import ModelLayout, RunLayout, committed, copy_checkpoint, join, url_to_fs
 
 if TYPE_CHECKING:
     from flows.config import RunConfig
@@ -103,17 +104,42 @@ def ensure_heldout(cfg: "RunConfig", models: ModelLayout, size: int, heldout_fil
 
 # ------------------------------------------------------------------------------------ training
 def train_night(config: str | None, overrides: list[str], *, base: str, train_files: list[str],
-                heldout: list[str], run_id: str, iterations: int, preference: bool = False) -> dict[str, Any]:
+                heldout: list[str], run_id: str, iterations: int, eval_size: int,
+                preference: bool = False) -> dict[str, Any]:
     """The `rl-training` subflow on `train_files` (tonight's, or a retraining window's), from
-    `base`; returns its summary. `preference`: the files are DPO/KTO preference files (a run with
-    a `preference:` section validates on held-out pairs of its own, not on `heldout` prompts)."""
+    `base`; returns its summary. It validates on the first `eval_size` rows of `heldout` before
+    its first update (`base`'s score) and after its last (the new checkpoint's): the gate's two
+    scores. `preference`: the files are DPO/KTO preference files (a run with a `preference:`
+    section validates on held-out pairs of its own, not on `heldout` prompts)."""
     from flows.training import rl_training
 
     data = ([f"preference.train_files={json.dumps(train_files)}"] if preference else
-            [f"data.train_files={json.dumps(train_files)}", f"data.val_files={json.dumps(heldout)}"])
+            [f"data.train_files={json.dumps(train_files)}", f"data.val_files={json.dumps(heldout)}",
+             f"data.val_size={eval_size}"])
     return rl_training(config=config, overrides=[
         *overrides, f"model.path={json.dumps(base)}", *data, f"run_id={run_id}",
-        f"trainer.total_iterations={iterations}"])
+        f"trainer.total_iterations={iterations}", "trainer.val_before_train=true"])
+
+
+def validation_scores(layout: RunLayout, k: int) -> dict[str, float]:
+    """The held-out scores of the weights after update k (k=0: the model the run started from),
+    read from the run's committed validation stage: mean reward (val/acc), exact match (each
+    response's text equal to its ground truth; NaN for a preference run, which scores pairs) and n.
+    """
+    from gpu_jobs.reward import decode_ground_truth
+    from storage import NotCommittedError, read_manifest, read_table
+
+    uri = committed(layout.stage(k, "validate"), layout.storage)
+    if uri is None:
+        raise NotCommittedError(f"run {layout.run_id} has no committed validation after iteration {k}")
+    metrics = read_manifest(uri, layout.storage).metrics
+    table = read_table(uri, storage=layout.storage)
+    n = int(metrics.get("val/n", table.num_rows))
+    exact = float("nan")
+    if n and {"response_text", "ground_truth"} <= set(table.column_names):
+        truths = [str(decode_ground_truth(g)) for g in table.column("ground_truth").to_pylist()]
+        exact = sum(t.strip() == g for t, g in zip(table.column("response_text").to_pylist(), truths)) / n
+    return {"mean_reward": float(metrics["val/acc"]) if n else float("nan"), "exact_match": exact, "n": n}
 
 
 def run_summary(run: dict[str, Any]) -> dict[str, Any]:
@@ -229,10 +255,8 @@ def validate_new_data(files: list[str], cfg: "RunConfig", model: str, out_dir: s
 
 
 @task(name="evaluate", retries=1, cache_policy=NO_CACHE)
-def evaluate(model: str, heldout_files: list[str], eval_size: int, cfg: "RunConfig") -> dict[str, float]:
-    from gpu_jobs.stages import held_out_scores
-
-    return held_out_scores(model, heldout_files, eval_size, cfg)
+def evaluate(layout: RunLayout, k: int) -> dict[str, float]:
+    return validation_scores(layout, k)
 
 
 @task(name="promote", retries=2, cache_policy=NO_CACHE)
@@ -324,16 +348,17 @@ def train_and_gate(config: str | None, overrides: list[str], cfg: "RunConfig", m
                    train_files: list[str], heldout: list[str], run_id: str, iterations: int, eval_size: int,
                    min_gain: float, export_merged_hf: bool, by: str, canary: CanaryPolicy | None = None) -> Outcome:
     """Steps 3-6, shared by the nightly and the retrain-on-arrival flows: train `run_id` from
-    `base` on `train_files`, score the new checkpoint and `base` greedily on the fixed held-out
-    set, promote the new one as version `run_id` only if it is not worse (`min_gain`), recorded
+    `base` on `train_files`, score the new checkpoint and `base` on the fixed held-out set (the
+    run's validation after its last update and before its first), promote the new one as version `run_id` only if it is not worse (`min_gain`), recorded
     in the model's history as moved `by` -- or, with `canary`, published as that version with a
     canary of it started (see `_publish`). Every step is idempotent, so a resumed run id re-does
     nothing committed."""
     run = train_night(config, overrides, base=base, train_files=train_files, heldout=heldout, run_id=run_id,
-                      iterations=iterations, preference=cfg.preference is not None)
-    new_url = RunLayout(cfg.root, run_id, cfg.storage).policy(iterations)
-    new_eval = evaluate.with_options(task_run_name="evaluate-new")(new_url, heldout, eval_size, cfg)
-    cur_eval = evaluate.with_options(task_run_name="evaluate-promoted")(base, heldout, eval_size, cfg)
+                      iterations=iterations, eval_size=eval_size, preference=cfg.preference is not None)
+    layout = RunLayout(cfg.root, run_id, cfg.storage)
+    new_url = layout.policy(iterations)
+    new_eval = evaluate.with_options(task_run_name="evaluate-new")(layout, iterations)
+    cur_eval = evaluate.with_options(task_run_name="evaluate-promoted")(layout, 0)
     decision = decide(new_eval["mean_reward"], cur_eval["mean_reward"], min_gain)
     promoted_to, merged_to, canary_id = _publish(decision, new_url, models, run_id, export_merged_hf, cfg.storage,
                                                  by, canary)

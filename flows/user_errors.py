@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["UserError", "user_error_types", "user_error_line", "check_startable", "run_start_words", "run_id_taken"]
+__all__ = ["UserError", "user_error_types", "user_error_line", "check_startable", "run_start_words"]
 
 
 class UserError(Exception):
@@ -186,20 +186,3 @@ def run_start_words(cfg: Any, fresh: str | None = None) -> str:
     except StorageError:
         return "named by run_id; its storage did not answer, so new or resumed is not known yet"
     return "resuming it where it stopped" if exists else "new"
-
-
-def run_id_taken(config: str | None, overrides: list[str]):
-    """taken(run_id) -> whether that run already exists under the config's root: a fresh id
-    (flows.overrides.with_run_id) skips it. An invalid config or unreachable storage counts as
-    free; loading the config or starting the run reports those."""
-    def taken(candidate: str) -> bool:
-        from flows.config import load_run_config
-        from storage import RunLayout
-
-        try:
-            cfg = load_run_config(config, [*overrides, f"run_id={candidate}"])
-            return RunLayout(cfg.root, candidate, cfg.storage).read_run_json() is not None
-        except Exception:  # noqa: BLE001 - reported by whoever loads the config next
-            return False
-
-    return taken

@@ -22,7 +22,7 @@ Why this is exactly once:
   resumes the same run id from its committed stages, so its pieces are neither skipped nor
   claimed again.
 
-Storage knows nothing about what a piece holds: the caller lists them (`Piece`: URI, row counts,
+The log knows nothing about what a piece holds: the caller lists them (`Piece`: URI, row counts,
 commit time) -- for feedback, gpu_jobs.online.consumer.segment_manifests.
 """
 

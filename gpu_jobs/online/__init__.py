@@ -16,16 +16,18 @@ Serving:
   candidate served beside it to its share of ids.
 - batching.py: concurrent requests -> one `engine.generate` call per batch, in one worker thread.
 - answers.py: ids that carry their time, and the bounded index of recent answers feedback checks;
-  recall.py: an older answer found again (the stream, then the committed log).
+  recall.py: an answer the server no longer holds, found where it was logged (the stream, else the
+  committed feedback log).
 Feedback:
 - events.py: the answer and feedback events, and the quality gate the consumer applies.
 - broker.py: Redis Streams: a response waits (bounded) until its event is XADDed; a slow or down
   broker never blocks answering: events wait in a bounded queue (counted as buffered), what does
   not fit is dropped, counted and logged.
 - consumer.py: the stream -> Parquet segments committed through storage's manifest, acked after;
-  deliveries.py: the consumer group's bookkeeping (redeliveries, lag, broker outages).
+  deliveries.py: the consumer group's bookkeeping (dead letters, a vanished consumer's entries
+  taken over, trimming, lag, broker outages).
 - dataset.py: answers joined with their feedback as verl-format training rows.
-- governance.py: forgetting a user, and a version's lineage back to the feedback it trained on.
+- governance.py: forgetting a user, and each version's lineage back to the feedback it trained on.
 - simulate.py: simulated users against a running server (`rlmill simulate`).
 Windows and canaries (records under models/<name>/, written create-only with storage's primitives):
 - windows.py: which committed feedback a retraining run trained on, each piece exactly once.

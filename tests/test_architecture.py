@@ -33,10 +33,6 @@ ONLINE_FLOWS = ("flows.online",)
 ONLINE_WORK_MAY_IMPORT = ("storage", "gpu_jobs.models", "gpu_jobs.rollout", "gpu_jobs.data", "gpu_jobs.reward")
 ONLINE_WORK_USERS = ("flows.cli*", "flows.nightly")
 ONLINE_FLOWS_USERS = ("flows.cli*",)
-# Old paths of moved modules, each nothing but a re-export of the new one, kept while a file
-# outside this change imports the old path (tests/readme_serving.py); remove an entry with its file.
-MOVED = {"gpu_jobs.serve": None, "gpu_jobs.serve.simulate": "gpu_jobs.online.simulate",
-         "storage.canary": "gpu_jobs.online.canary", "storage.windows": "gpu_jobs.online.windows"}
 
 
 def _module_name(path: Path) -> str:
@@ -173,13 +169,13 @@ def _matches(module: str, prefixes: tuple[str, ...]) -> bool:
 def _imports_outside(graph: dict[str, set[str]], part: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
     """Each `module -> target` where a module of `part` imports a project module outside `part` and
     `allowed`."""
-    return sorted(f"{m} -> {t}" for m, ts in graph.items() if _matches(m, part) and m not in MOVED
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if _matches(m, part)
                   for t in ts if not _matches(t, part + allowed))
 
 
 def _importers_outside(graph: dict[str, set[str]], part: tuple[str, ...], users: tuple[str, ...]) -> list[str]:
     """Each `module -> target` where a module outside `part` and `users` imports one of `part`."""
-    return sorted(f"{m} -> {t}" for m, ts in graph.items() if not _matches(m, part + users) and m not in MOVED
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if not _matches(m, part + users)
                   for t in ts if _matches(t, part))
 
 
@@ -200,17 +196,6 @@ def test_only_the_online_flows_the_cli_and_the_nightly_use_the_online_loop():
     wrong = (_importers_outside(graph, ONLINE_WORK, ONLINE_FLOWS + ONLINE_WORK_USERS)
              + _importers_outside(graph, ONLINE_FLOWS, ONLINE_FLOWS_USERS))
     assert not wrong, "imports of the online loop from outside the modules that drive it:\n" + "\n".join(wrong)
-
-
-def test_moved_paths_only_re_export():
-    modules = _modules()
-    for old, new in MOVED.items():
-        if old not in modules:
-            continue  # removed already: its entry may go too
-        body = [n for n in ast.parse(modules[old].read_text()).body
-                if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]  # a docstring
-        assert (not body if new is None else len(body) == 1 and isinstance(body[0], ast.ImportFrom)
-                and body[0].module == new), f"{old} must be only a re-export of {new}"
 
 
 def test_the_part_rules_see_a_wrong_import():

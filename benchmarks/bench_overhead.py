@@ -8,7 +8,7 @@ The same GRPO iterations (built-in model and task, same seeds) three ways, side 
   stages  the stage functions (gpu_jobs.stages) called directly: adds Parquet commits with
           manifests, the great-expectations gate, reads back by URI;
   flow    the rl-training Prefect flow (one subflow per iteration, tasks, artifacts) on an
-          ephemeral Prefect API: adds Prefect's own cost (~0.3 s per iteration on 2 cores; README);
+          ephemeral Prefect API: adds Prefect's own cost (~0.3 s per iteration on 2 cores; docs/benchmarks.md);
   flow-sqlite, flow-postgres (--databases)  the same flow against a real `prefect server`
           (tests.servers.LocalPrefect, what `make server [DB=postgres]` starts) on that database.
 A batch `PxT` is P prompts whose responses are forced to exactly T tokens (rollout.ignore_eos):

@@ -39,7 +39,7 @@ from flows.cli_models import add_models_parser
 from flows.cli_prefect import _start_ephemeral_api
 from flows.cli_serve import add_serve_parsers
 from flows.cli_simulate import add_simulate_parser
-from flows.reporting import UserError, check_startable, user_error_line, user_error_types  # light: no heavy imports
+from flows.user_errors import UserError, check_startable, user_error_line, user_error_types  # light: no heavy imports
 
 # `rlmill run`'s config: examples/grpo_arith.yaml, embedded so that an installed wheel (which has
 # no examples/ folder) runs the same job; tests/flows/test_cli.py checks that the two agree.
@@ -88,7 +88,7 @@ def _check_config(path: str | None, overrides: list[str]):
         sys.exit(f"rlmill: {exc}")
 
 
-# What `train` would otherwise find out only inside the flow, minutes in (flows.reporting).
+# What `train` would otherwise find out only inside the flow, minutes in (flows.user_errors).
 _check_startable = check_startable
 
 
@@ -131,7 +131,7 @@ def _announce(cfg, fresh: str | None) -> None:
         print(f"rlmill: new run {cfg.run_id}; to resume it, run the same command with run_id={cfg.run_id}",
               flush=True)
         return
-    from flows.reporting import run_start_words
+    from flows.user_errors import run_start_words
 
     print(f"rlmill: run {cfg.run_id} ({run_start_words(cfg)})", flush=True)
 

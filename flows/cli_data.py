@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from flows.reporting import UserError
+from flows.user_errors import UserError
 
 __all__ = ["add_data_parser", "cmd_data_make"]
 

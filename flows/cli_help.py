@@ -14,7 +14,7 @@ examples:
   rlmill verify --config examples/grpo_arith.yaml run_id=ID   # check run ID's committed data
   rlmill data make gsm_symbolic --out data/gsm                # a verl-format train/test Parquet pair
 
-Configs: examples/ holds one YAML file per algorithm (README.md, "Configs and the command line",
+Configs: examples/ holds one YAML file per algorithm (docs/guide/configs.md,
 lists them); `rlmill config show [--config FILE]` prints every key with its default.
 More on each command: rlmill <command> --help.
 """

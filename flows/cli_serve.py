@@ -55,14 +55,16 @@ def add_serve_parsers(sub) -> None:
     serve.add_argument("--model", default=None, help="registered model name (models/<name>/CURRENT under --root); "
                                                      "default: the built-in model")
     serve.add_argument("--root", default=None, help="storage root the model is registered under (folder or s3://)")
-    serve.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="rollout engine (default hf)")
+    serve.add_argument("--engine", default="hf",
+                       help="rollout engine: a name registered in gpu_jobs.rollout.ROLLOUT_ENGINES (default hf; built in: "
+                            "hf, vllm)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1); any non-loopback address needs --api-keys")
     serve.add_argument("--api-keys", default=os.environ.get(KEYS_ENV) or None, metavar="FILE",
                        help=f"YAML/JSON file mapping each API key to {{principal, roles}} (roles: query, feedback, "
                             f"metrics); callers send `Authorization: Bearer <key>`; default ${KEYS_ENV}, else no keys "
                             "(loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     serve.add_argument("--redis", default=DEFAULT_REDIS, help=f"event broker URL, or 'none' (default {DEFAULT_REDIS})")
     serve.add_argument("--retention-hours", type=float, default=24.0, help="feedback is taken this long after an answer")
     serve.add_argument("--max-batch", type=int, default=16, help="requests per generate call at most")
@@ -184,8 +186,20 @@ def _check_numbers(args) -> None:
             raise UserError(f"{flag} {value} is below 1: give a positive number")
 
 
+def _check_engine(name: str) -> None:
+    # The registry, not a list here: an engine a user registers is servable with no edit of the CLI.
+    from gpu_jobs.registry import UnknownNameError
+    from gpu_jobs.rollout import ROLLOUT_ENGINES  # the package registers the built-in engines
+
+    try:
+        ROLLOUT_ENGINES[name]
+    except UnknownNameError as exc:
+        raise UserError(f"--engine: {exc}") from None
+
+
 def cmd_serve(args) -> None:
     _check_numbers(args)
+    _check_engine(args.engine)
     limits = _limits(args)
     keys = _keys(args)
     _check_port(args.host, args.port)

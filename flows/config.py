@@ -70,7 +70,7 @@ def decide_run_id(cfg: RunConfig, config: str | None, overrides: list[str], *, s
 
 def run_exists(cfg: RunConfig, run_id: str) -> bool:
     """Whether run ``run_id`` has a run.json under cfg.root. Storage that does not answer counts
-    as no: the run's own start reports it (flows.reporting.check_startable)."""
+    as no: the run's own start reports it (flows.user_errors.check_startable)."""
     from storage import RunLayout
 
     try:

@@ -13,10 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Re-exported until flows/cli.py, flows/cli_data.py, flows/training.py and tests/flows/test_cli.py
-# import them from flows.user_errors, where they live.
-from flows.user_errors import (UserError, check_startable, run_start_words, user_error_line,  # noqa: F401
-                               user_error_types)
 
 log = logging.getLogger("rlmill")
 

@@ -207,7 +207,8 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
     """
     from prefect.context import FlowRunContext
 
-    from flows.reporting import check_startable, one_traceback_per_error, run_start_words
+    from flows.reporting import one_traceback_per_error
+    from flows.user_errors import check_startable, run_start_words
 
     in_run = FlowRunContext.get() is not None  # False for rl_training.fn(...): plain exceptions
     logger = get_run_logger() if in_run else log
@@ -262,7 +263,8 @@ def _failed_run(exc: Exception, cfg: RunConfig | None, logger):
     from prefect.context import FlowRunContext
     from prefect.states import Failed
 
-    from flows.reporting import deliver_logged_line, user_error_line
+    from flows.reporting import deliver_logged_line
+    from flows.user_errors import user_error_line
 
     flow_run_id = FlowRunContext.get().flow_run.id
     line = user_error_line(exc, cfg)

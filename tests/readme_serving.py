@@ -18,7 +18,7 @@ from tests.tiny import TINY
 if TYPE_CHECKING:
     from tests.test_readme_walkthrough import Step, Walk
 
-# ADJUSTED['retrain']: the retrain plans its own batch from the window (flows.retrain.plan_training);
+# ADJUSTED['retrain']: the retrain plans its own batch from the window (flows.online.retrain.plan_training);
 # TINY's 8 would split the README's 64 ratings into 8 iterations. The gate scores both models after
 # training anyway: no validation before it (as benchmarks/online_demo.py).
 RETRAIN_TINY = [*(o for o in TINY if not o.startswith(("data.train_batch_size=", "actor.ppo_mini_batch_size="))),

@@ -59,7 +59,7 @@ def _run(exe: Path, *args: str, cwd: Path) -> str:
     return proc.stdout
 
 
-@pytest.mark.e2e  # installs: two clones' environments (make e2e, README "What make test runs")
+@pytest.mark.e2e  # installs: two clones' environments (make e2e, docs/testing.md)
 def test_two_clones_each_run_their_own_code(tmp_path):
     shared = _shared_env()
     hashed = subprocess.run([sys.executable, "scripts/deps.py", "--hash"], cwd=REPO, capture_output=True,

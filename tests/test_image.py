@@ -1,4 +1,4 @@
-"""rlmill's container image (make image, docs/image.md): its scripts refuse bad setups with one
+"""rlmill's container image (make image, docs/guide/image.md): its scripts refuse bad setups with one
 line, and `rlmill run` inside the built image prints the table `make run` prints on this machine.
 
     .venv/bin/python -m pytest -q tests/test_image.py               # the refusals (seconds)
@@ -102,10 +102,10 @@ def test_rlmill_run_in_the_image_prints_make_runs_table(tmp_path):
     """`make run`'s command (rlmill run) here and in the container: the same accuracies at every
     validation, to the digit. The image holds the same package versions (constrained to .venv's),
     the same built-in model (baked from this machine's cache) and the same CPU, and a run repeats
-    exactly on one machine (README "Quick start"); a difference means the image computes
+    exactly on one machine (docs/index.md, "Quick start"); a difference means the image computes
     something else. 10 of make run's 20 iterations (two validations after the first): the whole
     run on both sides took 8.5 min of this test on a busy 2-core machine, and the 20-iteration
-    tables were compared by hand (docs/image.md). Both runs write under tmp_path (the
+    tables were compared by hand (docs/guide/image.md). Both runs write under tmp_path (the
     container's ./.rlmill mounted)."""
     host_dir, image_dir = tmp_path / "host", tmp_path / "image"
     host_dir.mkdir()

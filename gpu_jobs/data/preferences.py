@@ -1,6 +1,6 @@
 """Feedback rows -> DPO preference pairs and KTO examples. Pure: no storage, no tokenizer.
 
-    rows = gpu_jobs.serve.dataset.training_rows(root, "arith")
+    rows = gpu_jobs.online.dataset.training_rows(root, "arith")
     pairs, counts = preference_pairs(rows)          # counts: why votes and pairs were dropped
     examples, counts = kto_examples(rows)            # labels from thumbs (majority)
     examples, counts = kto_examples(rows, label_from="reward", reward_threshold=0.5)
@@ -123,7 +123,7 @@ def _answer(i: int, row: Any) -> _Answer:
     missing = [k for k in ("prompt",) if k not in row] + [f"extra_info[{k!r}]" for k in _NEEDED if k not in extra]
     if missing:
         raise ValueError(f"feedback row {i} has no {', '.join(missing)}: pass the rows of "
-                         "gpu_jobs.serve.dataset.training_rows (extra_info carries the answer and its feedback)")
+                         "gpu_jobs.online.dataset.training_rows (extra_info carries the answer and its feedback)")
     prompt = _plain(row["prompt"])
     reward = extra["reward"]
     # A missing reward read back through pandas can arrive as NaN: it is "no reward", not a low one.

@@ -140,7 +140,7 @@ def cpu_engine_options() -> dict:
     whose prefill is split over two steps has its seeded generator rewound
     (gpu_model_runner._bookkeeping_sync), which a CPU torch.Generator refuses ("CPU Generator does
     not use offset"). A SmolLM2 rollout of 32 prompts x 4 samples died on it. bench_rollout's vLLM
-    cells (README, Speed levers on SmolLM2) were measured this way; chunked prefill on was not
+    cells (benchmarks/results/2026-12-03-smollm2-speed-levers.md) were measured this way; chunked prefill on was not
     measured, since it fails at those sizes.
     """
     from vllm.platforms import current_platform

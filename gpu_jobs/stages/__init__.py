@@ -28,11 +28,11 @@ from gpu_jobs.stages.iteration import (
 from gpu_jobs.stages.preference import held_out_preferences, preference_batch, preference_ref
 from gpu_jobs.stages.resume import load_policy_into_rollout, open_warm, probe_agreement, replay_update, restore
 from gpu_jobs.stages.run import Run, RunConfigMismatchError, last_committed
-from gpu_jobs.stages.scoring import artifact_samples, held_out_scores
+from gpu_jobs.stages.scoring import artifact_samples
 from gpu_jobs.stages.shell import Output, StageSpec, read, stage
 
 __all__ = ["Run", "Roles", "RunConfigMismatchError", "last_committed", "open_warm", "restore", "replay_update",
            "probe_agreement", "load_policy_into_rollout", "StageCalls", "DirectCalls", "run_iteration",
-           "artifact_samples", "held_out_scores", "STAGES", "StageSpec", "stage", "Output", "read", "rollout", "baseline", "gate", "reward", "logprobs",
+           "artifact_samples", "STAGES", "StageSpec", "stage", "Output", "read", "rollout", "baseline", "gate", "reward", "logprobs",
            "values", "advantages", "update", "weights_to_rollout", "commit", "validate", "preference_batch",
            "preference_ref", "held_out_preferences"]

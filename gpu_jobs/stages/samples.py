@@ -1,6 +1,6 @@
 """The sample table: one row per response, the schema every stage reads and extends.
 
-Columns (README "The stage contract"): uid, group_id, data_source, prompt_ids list<int32>, response_ids list<int32>,
+Columns (docs/reference/stage-contract.md): uid, group_id, data_source, prompt_ids list<int32>, response_ids list<int32>,
 rollout_logprobs list<float32>, response_len, finish_reason, ground_truth (a string; a non-string
 ground truth as marked JSON, see `ground_truth_of`), extra_info (json); multi-turn rollouts add
 response_mask list<int8> (0 on tool turns' tokens, see RESPONSE_MASK_FIELD);

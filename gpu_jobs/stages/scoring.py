@@ -1,13 +1,12 @@
 """Scoring sampled responses: the rows a reward function sees, the one evaluator (validation,
-ReMax baselines, the nightly flow's held-out comparison of two models) and the scored samples an
-iteration's artifact shows.
+ReMax baselines; the nightly flow and the retrain read its committed validation stage) and the
+scored samples an iteration's artifact shows.
 
     table, metrics = evaluate(engine, tokenizer, prompts, ids, reward_cfg, max_response_length,
                               cfg.rollout.val_kwargs, seed=1)
     metrics["val/acc"]                               # mean score of every response
     metrics["val-core/rlmill/arith/reward/mean@4"]   # verl's metrics (gpu_jobs.reward.val_metrics)
     table, metrics = greedy_evaluate(engine, tokenizer, prompts, ids, reward_cfg, max_response_length)
-    held_out_scores(model, heldout_files, eval_size, cfg)     # {"mean_reward", "exact_match", "n"}
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import pyarrow as pa
 from gpu_jobs.stages.sections import ValKwargs
 from gpu_jobs.stages.samples import sample_table
 
-__all__ = ["reward_rows", "evaluate", "greedy_evaluate", "validation_infos", "held_out_scores", "artifact_samples"]
+__all__ = ["reward_rows", "evaluate", "greedy_evaluate", "validation_infos", "artifact_samples"]
 
 
 def reward_rows(tokenizer: Any, table: pa.Table) -> list[dict]:
@@ -87,39 +86,6 @@ def greedy_evaluate(engine: Any, tokenizer: Any, prompts: Sequence[dict], ids: S
     default val_kwargs): `val/acc` is the mean score, `val/n` the number of prompts."""
     return evaluate(engine, tokenizer, prompts, ids, reward_cfg, max_response_length, ValKwargs(), seed=0,
                     iteration=iteration, tag=tag)
-
-
-def held_out_scores(model: str, heldout_files: list[str], eval_size: int, cfg: Any) -> dict[str, float]:
-    """Greedy decoding of `model` (alias, folder or storage URL) on the first `eval_size`
-    held-out rows, scored by the run's reward exactly as the run's validation scores
-    (`greedy_evaluate`). Returns mean reward, exact match and n. The engine is built for this
-    call and closed after it (data-parallel replicas are processes)."""
-    import gc
-
-    from gpu_jobs.data import render_many
-    from gpu_jobs.models import load_tokenizer, resolve_model_path
-    from gpu_jobs.reward import decode_ground_truth
-    from gpu_jobs.rollout.data_parallel import build_rollout_engine
-    from storage.datasets import read_prompts
-
-    rows = read_prompts(heldout_files, storage=cfg.storage).iloc[:eval_size]
-    path = resolve_model_path(model, cfg.storage, cfg.model.seed)
-    tok = load_tokenizer(path)
-    prompts = [dict(r, row=i) for i, r in enumerate(rows.to_dict("records"))]
-    engine = build_rollout_engine(cfg.rollout.engine, path, cfg.rollout.engine_options)
-    try:
-        table, metrics = greedy_evaluate(engine, tok, prompts, render_many(rows[cfg.data.prompt_key], tok),
-                                         cfg.reward, cfg.rollout.max_response_length)
-    finally:
-        getattr(engine, "close", lambda: None)()
-        del engine
-        gc.collect()
-    texts = table.column("response_text").to_pylist()
-    truths = [str(decode_ground_truth(g)) for g in table.column("ground_truth").to_pylist()]
-    n = int(metrics["val/n"])
-    return {"mean_reward": metrics["val/acc"] if n else float("nan"),
-            "exact_match": sum(t.strip() == g for t, g in zip(texts, truths)) / n if n else float("nan"),
-            "n": n}
 
 
 def artifact_samples(run: Any, batch_uri: str | None, reward_uri: str | None, n: int) -> list[dict]:

@@ -163,7 +163,7 @@ class LoopConfig(_Section):
     nnodes: int = Field(
         1, ge=1, description="Nodes of the trainer group, n_gpus_per_node ranks each (verl's name). The process "
         "running the update (the flow's, or the remote update's with placement=remote) is node 0; every other "
-        "node joins with `python -m gpu_jobs.train.ranks.launch --nnodes M --node-rank i ...` (README 'Several nodes').")
+        "node joins with `python -m gpu_jobs.train.ranks.launch --nnodes M --node-rank i ...` (docs/guide/ranks.md, 'Several nodes').")
     master_addr: str = Field(
         "", description="With nnodes > 1: the address of node 0 that the other nodes' launchers reach. "
         "Empty = $MASTER_ADDR of the process that runs the update (e.g. a work pool's job variable).")

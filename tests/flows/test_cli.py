@@ -266,7 +266,7 @@ def test_run_uses_the_embedded_copy_of_grpo_arith_yaml(example_path):
 # ----------------------------------------------------------------------------- one-line errors
 def test_user_error_lines_are_one_line_with_the_fix(tiny_config):
     from flows.config import ConfigError, load_run_config
-    from flows.reporting import UserError, user_error_line
+    from flows.user_errors import UserError, user_error_line
     from flows.run_lock import RunLockedError
     from gpu_jobs.stages import RunConfigMismatchError
     from gpu_jobs.data import OverlongPromptError
@@ -394,7 +394,7 @@ def test_every_model_alias_the_loader_knows_passes_the_pre_start_check(example_p
     import importlib.util
 
     from flows.config import load_run_config
-    from flows.reporting import UserError, check_startable
+    from flows.user_errors import UserError, check_startable
     from gpu_jobs.models.loading import MODEL_ALIASES, resolve_model_path
 
     monkeypatch.setenv("RLMILL_LOCK_DIR", str(tmp_path / "locks"))
@@ -448,9 +448,9 @@ def test_the_first_line_of_a_run_says_new_or_resuming_truthfully(example_path, t
     rl-training flow logged every named run as "resumed where it stopped if it exists"."""
     import logging
 
-    import flows.reporting as reporting
+    import flows.user_errors as user_errors
     from flows.config import frozen_config, load_run_config
-    from flows.reporting import run_start_words
+    from flows.user_errors import run_start_words
     from flows.training import log, rl_training
     from storage import RunLayout
 
@@ -488,7 +488,7 @@ def test_the_first_line_of_a_run_says_new_or_resuming_truthfully(example_path, t
     request.addfinalizer(lambda: log.setLevel(level))
     monkeypatch.setattr(log, "disabled", False)
     monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
-    monkeypatch.setattr(reporting, "check_startable", stop)
+    monkeypatch.setattr(user_errors, "check_startable", stop)
     assert first_line() == "run named (new)"
     RunLayout(cfg.root, cfg.run_id).write_run_json({"run_uid": "u", "config": frozen_config(cfg)})
     assert run_start_words(cfg) == "resuming it where it stopped"

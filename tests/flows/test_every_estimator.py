@@ -64,7 +64,7 @@ CASES = {
                               (_kl_coef_moves, "the adaptive KL coefficient changes between iterations")),
 }
 
-# The example config a user runs for each family (README feature table names the overrides).
+# The example config a user runs for each family (docs/guide/configs.md's table names the overrides).
 EXAMPLE_OF = {
     "reinforce_plus_plus": "reinforce_pp_arith.yaml", "reinforce_plus_plus_baseline": "reinforce_pp_arith.yaml",
     "opo": "reinforce_pp_arith.yaml", "gpg": "gpg_arith.yaml", "grpo_passk": "reinforce_pp_arith.yaml",
@@ -109,7 +109,7 @@ def test_variant_trains_two_iterations(case, tmp_path):
 
 
 def test_every_example_loads():
-    """Every shipped example validates, and so does each variant the README table names by override."""
+    """Every shipped example validates, and so does each variant docs/guide/configs.md's table names by override."""
     from flows.config import load_run_config
 
     examples = sorted((REPO / "examples").glob("*.yaml"))

@@ -110,7 +110,7 @@ def test_a_stage_that_fails_once_is_retried_and_the_run_completes(prefect_api, t
 
 
 def _declare_toy_stage():
-    """A stage as a user adds one: one decorated function (README, "The stage contract")."""
+    """A stage as a user adds one: one decorated function (docs/reference/stage-contract.md)."""
     import numpy as np
     import pyarrow as pa
 

@@ -1,7 +1,7 @@
 """The real-model example (examples/grpo_times_smollm2.yaml: SmolLM2-135M-Instruct on times tables)
 through the rl-training flow, at a size `make test` can afford: 2 iterations of 2 prompts x 2
 samples x 16 tokens, no validation before training. The run on the example's own sizes, and its
-curve, are the README's "A real model learns" (`make run-smollm2`).
+curve, are docs/guide/real-model.md's (`make run-smollm2`).
 
     .venv/bin/python -m pytest -q tests/flows/test_real_model.py
 

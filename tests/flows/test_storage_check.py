@@ -127,7 +127,7 @@ def test_train_with_a_missing_bucket_or_a_read_only_root_stops_in_one_line(s3_en
     line = _one_line(_rlmill_train(*tiny_overrides("s3://no-such-bucket-here/rl"), cwd=tmp_path, env=env))
     assert "S3 bucket 'no-such-bucket-here' does not exist" in line
     assert list(tmp_path.iterdir()) == []  # no lock, no .rlmill
-    # The README's `rlmill data make ... --out s3://my-bucket/...`, bucket not made yet: the same line.
+    # docs/guide/verl-data-s3.md's `rlmill data make ... --out s3://my-bucket/...`, bucket not made yet: the same line.
     line = _one_line(_rlmill("data", "make", "arith", "--out", "s3://no-such-bucket-here/data", cwd=tmp_path, env=env))
     assert "S3 bucket 'no-such-bucket-here' does not exist" in line
     folder = _unwritable_folder(tmp_path)

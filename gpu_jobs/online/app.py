@@ -37,6 +37,13 @@ During a canary (models/<name>/CANARY, swap.py) a request's generation is picked
 else its `session_id`: the same id always gets the same arm; a request with neither goes to the
 baseline (the current version). Its answer's `system_fingerprint` and event name the version of
 its arm, which is how the rl-canary flow counts each arm's feedback.
+
+Chat takes OpenAI's `tools` and `tool_choice` ("auto" | "none"), and messages with `tool_calls`
+and `tool` results (tools.py): the prompt is rendered with them as the rollout's hermes format
+renders them, an answer's well-formed Hermes calls come back as `tool_calls` (finish_reason
+"tool_calls"; malformed ones stay text and are counted, rlmill_serve_malformed_tool_calls_total),
+and the answer event logs the conversation, the tools and the calls. `stream: true` with tools is
+refused (400): the calls are parsed from the whole answer.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from gpu_jobs.online.protocol import (ApiError, ChatRequest, CompletionRequest, 
                                       refused_param, sampling_of)
 from gpu_jobs.online.streaming import sse_answer
 from gpu_jobs.online.swap import Generation, HotSwap, route_key
+from gpu_jobs.online.tools import render_chat, shape_choices
 
 __all__ = ["Server", "ServeSettings", "create_app"]
 
@@ -94,7 +102,7 @@ class Server:
         self.rates = RateLimiter(settings.limits)
         self.refused: dict[int, int] = {}  # status -> requests the Gate refused (keys, rates, body size)
         self.counts = {"answers": 0, "feedback": 0, "events_not_logged": 0, "refused_votes": 0, "timeouts": 0,
-                       "queue_full": 0, "recalled_answers": 0}
+                       "queue_full": 0, "recalled_answers": 0, "tool_calls": 0, "malformed_tool_calls": 0}
 
     def _batcher(self, engine: Any) -> Batcher:
         return Batcher(engine, max_batch=self.settings.max_batch, max_wait_s=self.settings.batch_wait_ms / 1000,
@@ -228,10 +236,10 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         req.check_size(limits.max_prompt_chars, limits.max_messages)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.logged() for m in req.messages]
         with contextlib.ExitStack() as lease:
             gen = lease.enter_context(server.models.lease(route_key(req.user, req.session_id)))
-            ids = await asyncio.to_thread(_render, messages, gen.served.tokenizer)
+            ids = await asyncio.to_thread(_render, messages, gen.served.tokenizer, req.tool_list())
             return await _answer(server, gen, "chat", req, messages, ids, principal_of(request.scope), lease)
 
     @app.post("/v1/feedback")
@@ -241,15 +249,13 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-def _render(messages: list[dict], tokenizer) -> list[int]:
-    """The chat template's token ids; a template that refuses the messages (roles out of the
-    order it wants, ...) is the caller's mistake: a 400."""
+def _render(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """The chat template's token ids, with the tools (tools.render_chat); a template that refuses
+    the messages (roles out of the order it wants, ...) is the caller's mistake: a 400."""
     from jinja2 import TemplateError
 
-    from gpu_jobs.data import render_prompt
-
     try:
-        return render_prompt(messages, tokenizer)
+        return render_chat(messages, tokenizer, tools)
     except (TemplateError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ParamError("messages", f"the model's chat template refuses these messages ({type(exc).__name__}: "
                                      f"{' '.join(str(exc).split())[:200]})") from None
@@ -301,6 +307,7 @@ async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: 
     answer_id = new_answer_id("chatcmpl" if kind == "chat" else "cmpl")
     settings = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                 "max_tokens": req.max_new_tokens(), "n": req.n, "seed": req.seed, "stop": req.stop}
+    tools = req.tool_list() if kind == "chat" else None
 
     async def log_answer(choices: list[dict]) -> str:
         server.answers.add(KnownAnswer(answer_id, created, s.name, s.version, len(choices)))
@@ -309,11 +316,14 @@ async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: 
             answer_id, endpoint="chat.completions" if kind == "chat" else "completions", model=s.name,
             version=s.version, created=created, latency_s=time.monotonic() - started, prompt=prompt,
             prompt_ids=prompt_ids, choices=choices, sampling=settings, user=req.user, session_id=req.session_id,
-            principal=principal))
+            principal=principal, tools=tools))
 
     if req.stream:
         return _streamed(server, gen, kind, req, prompt_ids, answer_id, int(created), log_answer, lease)
     choices = make_choices(await _generate(server, gen, req, prompt_ids), s.tokenizer, req.stop)
+    if tools and req.calls_wanted():  # off the event loop: a tool's schema checks the arguments
+        server.counts["malformed_tool_calls"] += await asyncio.to_thread(shape_choices, choices, tools)
+        server.counts["tool_calls"] += sum(len(c.get("tool_calls") or ()) for c in choices)
     logged = await log_answer(choices)
     args = (answer_id, int(created), s.name, f"{s.name}@{s.version}", prompt_ids, choices)
     body = chat_response(*args) if kind == "chat" else completion_response(*args)

@@ -6,11 +6,18 @@
 
 One row per answer choice that received feedback:
   data_source    "rlmill/feedback/<model>"
-  prompt         chat messages (a completion's text prompt becomes one user message)
+  prompt         chat messages (a completion's text prompt becomes one user message); a served
+                 agent's whole conversation, OpenAI-shaped: assistant turns with `tool_calls`
+                 (arguments as JSON text) and `tool` results with `tool_call_id`
+  tools          JSON text of the OpenAI tools the request offered, None without (verl's
+                 `data.tools_key` column, "tools", read with json.loads as its tool datasets do)
   ability        "feedback"
   reward_model   {"style": "feedback", "ground_truth": the answer's text}
-  extra_info     {answer_id, index, model, version, response, response_ids, reward, scores,
-                  thumbs, preferred_over, rejected_for, texts, users, endpoint, prompt_kind}
+  extra_info     {answer_id, index, model, version, response, response_ids, prompt_ids, reward,
+                  scores, thumbs, preferred_over, rejected_for, texts, users, endpoint, prompt_kind,
+                  tool_calls}: prompt_ids and response_ids are the tokens the model saw and
+                  sampled (token-in/token-out); tool_calls the answer's calls as OpenAI returned
+                  them (JSON text, None without), while `response` is the text the model wrote
   response, reward, model_version   the same, as columns of their own
 `reward` is the mean of the choice's scores (thumbs up = 1, down = 0), None when it only has
 preferences or text; preferences are kept as pairs: `preferred_over` lists the "<answer id>#<choice>"
@@ -92,11 +99,12 @@ def _row(a: dict, s: dict[str, list]) -> dict[str, Any]:
     extra = {"answer_id": a["answer_id"], "index": a["index"], "model": a["model"], "version": a["version"],
              "created": a["created"], "endpoint": a["endpoint"],
              "prompt_kind": "chat" if isinstance(prompt, list) else "text",
-             "response": a["text"], "response_ids": list(a["token_ids"]), "reward": reward,
+             "response": a["text"], "response_ids": list(a["token_ids"]), "prompt_ids": list(a["prompt_ids"]),
+             "tool_calls": a.get("tool_calls"), "reward": reward,
              **{k: list(s.get(k, [])) for k in ("scores", "thumbs", "preferred_over", "rejected_for", "texts", "users")}}
     return {"data_source": f"rlmill/feedback/{a['model']}", "prompt": messages, "ability": "feedback",
             "reward_model": {"style": "feedback", "ground_truth": a["text"]}, "extra_info": extra,
-            "response": a["text"], "reward": reward, "model_version": a["version"]}
+            "response": a["text"], "reward": reward, "model_version": a["version"], "tools": a.get("tools")}
 
 
 def write_training_dataset(root: str, model: str, out_url: str, storage=None) -> int:

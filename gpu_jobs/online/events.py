@@ -6,9 +6,11 @@
 
 Two kinds, one JSON object each on the stream (field "event"):
 - answer: event_id, answer_id, endpoint ("chat.completions" | "completions"), model, version,
-  created (Unix s), latency_s, prompt (chat messages or text), prompt_ids, choices [{index, text,
-  token_ids, logprobs, finish_reason}], sampling {temperature, top_p, top_k, max_tokens, n, seed,
-  stop}, user, session_id.
+  created (Unix s), latency_s, prompt (chat messages {role, content[, tool_calls][, tool_call_id]}
+  or text), prompt_ids, choices [{index, text, token_ids, logprobs, finish_reason[, tool_calls]}],
+  sampling {temperature, top_p, top_k, max_tokens, n, seed, stop}, tools (OpenAI's tool list or
+  None), user, session_id: a served agent's whole turn (the conversation with its calls and
+  results, the tools, the calls it made), bounded as tools.py bounds a request.
 - feedback: event_id, answer_id, index (the choice), model, version, created, and at least one
   signal: score in [0, 1], thumbs "up" | "down", preferred_over (another answer id, with
   preferred_over_index), text; user, session_id.
@@ -25,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from gpu_jobs.online.answers import new_event_id
+from gpu_jobs.online.tools import calls_problem, message_problem, tools_problem
 
 __all__ = ["ANSWER_SCHEMA", "FEEDBACK_SCHEMA", "QUARANTINE_SCHEMA", "answer_event", "feedback_event",
            "check_event", "event_problem", "gate_columns", "gate_expectations", "encode", "decode", "answers_table",
@@ -39,6 +42,8 @@ ANSWER_SCHEMA = pa.schema([
     ("sampling", pa.string()),  # JSON
     ("user", pa.string()), ("session_id", pa.string()),
     ("principal", pa.string()),  # the API key's principal (None: served without keys)
+    ("tools", pa.string()),  # JSON: the request's OpenAI tools (None: none)
+    ("tool_calls", pa.string()),  # JSON: the choice's OpenAI tool_calls (None: none)
 ])
 FEEDBACK_SCHEMA = pa.schema([
     ("event_id", pa.string()), ("answer_id", pa.string()), ("index", pa.int32()), ("model", pa.string()),
@@ -53,9 +58,9 @@ QUARANTINE_SCHEMA = pa.schema([
 SIGNALS = ("score", "thumbs", "preferred_over", "text")
 ENDPOINTS = ("chat.completions", "completions")
 _COMMON = {"kind", "event_id", "answer_id", "model", "version", "created", "user", "session_id", "principal"}
-FIELDS = {"answer": _COMMON | {"endpoint", "latency_s", "prompt", "prompt_ids", "choices", "sampling"},
+FIELDS = {"answer": _COMMON | {"endpoint", "latency_s", "prompt", "prompt_ids", "choices", "sampling", "tools"},
           "feedback": _COMMON | {"index", "score", "thumbs", "preferred_over", "preferred_over_index", "text"}}
-CHOICE_FIELDS = {"index", "text", "token_ids", "logprobs", "finish_reason"}
+CHOICE_FIELDS = {"index", "text", "token_ids", "logprobs", "finish_reason", "tool_calls"}
 # Bounds of the strict schema: what one event may hold. An entry past them is quarantined, never
 # half-stored (e.g. an index past int32 no longer reaches Parquet's int32 column).
 MAX_ID_CHARS = 128
@@ -71,12 +76,14 @@ MAX_CLOCK_SKEW_S = 3600.0  # ... and at most this long after it
 
 def answer_event(answer_id: str, *, endpoint: str, model: str, version: str, created: float, latency_s: float,
                  prompt: Any, prompt_ids: list[int], choices: list[dict], sampling: dict,
-                 user: str | None = None, session_id: str | None = None, principal: str | None = None) -> dict:
-    """One answered request (all its choices); `principal`: who the API key names (never the key)."""
+                 user: str | None = None, session_id: str | None = None, principal: str | None = None,
+                 tools: list[dict] | None = None) -> dict:
+    """One answered request (all its choices); `principal`: who the API key names (never the key);
+    `tools`: the OpenAI tools the request offered."""
     return {"kind": "answer", "event_id": new_event_id(), "answer_id": answer_id, "endpoint": endpoint,
             "model": model, "version": version, "created": created, "latency_s": latency_s, "prompt": prompt,
             "prompt_ids": list(prompt_ids), "choices": choices, "sampling": sampling, "user": user,
-            "session_id": session_id, "principal": principal}
+            "session_id": session_id, "principal": principal, "tools": tools or None}
 
 
 def feedback_event(answer_id: str, *, model: str, version: str, index: int = 0, score: float | None = None,
@@ -243,6 +250,8 @@ def _check_answer(e: dict) -> str | None:
         return reason
     if not e["prompt_ids"]:
         return "an answer with no prompt_ids"
+    if e.get("tools") is not None and (reason := tools_problem(e["tools"])) is not None:
+        return reason
     sampling = e.get("sampling")
     if sampling is not None and (not isinstance(sampling, dict) or len(json.dumps(sampling, default=str)) > 4096):
         return "sampling is not an object of at most 4096 characters"
@@ -278,6 +287,8 @@ def _check_choice(c: Any, seen: set[int]) -> str | None:
         return f"choice {index}: logprobs must be numbers <= 0"
     if (reason := _optional_text(c.get("finish_reason"), "finish_reason", MAX_ID_CHARS)) is not None:
         return f"choice {index}: {reason}"
+    if c.get("tool_calls") is not None and (reason := calls_problem(c["tool_calls"])) is not None:
+        return f"choice {index}: {reason}"
     return None
 
 
@@ -291,9 +302,7 @@ def _check_prompt(prompt: Any) -> str | None:
     size = len(json.dumps(prompt, default=str))
     if size > MAX_PROMPT_CHARS:
         return f"a prompt of {size} characters (at most {MAX_PROMPT_CHARS})"
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
-        return "a chat message without a role"
-    return None
+    return next((reason for m in prompt if (reason := message_problem(m)) is not None), None)
 
 
 def _check_feedback(e: dict) -> str | None:
@@ -369,9 +378,11 @@ def answers_table(events: list[dict]) -> pa.Table:
                                         "latency_s", "user", "session_id", "principal")}
         common["prompt"], common["prompt_ids"] = json.dumps(e["prompt"]), e["prompt_ids"]
         common["sampling"] = json.dumps(e.get("sampling") or {}, sort_keys=True)
+        common["tools"] = json.dumps(e["tools"]) if e.get("tools") else None
         for c in e["choices"]:
             rows.append({**common, "index": c.get("index", 0), "text": c["text"], "token_ids": c["token_ids"],
-                         "logprobs": c["logprobs"], "finish_reason": c.get("finish_reason")})
+                         "logprobs": c["logprobs"], "finish_reason": c.get("finish_reason"),
+                         "tool_calls": json.dumps(c["tool_calls"]) if c.get("tool_calls") else None})
     return pa.Table.from_pylist(rows, schema=ANSWER_SCHEMA)
 
 

@@ -16,6 +16,9 @@ from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gpu_jobs.online.tools import (MAX_CALL_ID, MAX_CALLS, MAX_TOOLS, TOOL_CHOICES, ToolCall, ToolSpec, content_of,
+                                   tools_problem)
+
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "FeedbackRequest", "INT32_MAX", "ParamError",
            "check_token_ids", "error_body", "refused_param", "sampling_of", "make_choices", "chat_response",
            "completion_response"]
@@ -99,6 +102,23 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[dict] | None = ""
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_CALLS)  # an assistant's calls, sent back
+    tool_call_id: str | None = Field(None, max_length=MAX_CALL_ID)  # a tool result: the call it answers
+
+    @model_validator(mode="after")
+    def _calls_on_assistant(self) -> "Message":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} ones")
+        return self
+
+    def logged(self) -> dict:
+        """The message as the prompt is rendered from and the answer event logs it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):  # [{"type": "text", "text": "..."}]
@@ -113,17 +133,52 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
 
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Any = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        if v and (problem := tools_problem([t.model_dump(exclude_none=True) for t in v])) is not None:
+            raise ValueError(problem)
+        return v or None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v is not None and (not isinstance(v, str) or v not in TOOL_CHOICES):
+            shown = json.dumps(v[:80]) if isinstance(v, str) else f"of type {type(v).__name__}"
+            if isinstance(v, dict) and isinstance(v.get("type"), str):
+                shown = f'{{"type": {json.dumps(v["type"][:40])}, ...}}'
+            raise ValueError(f"tool_choice {shown} is not supported by this server: give "
+                             f"{' or '.join(map(repr, TOOL_CHOICES))}")
+        return v
+
+    def tool_list(self) -> list[dict] | None:
+        """The tools as OpenAI dicts (None: none given), as they are rendered and logged."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def calls_wanted(self) -> bool:
+        """Whether the answer's Hermes calls become tool_calls (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def max_new_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16
 
     def check_size(self, max_chars: int, max_messages: int) -> None:
         """ParamError when the messages are more than `max_messages` or longer than `max_chars`
-        characters in all (checked before the chat template tokenises them)."""
+        characters in all, tools and calls' arguments included (checked before the chat template
+        tokenises them); `stream` with tools is refused (their calls are parsed from the whole
+        answer)."""
         if len(self.messages) > max_messages:
             raise ParamError("messages", f"{len(self.messages)} messages: this server takes at most {max_messages} "
                                          "(--max-messages)")
-        chars = sum(len(m.text()) for m in self.messages)
+        if self.stream and self.calls_wanted():
+            raise ParamError("stream", "stream: true with tools is not supported by this server: leave out stream "
+                                       "(tool calls are parsed from the whole answer) or set tool_choice 'none'")
+        chars = sum(len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+                    for m in self.messages)
+        chars += len(json.dumps(self.tool_list())) if self.tools else 0
         if chars > max_chars:
             raise ParamError("messages", f"the messages have {chars} characters: this server takes at most "
                                          f"{max_chars} (--max-prompt-chars)")
@@ -203,10 +258,17 @@ def _usage(prompt_ids: list[int], choices: list[dict]) -> dict:
             "total_tokens": len(prompt_ids) + completion}
 
 
+def _message(c: dict) -> dict:
+    """A chat choice's message: its text, or (tool calls) the text outside them and the calls."""
+    if not c.get("tool_calls"):
+        return {"role": "assistant", "content": c["text"]}
+    return {"role": "assistant", "content": content_of(c["text"]), "tool_calls": c["tool_calls"]}
+
+
 def chat_response(answer_id: str, created: int, model: str, fingerprint: str, prompt_ids, choices) -> dict:
     return {"id": answer_id, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": fingerprint,
-            "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+            "choices": [{"index": c["index"], "message": _message(c),
                          "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices],
             "usage": _usage(prompt_ids, choices)}
 

@@ -1,0 +1,303 @@
+"""OpenAI tools on the served chat API: the request's `tools`, `tool_choice` and tool-call
+messages (bounded), the prompt rendered with them, and the Hermes calls in the model's answer
+returned as OpenAI's `tool_calls`.
+
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "Exact arithmetic",
+              "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    ids = render_chat(messages, tokenizer, tools)            # the prompt's token ids
+    shape_choice("<tool_call>\\n{\\"name\\": \\"calculator\\", \\"arguments\\": {\\"expression\\": \\"2*3\\"}}\\n"
+                 "</tool_call>", "stop", tools)              # -> ([{"id": "call_...", ...}], 0)
+
+Rendering is the rollout's (gpu_jobs.rollout.hermes / turn_formats), so serving and training
+show a model the same text: a chat template with a tool section of its own gets `tools=` and the
+messages as OpenAI sends them (arguments as objects); any other template gets the Hermes
+`# Tools` section in the system turn (as Qwen2.5's template writes it), an assistant's calls as
+`<tool_call>` blocks in its content, and consecutive `tool` results as one user turn of
+`<tool_response>` blocks. An answer's calls are the Hermes blocks of its text: all well formed
+(a known tool, arguments valid against its JSON schema) -> `tool_calls`, finish_reason
+"tool_calls", content the text outside them (or None); any malformed -> the text as content, the
+engine's finish_reason, and the malformed calls counted.
+
+The same bounds (tool count, names, schema size and depth, calls per message, id and arguments
+length) check a request (a 400 naming the field) and an answer event on the stream (quarantine).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpu_jobs.rollout.hermes import Call, parse_calls, tool_response, tools_section
+
+__all__ = ["MAX_CALLS", "MAX_TOOLS", "TOOL_CHOICES", "ToolCall", "ToolSpec", "calls_problem", "content_of",
+           "message_problem", "render_chat", "schema_problem", "shape_choice", "tools_problem"]
+
+NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function name
+_NAME = re.compile(NAME)
+MAX_TOOLS = 64  # tools in one request
+MAX_TOOL_CHARS = 16_384  # one tool's JSON
+MAX_TOOLS_CHARS = 131_072  # all the tools' JSON together
+MAX_DESCRIPTION = 4096
+MAX_SCHEMA_DEPTH = 16  # nesting of a tool's parameters
+MAX_CALLS = 16  # tool calls in one message or one answer
+MAX_CALL_ID = 128
+MAX_ARGUMENTS_CHARS = 100_000
+TOOL_CHOICES = ("auto", "none")
+MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id"}
+_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
+# ------------------------------------------------------------------ bounds (requests and events)
+def schema_problem(schema: Any) -> str | None:
+    """Why `schema` cannot be a tool's parameters, or None: a JSON object nested at most
+    MAX_SCHEMA_DEPTH deep, finite numbers only, `$ref`s inside the schema only (never fetched),
+    and a valid JSON schema (jsonschema's check_schema)."""
+    if not isinstance(schema, dict):
+        return "parameters must be a JSON schema object"
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"parameters are nested more than {MAX_SCHEMA_DEPTH} deep"
+        if isinstance(value, float) and not math.isfinite(value):
+            return "parameters hold a number that is not finite"
+        if isinstance(value, dict):
+            ref = value.get("$ref", "#")
+            if not isinstance(ref, str) or not ref.startswith("#"):
+                return "parameters may only use $refs inside the schema ('#/...')"
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        return f"parameters are not a valid JSON schema ({' '.join(str(exc.message).split())[:200]})"
+    return None
+
+
+def tools_problem(tools: Any) -> str | None:
+    """Why `tools` (a list of OpenAI tool dicts) break the bounds, or None."""
+    if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
+        return f"tools is not a list of 1 to {MAX_TOOLS} tools"
+    names = set()
+    for t in tools:
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(f, dict) or t.get("type") != "function" or set(t) - {"type", "function"}:
+            return 'a tool is not {"type": "function", "function": {...}}'
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.match(name) or name in names:
+            return f"tool name {_short(name)} is not distinct or not 1-64 letters, digits, '_' or '-'"
+        names.add(name)
+        if len(json.dumps(t, default=str)) > MAX_TOOL_CHARS:
+            return f"tool {name}: more than {MAX_TOOL_CHARS} characters of JSON"
+        if f.get("parameters") is not None and (problem := schema_problem(f["parameters"])) is not None:
+            return f"tool {name}: {problem}"
+    if len(json.dumps(tools, default=str)) > MAX_TOOLS_CHARS:
+        return f"tools: more than {MAX_TOOLS_CHARS} characters of JSON"
+    return None
+
+
+def calls_problem(calls: Any) -> str | None:
+    """Why `calls` (OpenAI's tool_calls of one message or answer) break the bounds, or None."""
+    if not isinstance(calls, list) or not calls or len(calls) > MAX_CALLS:
+        return f"tool_calls is not a list of 1 to {MAX_CALLS} calls"
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or set(c) != {"id", "type", "function"} or c["type"] != "function":
+            return 'a tool call is not {"id", "type": "function", "function": {"name", "arguments"}}'
+        if not isinstance(c["id"], str) or not 0 < len(c["id"]) <= MAX_CALL_ID:
+            return f"tool call id {_short(c['id'])} is not text of 1 to {MAX_CALL_ID} characters"
+        if set(f) != {"name", "arguments"} or not isinstance(f["name"], str) or not _NAME.match(f["name"]):
+            return f"tool call function {_short(f)} is not {{name, arguments}} with a valid name"
+        if not isinstance(f["arguments"], str) or len(f["arguments"]) > MAX_ARGUMENTS_CHARS:
+            return f"tool call arguments are not text of at most {MAX_ARGUMENTS_CHARS} characters"
+    return None
+
+
+def message_problem(m: Any) -> str | None:
+    """Why a logged chat message is not {role, content[, tool_calls][, tool_call_id]}, or None."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return "a chat message without a role"
+    if unknown := sorted(set(m) - MESSAGE_FIELDS):
+        return f"unknown message field(s) {', '.join(_short(k) for k in unknown[:5])}"
+    if m.get("content") is not None and not isinstance(m["content"], str):
+        return "a chat message whose content is not text"
+    if m.get("tool_calls") is not None and (problem := calls_problem(m["tool_calls"])) is not None:
+        return problem
+    call_id = m.get("tool_call_id")
+    if call_id is not None and (not isinstance(call_id, str) or len(call_id) > MAX_CALL_ID):
+        return f"tool_call_id is not text of at most {MAX_CALL_ID} characters"
+    return None
+
+
+def _short(value: Any, most: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= most else text[:most] + f"...({len(text)} chars)"
+
+
+# ------------------------------------------------------------------ request models
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=NAME)
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v):
+        if v is not None and (problem := schema_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
+
+
+class ToolSpec(BaseModel):
+    """One of a request's `tools`: {"type": "function", "function": {name, description, parameters}}."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class CallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=NAME)
+    arguments: str = Field(max_length=MAX_ARGUMENTS_CHARS)
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v):
+        try:
+            json.loads(v, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            raise ValueError("arguments must be a JSON text (OpenAI sends them as a string)") from None
+        return v
+
+
+class ToolCall(BaseModel):
+    """One of an assistant message's `tool_calls`, as a client sends the conversation back."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=MAX_CALL_ID)
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+# ------------------------------------------------------------------ rendering
+def render_chat(messages: list[dict], tokenizer: Any, tools: list[dict] | None) -> list[int]:
+    """The prompt's token ids: `messages` (logged shape: role, content, tool_calls, tool_call_id)
+    and `tools` through the chat template, the way the rollout's hermes format renders them."""
+    from gpu_jobs.data import render_prompt
+
+    tooled = bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if not tooled:
+        return render_prompt(messages, tokenizer)
+    if tools and _native(tokenizer, tools):
+        from gpu_jobs.rollout.turn_formats import render_text
+
+        text = render_text(tokenizer, [_native_message(m) for m in messages], True, tools)
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    return render_prompt(hermes_messages(messages, tools), tokenizer)
+
+
+def _native(tokenizer: Any, tools: list[dict]) -> bool:
+    """Whether the chat template has a tool section of its own (its text changes with tools=)."""
+    from gpu_jobs.rollout.turn_formats import render_text
+
+    probe = [{"role": "user", "content": "\x1fPROBE\x1f"}]
+    return render_text(tokenizer, probe, True, tools) != render_text(tokenizer, probe, True)
+
+
+def _arguments(text: str) -> Any:
+    return json.loads(text)  # checked as JSON when the request was parsed
+
+
+def _native_message(m: dict) -> dict:
+    """A message for a template with a tool section: calls' arguments as objects (HF's convention)."""
+    out = {"role": m["role"], "content": m.get("content") or ""}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+            "name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
+            for c in m["tool_calls"]]
+    if m.get("tool_call_id"):
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def call_text(name: str, arguments: Any) -> str:
+    """One call as Qwen2.5's template writes it (and a Hermes model samples it)."""
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments, ensure_ascii=False)}}}\n</tool_call>'
+
+
+def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Plain {role, content} messages for a template without a tool section: the `# Tools`
+    section in the system turn (one is added when there is none), calls as `<tool_call>` blocks
+    after the assistant's text, consecutive tool results as one user turn (hermes.tool_response)."""
+    out: list[dict] = []
+    results: list[str] = []
+    for m in messages:
+        if m["role"] == "tool":
+            results.append(m.get("content") or "")
+            continue
+        if results:
+            out.append({"role": "user", "content": tool_response(results)})
+            results = []
+        content = m.get("content") or ""
+        if m.get("tool_calls"):
+            calls = "\n".join(call_text(c["function"]["name"], _arguments(c["function"]["arguments"]))
+                              for c in m["tool_calls"])
+            content = f"{content}\n{calls}" if content else calls
+        out.append({"role": m["role"], "content": content})
+    if results:
+        out.append({"role": "user", "content": tool_response(results)})
+    if tools:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": tools_section(tools, out[0]["content"] or None)}
+        else:
+            out.insert(0, {"role": "system", "content": tools_section(tools)})
+    return out
+
+
+# ------------------------------------------------------------------ answers
+def shape_choice(text: str, finish_reason: str | None, tools: list[dict]) -> tuple[list[dict] | None, int]:
+    """(tool_calls in OpenAI's shape or None, malformed calls) of one answer's text: calls only
+    when the engine stopped on its own and every `<tool_call>` block is well formed."""
+    try:
+        found = parse_calls(text, {t["function"]["name"]: t for t in tools})
+    except Exception:  # noqa: BLE001 -- a schema jsonschema cannot apply ($ref to nowhere): malformed
+        return None, max(1, text.count("<tool_call>"))
+    bad = sum(not isinstance(c, Call) for c in found)
+    if not found or bad or finish_reason != "stop" or len(found) > MAX_CALLS:
+        return None, bad
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+            for c in found], 0
+
+
+def content_of(text: str) -> str | None:
+    """An answer's content beside its calls: the text outside the `<tool_call>` blocks, or None."""
+    rest = _BLOCK.sub("", text).strip()
+    return rest or None
+
+
+def shape_choices(choices: list[dict], tools: list[dict]) -> int:
+    """Add `tool_calls` (and finish_reason "tool_calls") to the choices whose text holds well
+    formed calls (in place); returns the malformed calls counted."""
+    malformed = 0
+    for c in choices:
+        calls, bad = shape_choice(c["text"], c["finish_reason"], tools)
+        malformed += bad
+        if calls:
+            c["tool_calls"], c["finish_reason"] = calls, "tool_calls"
+    return malformed

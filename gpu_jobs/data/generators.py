@@ -6,7 +6,8 @@
 Generators are registered by name (`dataset_names()` lists them): "arith" (the built-in 2-digit
 addition task), "times" (times tables up to 12 x 12 in words, the real-model task SmolLM2-135M
 learns on CPU), "gsm_symbolic" (reasoning-gym's GSM8K-style word problems), "arith_tools"
-(gpu_jobs/data/tool_tasks.py) and "rg:<task>" for any other reasoning-gym task. A reasoning-gym row keeps the generated entry as a JSON string in
+(gpu_jobs/data/tool_tasks.py), "calc3" (3-digit products for the calculator environment,
+gpu_jobs/data/calc_tasks.py) and "rg:<task>" for any other reasoning-gym task. A reasoning-gym row keeps the generated entry as a JSON string in
 `extra_info["rg_entry"]`, which is what the reward needs to call that task's `score_answer`.
 """
 

@@ -13,6 +13,11 @@ fails the batch: an exception, a timeout, a NaN or infinity, a non-number, or a 
 metrics count it (`reward/errors`, `reward/timeouts`). The pool is gpu_jobs.reward.sandbox's
 (shared with users' tools): a hung sample is abandoned by killing the pool's processes and
 starting a new pool; the other in-flight samples are re-run.
+
+A response sampled with an environment (rollout.multi_turn.environment) carries the
+environment's rewards in `extra_info["turn_scores"]`; with the built-ins, its score is the
+environment's final reward (`environment_score`), whatever its data_source; a user's function
+gets them and decides.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from .ground_truth import decode_ground_truth
 from .registry import default_compute_score, get_reward_fn
 from .sandbox import Failed, SandboxSpec, run_guarded
 
-__all__ = ["score_batch", "coerce_result"]
+__all__ = ["score_batch", "coerce_result", "environment_score"]
 
 # (status, score, extras, error_kind, error_message) travels back from a worker; plain tuples
 # pickle cheaply and cannot carry a user's unpicklable exception object.
@@ -93,6 +98,21 @@ def _call(fn, task: tuple, kwargs: dict, score_range) -> tuple:
     except Exception as e:  # the user's bug, recorded on the sample, never raised
         return (_ERR, None, {}, "exception", f"{type(e).__name__}: {e}")
     return (_OK, score, extras, None, None)
+
+
+def environment_score(data_source, solution_str, ground_truth, extra_info=None, **_) -> float:
+    """The built-in score of a response from an environment: its final reward, the last of
+    `extra_info["turn_scores"]` (the earlier ones reach the advantages per turn, not through here).
+
+    >>> environment_score("my/env", "...", None, {"turn_scores": [0.0, 1.0], "num_turns": 2})
+    1.0
+    """
+    return float(extra_info["turn_scores"][-1])
+
+
+def _from_environment(task: tuple) -> bool:
+    extra = task[3]
+    return isinstance(extra, Mapping) and isinstance(extra.get("turn_scores"), list) and bool(extra["turn_scores"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,9 +184,10 @@ def score_batch(
     tasks = [_task(r) for r in rows]
     restarts = 0
     if cfg.custom_reward_function.path is None:
-        for ds in {t[0] for t in tasks}:
+        fns = [environment_score if _from_environment(t) else default_compute_score for t in tasks]
+        for ds in {t[0] for t, fn in zip(tasks, fns) if fn is default_compute_score}:
             get_reward_fn(ds)
-        results = [_call(default_compute_score, t, {}, cfg.score_range) for t in tasks]
+        results = [_call(fn, t, {}, cfg.score_range) for fn, t in zip(fns, tasks)]
     elif tasks:
         # Load once here too: a missing file, a syntax error or a wrong name raises now, with
         # its own message, instead of as a broken worker pool.

@@ -21,6 +21,14 @@ tokens carry response_mask 0: the trainer leaves them out of the loss. Their `ro
 were not sampled; they are filled with the policy's own log-probs of those tokens, scored by the
 engine (`score_tokens`), so every per-token column stays finite and what the trainer recomputes
 on them agrees with it (the agreement probe may then include them).
+
+Environments (`rollout.multi_turn.environment`, gpu_jobs.rollout.environments): the opening
+messages come from `reset(row)` (so `generate` then needs `rows=`, the prompts' dataset rows:
+`generate_with_rows` passes them), and a model turn without a call is answered by `step`: its
+messages are appended as their own fragment (rendered alone, tokenized alone, mask 0) unless
+the episode is done, and its reward is recorded for that turn. The last model turn of every
+response is stepped too, so each row gets `turn_scores` (one reward per stepped turn, the last
+one final) and `turn_ends` (the index in the response of each stepped turn's last token).
 """
 
 from __future__ import annotations
@@ -29,13 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_jobs.rollout.base import SamplingConfig, make_row
+from gpu_jobs.rollout.env_runner import FAILED, EnvironmentRunner
 from gpu_jobs.rollout.hermes import Call
 from gpu_jobs.rollout.multi_turn_config import MultiTurnConfig
 from gpu_jobs.rollout.tool_worker import truncate_text
 from gpu_jobs.rollout.tools import ToolSet
 from gpu_jobs.rollout.turn_formats import TURN_FORMATS
 
-__all__ = ["MultiTurnConfig", "AgentLoopEngine", "truncate_text", "with_agent_loop"]
+__all__ = ["MultiTurnConfig", "AgentLoopEngine", "truncate_text", "with_agent_loop", "generate_with_rows"]
 
 # Each turn draws with its own seed, so turn 2 does not replay turn 1's noise.
 _TURN_SEED_STRIDE = 7_919
@@ -58,13 +67,41 @@ class _Conversation:
     malformed: int = 0
     tool_errors: int = 0
     pending_calls: dict[int, tuple[str, Any]] = field(default_factory=dict)  # the last turn's calls to run
+    # With an environment: its instance, the conversation as messages, a reward per stepped turn.
+    env: Any = None
+    messages: list[dict] | None = None
+    turn_scores: list[float] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)
+    judged: int = 0  # model turns the environment has seen
+    done: bool = False
+    env_errors: int = 0
+    last_end: int = -1  # index of the last model token in `response`
 
-    def add_model_turn(self, row: dict) -> None:
+    def add_model_turn(self, row: dict, text: str | None = None) -> None:
         self.last_turn = list(row["response_ids"])
         self.response += self.last_turn
         self.logprobs += list(row["rollout_logprobs"])
         self.mask += [1] * len(self.last_turn)
         self.finish_reason, self.turns = row["finish_reason"], self.turns + 1
+        self.last_end = len(self.response) - 1
+        if self.messages is not None:
+            self.messages.append({"role": "assistant", "content": text or ""})
+
+    def append_masked(self, ids: list[int]) -> None:
+        """Tokens the model did not sample (a tool or environment turn): mask 0, log-probs later."""
+        self.response += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0] * len(ids)
+
+    def judge(self, env: Any, result: Any) -> None:
+        """Record the environment's answer to the last model turn (`env` FAILED: reward 0, done)."""
+        if env == FAILED:
+            self.env_errors, self.done, reward = self.env_errors + 1, True, 0.0
+        else:
+            self.env, self.done, reward = env, bool(result.done), float(result.reward)
+        self.judged = self.turns
+        self.turn_scores.append(reward)
+        self.turn_ends.append(self.last_end)
 
 
 class AgentLoopEngine:
@@ -76,6 +113,10 @@ class AgentLoopEngine:
         self.tools = ToolSet(config.tool_entries(), config.tool_timeout_s, config.tool_num_workers,
                              config.max_tool_response_length, config.tool_response_truncate_side)
         self.turns = TURN_FORMATS[config.format](tokenizer, self.tools)
+        env = config.environment
+        self.environment = EnvironmentRunner(env, config.tool_timeout_s, config.tool_num_workers,
+                                             config.max_tool_response_length,
+                                             config.tool_response_truncate_side) if env.enabled else None
         self.last_metrics: dict[str, float] = {}
 
     def __getattr__(self, name: str) -> Any:  # update_weights_partial, close, model, ...
@@ -86,17 +127,29 @@ class AgentLoopEngine:
     def update_weights(self, weights: Any) -> None:
         self.engine.update_weights(weights)
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[dict]:
-        """See `RolloutEngine.generate`; each row also has response_mask (list[int]) and num_turns."""
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
+                 rows: list[dict] | None = None) -> list[dict]:
+        """See `RolloutEngine.generate`; each row also has response_mask (list[int]) and num_turns,
+        and with an environment turn_scores and turn_ends. `rows`: the prompts' dataset rows,
+        which an environment's reset needs (ignored without one)."""
         budget = sampling.max_response_length
+        episodes = None
+        if self.environment is not None:
+            prompts, episodes = self._open_episodes(prompts, rows, n)
         prompts = [self.turns.prompt(list(p)) for p in prompts]  # hermes: the tools shown in the system turn
         convs = []
-        for row in self.engine.generate(prompts, n, sampling):
+        for k, row in enumerate(self.engine.generate(prompts, n, sampling)):
             conv = _Conversation(row["prompt_index"], row["sample_index"], list(row["prompt_ids"]))
-            conv.add_model_turn(row)
+            if episodes is not None:
+                conv.env, conv.messages = episodes[k]
+            conv.add_model_turn(row, self._text(row) if episodes is not None else None)
+            if conv.env == FAILED:  # its reset failed: over before it began
+                conv.judge(FAILED, None)
             convs.append(conv)
         for turn in range(1, self.config.max_assistant_turns):
-            active = self._run_tools([c for c in convs if c.finish_reason == "stop"], budget)
+            active, quiet = self._run_tools([c for c in convs if c.finish_reason == "stop" and not c.done], budget)
+            if self.environment is not None:
+                active += self._step_environment(quiet, budget)
             if not active:
                 break
             seed = None if sampling.seed is None else sampling.seed + turn * _TURN_SEED_STRIDE
@@ -104,17 +157,63 @@ class AgentLoopEngine:
             # One call per distinct remaining budget would batch worse; a shared cap plus a
             # per-row cut keeps one call and the budget exact.
             cap = max(budget - len(c.response) for c in active)
-            rows = self.engine.generate(contexts, 1, sampling.model_copy(update={"seed": seed, "max_response_length": cap}))
-            for conv, row in zip(active, rows):
-                conv.add_model_turn(_cut(row, budget - len(conv.response)))
+            turns = self.engine.generate(contexts, 1, sampling.model_copy(update={"seed": seed, "max_response_length": cap}))
+            for conv, row in zip(active, turns):
+                row = _cut(row, budget - len(conv.response))
+                conv.add_model_turn(row, self._text(row) if conv.messages is not None else None)
+        if self.environment is not None:  # every response's last turn gets the final reward
+            self._step_environment([c for c in convs if c.judged < c.turns], budget, final=True)
         self._fill_tool_logprobs(convs, sampling)
         self.last_metrics = _metrics(convs)
         return [self._row(c) for c in convs]
 
-    def _run_tools(self, convs: list[_Conversation], budget: int) -> list[_Conversation]:
+    def _text(self, row: dict) -> str:
+        return self.tokenizer.decode(row["response_ids"], skip_special_tokens=True)
+
+    def _open_episodes(self, prompts: list[list[int]], rows: list[dict] | None,
+                       n: int) -> tuple[list[list[int]], list[tuple[Any, list[dict]]]]:
+        """The environment's opening of each prompt's episode: (prompt ids rendered from reset's
+        messages, (environment, messages) per response, prompt-major); a failed reset keeps the
+        given prompt and marks its episodes FAILED."""
+        from gpu_jobs.data.rendering import normalize_messages, render_prompt
+
+        if rows is None or len(rows) != len(prompts):
+            raise ValueError("rollout.multi_turn.environment: generate needs the prompts' dataset rows (rows=...), "
+                             "which the environment's reset reads")
+        opened = self.environment.reset([{**r, "prompt": normalize_messages(r.get("prompt"))} for r in rows])
+        ids, episodes = [], []
+        for p, (env, messages) in zip(prompts, opened):
+            failed = env == FAILED
+            ids.append(list(p) if failed else render_prompt(messages, self.tokenizer))
+            copies = [FAILED] * n if failed else EnvironmentRunner.copies(env, n)
+            episodes += [(e, [] if failed else [dict(m) for m in messages]) for e in copies]
+        return ids, episodes
+
+    def _step_environment(self, convs: list[_Conversation], budget: int, final: bool = False) -> list[_Conversation]:
+        """Step the environment of each conversation after its last model turn; append its
+        messages where the episode goes on and they fit with room for a model turn after them
+        (else the response ends here). Returns the conversations that continue."""
+        results = self.environment.step([(c.env, c.messages) for c in convs])
+        active = []
+        for conv, (env, result) in zip(convs, results):
+            conv.judge(env, result)
+            if final or conv.done:
+                continue
+            ids = self.turns.message_ids(result.messages)
+            if len(ids) >= budget - len(conv.response):
+                conv.finish_reason = "length"
+                continue
+            conv.append_masked(ids)
+            conv.messages += result.messages
+            active.append(conv)
+        return active
+
+    def _run_tools(self, convs: list[_Conversation], budget: int) -> tuple[list[_Conversation], list[_Conversation]]:
         """Run the calls in the last turns of `convs`, append their results as tool turns; returns
-        the conversations that continue (a call and room left after its results)."""
+        the conversations that continue (a call and room left after its results) and those whose
+        last turn made no call."""
         answered = [(c, self._answers(c)) for c in convs]
+        quiet = [c for c, texts in answered if not texts]
         answered = [(c, texts) for c, texts in answered if texts]
         pending = [(c, texts, j) for c, texts in answered for j, t in enumerate(texts) if t is None]
         results = self.tools.run([conv.pending_calls[j] for conv, _, j in pending])
@@ -125,14 +224,14 @@ class AgentLoopEngine:
         for conv, texts in answered:
             ids = self.turns.result_ids(texts)
             room = budget - len(conv.response)
-            conv.response += ids[:room]
-            conv.logprobs += [0.0] * len(ids[:room])
-            conv.mask += [0] * len(ids[:room])
+            conv.append_masked(ids[:room])
+            if conv.messages is not None:
+                conv.messages += [{"role": "tool", "content": t} for t in texts]
             if len(ids) >= room:  # no room left for the model to answer
                 conv.finish_reason = "length"
             else:
                 active.append(conv)
-        return active
+        return active, quiet
 
     def _answers(self, conv: _Conversation) -> list[str | None]:
         """One slot per call of the conversation's last turn: an error text already (malformed, or
@@ -168,6 +267,8 @@ class AgentLoopEngine:
         row = make_row(conv.prompt_index, conv.sample_index, conv.prompt_ids, conv.response, conv.logprobs,
                        conv.finish_reason)
         row.update(response_mask=[int(m) for m in conv.mask], num_turns=conv.turns)
+        if conv.messages is not None:
+            row.update(turn_scores=list(conv.turn_scores), turn_ends=list(conv.turn_ends))
         return row
 
 
@@ -186,12 +287,32 @@ def _metrics(convs: list[_Conversation]) -> dict[str, float]:
     turns = [c.turns for c in convs]
     calls = [c.tool_calls for c in convs]
     malformed = sum(c.malformed for c in convs)
-    return {"multi_turn/malformed_calls": float(malformed),
+    out = _environment_metrics(convs) if convs[0].messages is not None else {}
+    return {**out, "multi_turn/malformed_calls": float(malformed),
             "multi_turn/malformed_call_frac": malformed / max(1, sum(calls)),
             "multi_turn/tool_errors": float(sum(c.tool_errors for c in convs)),
             "multi_turn/num_turns/mean": sum(turns) / len(turns), "multi_turn/num_turns/max": float(max(turns)),
             "multi_turn/tool_calls/mean": sum(calls) / len(calls),
             "multi_turn/tool_call_frac": sum(1 for c in calls if c) / len(calls)}
+
+
+def _environment_metrics(convs: list[_Conversation]) -> dict[str, float]:
+    """The environment's rewards: final (the score it gives), per stepped turn, and its failures."""
+    finals = [c.turn_scores[-1] for c in convs if c.turn_scores]
+    turns = [r for c in convs for r in c.turn_scores]
+    return {"multi_turn/env_final_reward/mean": sum(finals) / max(1, len(finals)),
+            "multi_turn/env_turn_reward/mean": sum(turns) / max(1, len(turns)),
+            "multi_turn/env_steps/mean": len(turns) / len(convs),
+            "multi_turn/env_errors": float(sum(c.env_errors for c in convs))}
+
+
+def generate_with_rows(engine: Any, prompts: list[dict], ids: list[list[int]], n: int,
+                       sampling: SamplingConfig) -> list[dict]:
+    """`engine.generate(ids, n, sampling)`, handing an environment's agent loop the prompts'
+    dataset rows too (its reset reads them); every stage that samples calls this."""
+    if isinstance(engine, AgentLoopEngine) and engine.environment is not None:
+        return engine.generate([list(x) for x in ids], n, sampling, rows=list(prompts))
+    return engine.generate([list(x) for x in ids], n, sampling)
 
 
 def with_agent_loop(engine: Any, config: MultiTurnConfig, tokenizer: Any) -> Any:

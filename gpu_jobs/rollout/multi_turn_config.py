@@ -3,6 +3,8 @@
     >>> cfg = MultiTurnConfig(enable=True, format="hermes", max_assistant_turns=4, max_parallel_calls=2)
     >>> [e.name for e in cfg.tool_entries()]
     ['calculator']
+    >>> MultiTurnConfig(enable=True, tools=[], environment={"name": "feedback"}).environment.enabled
+    True
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from gpu_jobs.rollout.environment_config import EnvironmentConfig
 from gpu_jobs.rollout.tools import ToolEntry, check_tool_spec, entry_of, load_tool_config
 from gpu_jobs.rollout.turn_formats import TURN_FORMATS
 
@@ -29,7 +32,8 @@ class MultiTurnConfig(BaseModel):
     tools: list[str] = Field(default_factory=lambda: ["calculator"], description="Tools the model may call: "
                              "built-in names ('calculator') or 'path/to/file.py:function' (brackets: called with "
                              "the argument text; hermes: with the call's arguments as keywords; returns the "
-                             "answer text; runs in the tool sandbox). Replaced by tool_config_path when set.")
+                             "answer text; runs in the tool sandbox). Replaced by tool_config_path when set. May be [] "
+                             "with an environment.")
     tool_config_path: str | None = Field(None, description="verl's tool YAML (tools: - class_name, config, "
                                          "tool_schema); class_name is a built-in tool or "
                                          "'path/to/file.py:function', config its keyword arguments, tool_schema "
@@ -47,13 +51,17 @@ class MultiTurnConfig(BaseModel):
         "'middle' both ends.")
     tool_timeout_s: float = Field(10.0, gt=0, description="Seconds one user-tool call may take; past it the "
                                   "tool answers with an error text (the model sees it as the result).")
-    tool_num_workers: int = Field(2, ge=1, description="Sandbox worker processes that run user tools.")
+    tool_num_workers: int = Field(2, ge=1, description="Sandbox worker processes that run user tools (and a "
+                                  "user's environment).")
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="What answers the "
+                                           "model's turns that call no tool, with a reward per turn (verl's "
+                                           "interactions): a built-in environment or your own by path; its "
+                                           "calls run under the tools' limits (tool_timeout_s, "
+                                           "max_tool_response_length, the sandbox for a user's file).")
 
     @field_validator("tools")
     @classmethod
     def _tools_exist(cls, v: list[str], info: ValidationInfo) -> list[str]:
-        if not v:
-            raise ValueError("name at least one tool, e.g. ['calculator']")
         check_files = (info.context or {}).get("check_files", True)
         return [check_tool_spec(s, check_files) for s in v]
 
@@ -67,6 +75,10 @@ class MultiTurnConfig(BaseModel):
     @model_validator(mode="after")
     def _tool_file_reads(self, info: ValidationInfo) -> "MultiTurnConfig":
         check_files = (info.context or {}).get("check_files", True)
+        if not self.tools and self.tool_config_path is None and not self.environment.enabled:
+            raise ValueError("name at least one tool, e.g. ['calculator'] (no tools only with an environment)")
+        if self.environment.enabled and not self.enable:
+            raise ValueError("rollout.multi_turn.environment needs rollout.multi_turn.enable=true")
         if self.tool_config_path is not None and check_files:
             load_tool_config(self.tool_config_path)  # raises naming the key at fault
         if self.enable and self.format == "hermes" and check_files:

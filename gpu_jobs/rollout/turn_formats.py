@@ -8,6 +8,7 @@ the turn that carries the results back.
     >>> turns.parse('<tool_call>\\n{"name": "calculator", "arguments": {"expression": "123*456"}}\\n</tool_call>')
     [Call(name='calculator', arguments={'expression': '123*456'})]
     >>> turns.result_ids(["56088"])      # the tool turn, rendered alone and tokenized alone
+    >>> turns.message_ids([{"role": "user", "content": "Try again."}])   # an environment's turn
 
 Token-in/token-out: the agent loop appends exactly these ids after exactly the tokens the
 engine sampled; nothing is ever re-rendered from text. `hermes` uses the chat template's own
@@ -64,6 +65,13 @@ class BracketsTurns:
     def result_ids(self, results: list[str]) -> list[int]:
         return _encode(self.tokenizer, "".join(self.format.render_response(r) for r in results))
 
+    def message_ids(self, messages: list[dict]) -> list[int]:
+        """An environment's messages as the template writes them after a model turn, tokenized
+        alone (a `tool` message as a tool answer '<text>')."""
+        if messages and all(m["role"] == "tool" for m in messages):
+            return self.result_ids([m["content"] for m in messages])
+        return _encode(self.tokenizer, _after_model_turn(self.tokenizer, messages, None))
+
 
 @TURN_FORMATS.register("hermes")
 class HermesTurns:
@@ -74,7 +82,8 @@ class HermesTurns:
         self.tool_list = list(self.schemas.values())
         probe = [{"role": "user", "content": _PROBE_USER}]
         self.native = render_text(tokenizer, probe, True, self.tool_list) != render_text(tokenizer, probe, True)
-        self.plain_prefix, self.tools_prefix = _prompt_splice(tokenizer, self._with_tools)
+        # No tools (an environment alone): prompts stay as rendered, nothing to splice in.
+        self.plain_prefix, self.tools_prefix = _prompt_splice(tokenizer, self._with_tools) if self.tool_list else ([], [])
 
     def _with_tools(self, messages: list[dict]) -> str:
         """The template's text of `messages` with the tools shown (natively or in the system turn)."""
@@ -101,12 +110,32 @@ class HermesTurns:
         """The results' turn as the template writes it after a model turn, tokenized alone:
         `tool` messages where the template has a tool section, else one user turn of
         `<tool_response>` blocks; it ends with the next assistant turn's header."""
-        if self.native:
-            messages = [{"role": "tool", "content": r} for r in results]
-        else:
-            messages = [{"role": "user", "content": tool_response(results)}]
+        return self.message_ids([{"role": "tool", "content": r} for r in results])
+
+    def message_ids(self, messages: list[dict]) -> list[int]:
+        """Messages after a model turn (tool results, an environment's user turn), rendered alone
+        and tokenized alone; without a native tool section, each run of `tool` messages becomes
+        one user turn of `<tool_response>` blocks, as Qwen2.5's template writes them."""
+        if not self.native:
+            messages = _tool_runs_as_user_turns(messages)
         return _encode(self.tokenizer, _after_model_turn(self.tokenizer, messages, self.tool_list if self.native
                                                          else None))
+
+
+def _tool_runs_as_user_turns(messages: list[dict]) -> list[dict]:
+    """Consecutive `tool` messages merged into one user turn of `<tool_response>` blocks."""
+    out: list[dict] = []
+    run: list[str] = []
+    for m in [*messages, None]:
+        if m is not None and m["role"] == "tool":
+            run.append(m["content"])
+            continue
+        if run:
+            out.append({"role": "user", "content": tool_response(run)})
+            run = []
+        if m is not None:
+            out.append(m)
+    return out
 
 
 def _after_model_turn(tokenizer: Any, messages: list[dict], tools: list | None) -> str:

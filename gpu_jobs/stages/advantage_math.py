@@ -1,7 +1,11 @@
 """From a joined batch (samples + scores [+ log-probs, values]) to advantages and returns.
 
-Outcome rewards sit on each response's last token, as in verl; optional shaping (DAPO overlong
-penalty, KL in the reward) is applied to those token-level scores before the estimator runs.
+Outcome rewards sit on each response's last model token, as in verl; optional shaping (DAPO
+overlong penalty, KL in the reward) is applied to those token-level scores before the estimator
+runs. With an environment (multi-turn), its reward for each stepped turn but the last (the last
+is the score) is added at that turn's last token (`turn_rewards`): estimators that read rewards
+per token (GAE, REINFORCE++, ReMax's returns) see them where they were earned; outcome estimators
+(GRPO, RLOO, OPO, GPG, REINFORCE++-baseline, pass@k) sum the tokens, so they see score + turn rewards.
 """
 
 from __future__ import annotations
@@ -25,6 +29,40 @@ def token_level_scores(scores: np.ndarray, lengths: np.ndarray, width: int) -> t
     rows = np.nonzero(lengths > 0)[0]
     out[rows, lengths[rows] - 1] = torch.as_tensor(scores[rows], dtype=torch.float32)
     return out
+
+
+def last_model_token_ends(table: pa.Table) -> np.ndarray:
+    """(bs,) one past the index of each response's last model token (response_mask 1): where its
+    score goes. Single-turn rows: the response length; a multi-turn response that ends inside a
+    tool turn (cut by the length budget) scores on the model's last token, not a masked one."""
+    ends = [max((i + 1 for i, m in enumerate(mask) if m), default=0) for mask in response_masks(table)]
+    return np.asarray(ends, dtype=np.int64)
+
+
+def turn_rewards(table: pa.Table, width: int) -> torch.Tensor | None:
+    """(bs, width) an environment's non-final turn rewards (`turn_scores[:-1]`) at their turns'
+    last tokens (`turn_ends`); None without an environment. The final one is the score's.
+
+    >>> t = pa.table({"turn_scores": [[0.5, 1.0]], "turn_ends": [[1, 3]]})
+    >>> turn_rewards(t, 4).tolist()
+    [[0.0, 0.5, 0.0, 0.0]]
+    """
+    if "turn_scores" not in table.column_names:
+        return None
+    out = torch.zeros(len(table), width, dtype=torch.float32)
+    for i, (scores, ends) in enumerate(zip(table.column("turn_scores").to_pylist(),
+                                           table.column("turn_ends").to_pylist())):
+        for score, end in zip(scores[:-1], ends[:-1]):
+            if 0 <= end < width:
+                out[i, end] += score
+    return out
+
+
+def _token_rewards(table: pa.Table, scores: np.ndarray, width: int) -> torch.Tensor:
+    """(bs, width): each score on its response's last model token, plus an environment's turn rewards."""
+    rewards = token_level_scores(scores, last_model_token_ends(table), width)
+    per_turn = turn_rewards(table, width)
+    return rewards if per_turn is None else rewards + per_turn
 
 
 def _metric_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
@@ -155,7 +193,7 @@ def batch_advantages(table: pa.Table, cfg: Any, kl_ctrl: Any) -> tuple[pa.Table,
             lengths, scores, mask = lengths[keep_np], scores[keep_np], mask[torch.as_tensor(keep_np)]
             index = [g for g, kp in zip(index, keep_np) if kp]
 
-    rewards = token_level_scores(scores, lengths, width)
+    rewards = _token_rewards(table, scores, width)
     if algo.use_kl_in_reward:
         rewards = _kl_in_reward(table, rewards, mask, width, algo, kl_ctrl, metrics)
     vals, baselines = _value_baselines(table, width)

@@ -41,7 +41,7 @@ def _policy_ref(run: Run, version: int) -> str:
 def rollout(run: Run, roles: Roles, k: int) -> Output:
     """Iteration k's samples, drawn with the weights the async schedule names for k (the
     previous update's in the synchronous loop); the manifest records that version."""
-    from gpu_jobs.rollout.agent_loop import AgentLoopEngine  # multi-turn: Roles.load_rollout wraps the engine
+    from gpu_jobs.rollout.agent_loop import AgentLoopEngine, generate_with_rows  # multi-turn: Roles wraps the engine
 
     cfg = run.cfg
     version = cfg.async_training.weights_version(k)
@@ -51,7 +51,8 @@ def rollout(run: Run, roles: Roles, k: int) -> Output:
         table, metrics = _refilled_rollout(run, roles, k)
     else:
         prompts, prompt_ids = run.batch_prompts(k)
-        out = roles.rollout.generate(prompt_ids, cfg.rollout.n, cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
+        out = generate_with_rows(roles.rollout, prompts, prompt_ids, cfg.rollout.n,
+                                 cfg.rollout.sampling(sampling_seed(cfg.data.seed, k)))
         table, metrics = sample_table(out, prompts, k), {"timing_s/gen": time.perf_counter() - t0}
     lens = np.asarray(table.column("response_len").to_pylist(), dtype=np.float64)
     metrics.update({
@@ -70,6 +71,7 @@ def _refilled_rollout(run: Run, roles: Roles, k: int) -> tuple[pa.Table, dict]:
     """DAPO dynamic sampling: generate rounds of prompts until data.train_batch_size groups
     survive the filter (algorithm.filter_groups), each round a pure function of (seed, k, round)."""
     from gpu_jobs.reward import score_batch
+    from gpu_jobs.rollout.agent_loop import generate_with_rows
     from gpu_jobs.stages.dynamic_sampling import refill_rounds, refill_settings, round_plan
 
     cfg = run.cfg
@@ -78,7 +80,7 @@ def _refilled_rollout(run: Run, roles: Roles, k: int) -> tuple[pa.Table, dict]:
     def generate_round(r: int) -> pa.Table:
         plan = round_plan(run.sampler, k, r, base_seed)
         prompts, ids = run.prompts(run.train, plan.rows, cfg.data.max_prompt_length)
-        out = roles.rollout.generate(ids, cfg.rollout.n, cfg.rollout.sampling(plan.seed))
+        out = generate_with_rows(roles.rollout, prompts, ids, cfg.rollout.n, cfg.rollout.sampling(plan.seed))
         return sample_table(out, prompts, k, tag=plan.tag)
 
     def score_round(table: pa.Table):

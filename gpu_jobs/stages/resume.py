@@ -119,11 +119,12 @@ def probe_agreement(run: Run, roles: Roles, where: str, n_prompts: int = 8) -> d
     synced from a restored trainer. Raises AgreementError past the limit."""
     import pyarrow as pa
 
+    from gpu_jobs.rollout.agent_loop import generate_with_rows
     from gpu_jobs.stages.agreement import check_agreement, rows_agreement
 
     cfg = run.cfg
-    _, ids = run.prompts(run.val, list(range(min(n_prompts, len(run.val)))), None)
-    rows = roles.rollout.generate(ids, 2, cfg.rollout.sampling(sampling_seed(cfg.data.seed, 0)))
+    prompts, ids = run.prompts(run.val, list(range(min(n_prompts, len(run.val)))), None)
+    rows = generate_with_rows(roles.rollout, prompts, ids, 2, cfg.rollout.sampling(sampling_seed(cfg.data.seed, 0)))
     table = pa.table({"prompt_ids": pa.array([r["prompt_ids"] for r in rows], pa.list_(pa.int32())),
                       "response_ids": pa.array([r["response_ids"] for r in rows], pa.list_(pa.int32()))})
     masks = [r.get("response_mask", [1] * len(r["response_ids"])) for r in rows]  # multi-turn: model tokens only

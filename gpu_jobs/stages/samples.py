@@ -3,7 +3,10 @@
 Columns (docs/reference/stage-contract.md): uid, group_id, data_source, prompt_ids list<int32>, response_ids list<int32>,
 rollout_logprobs list<float32>, response_len, finish_reason, ground_truth (a string; a non-string
 ground truth as marked JSON, see `ground_truth_of`), extra_info (json); multi-turn rollouts add
-response_mask list<int8> (0 on tool turns' tokens, see RESPONSE_MASK_FIELD);
+response_mask list<int8> (0 on tool turns' tokens, see RESPONSE_MASK_FIELD), and with an
+environment turn_scores list<float32> / turn_ends list<int32> (its reward per stepped model turn
+and where that turn ends; also in extra_info as "turn_scores" / "num_turns", verl's route to the
+reward function);
 later stages join score/reward_extra, old_logprobs/ref_logprobs/values, advantages/returns by uid.
 """
 
@@ -36,6 +39,10 @@ SAMPLE_SCHEMA = pa.schema([
 # Multi-turn rollouts only (gpu_jobs.rollout.agent_loop): 1 = a token the model generated, 0 = a
 # tool turn's; the trainer multiplies it into its loss mask. Absent = all ones.
 RESPONSE_MASK_FIELD = pa.field("response_mask", pa.list_(pa.int8()))
+# Rollouts with an environment only (gpu_jobs.rollout.environments): its reward for each model
+# turn it answered, the last one final, and the response index of each such turn's last token.
+TURN_SCORES_FIELD = pa.field("turn_scores", FLOAT_LIST)
+TURN_ENDS_FIELD = pa.field("turn_ends", INT_LIST)
 
 
 def _json(value: Any) -> str:
@@ -72,12 +79,24 @@ def sample_table(rows: Sequence[dict], prompts: Sequence[dict], iteration: int, 
         cols["response_len"].append(len(r["response_ids"]))
         cols["finish_reason"].append(r["finish_reason"])
         cols["ground_truth"].append(ground_truth_of(p.get("reward_model")))
-        cols["extra_info"].append(_json(p.get("extra_info") or {}))
+        cols["extra_info"].append(_json(_extra_info(p, r)))
     table = pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA)
     if any("response_mask" in r for r in rows):  # multi-turn rows: tool tokens are 0
         masks = [r.get("response_mask", [1] * len(r["response_ids"])) for r in rows]
         table = table.append_column(RESPONSE_MASK_FIELD, pa.array(masks, RESPONSE_MASK_FIELD.type))
+    if any("turn_scores" in r for r in rows):  # an environment's rewards, per stepped turn
+        for fld in (TURN_SCORES_FIELD, TURN_ENDS_FIELD):
+            table = table.append_column(fld, pa.array([r.get(fld.name, []) for r in rows], fld.type))
     return table
+
+
+def _extra_info(prompt: dict, row: dict) -> dict:
+    """The prompt's extra_info; with an environment, plus the response's turn_scores and num_turns
+    (what verl's reward managers add), so a reward function can read the environment's rewards."""
+    extra = dict(prompt.get("extra_info") or {})
+    if "turn_scores" in row:
+        extra.update(turn_scores=[float(x) for x in row["turn_scores"]], num_turns=int(row.get("num_turns", 1)))
+    return extra
 
 
 def response_masks(table: pa.Table) -> list[list[int]]:

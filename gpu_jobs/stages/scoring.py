@@ -63,8 +63,9 @@ def evaluate(engine: Any, tokenizer: Any, prompts: Sequence[dict], ids: Sequence
     """
     from gpu_jobs.reward import score_batch
     from gpu_jobs.reward.val_metrics import validation_metrics
+    from gpu_jobs.rollout.agent_loop import generate_with_rows
 
-    out = engine.generate([list(x) for x in ids], val_kwargs.n, val_kwargs.sampling(max_response_length, seed))
+    out = generate_with_rows(engine, list(prompts), ids, val_kwargs.n, val_kwargs.sampling(max_response_length, seed))
     table = sample_table(out, prompts, iteration, tag=tag)
     rows = reward_rows(tokenizer, table)
     scores, extras, _ = score_batch(rows, reward_cfg)

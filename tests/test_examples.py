@@ -51,7 +51,7 @@ SKIPPED = {
     "grpo_arith_reward_model.yaml": "run end to end through the rl-training flow by tests/reward/"
                                     "test_reward_model_run.py::test_reward_model_and_val_at_n_through_the_prefect_flow",
 }
-SMOLLM2 = {"grpo_gsm_smollm2.yaml", "grpo_times_smollm2.yaml"}
+SMOLLM2 = {"grpo_gsm_smollm2.yaml", "grpo_times_smollm2.yaml", "agent_calculator_smollm2.yaml"}
 # A 135M model on 2 cores: TINY's 8 x 4 x 24-256 tokens would cost minutes per example.
 SMOLLM2_SHORT = ["data.train_batch_size=2", "rollout.n=2", "rollout.max_response_length=16", "data.val_size=2",
                  "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false"]

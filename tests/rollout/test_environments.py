@@ -281,8 +281,13 @@ def test_score_goes_on_the_last_model_token_when_a_tool_turn_ends_the_response()
 # -------------------------------------------------------------------------------- a tiny run
 @pytest.mark.slow
 @pytest.mark.deepspeed
-def test_two_iterations_with_the_feedback_environment_on_the_builtin_model(tmp_path):
+def test_two_iterations_with_the_feedback_environment_in_hermes_format_on_the_builtin_model(tmp_path):
+    """The 2-iteration slice of an agent run through the stages (stage functions called directly,
+    no Prefect server): the feedback environment's user turns and the Hermes path (tool splice,
+    parsing, metrics) in a training loop. The built-in model was never taught the format, so it
+    answers directly; the mechanics with tool turns are in test_hermes.py."""
     from flows.config import load_run_config
+    from gpu_jobs.rollout.agent_loop import AgentLoopEngine
     from gpu_jobs.stages import DirectCalls, open_warm, run_iteration
     from gpu_jobs.stages.samples import join_by_uid
     from gpu_jobs.stages.shell import read
@@ -292,10 +297,12 @@ def test_two_iterations_with_the_feedback_environment_on_the_builtin_model(tmp_p
     torch.set_num_threads(1)
     cfg = load_run_config(EXAMPLE, tiny_overrides(
         str(tmp_path / "root"), "trainer.total_iterations=2", "trainer.checkpoint_every=2", "trainer.val_every=0",
-        "rollout.max_response_length=24", "rollout.multi_turn.enable=true",
+        "rollout.max_response_length=24", "rollout.multi_turn.enable=true", "rollout.multi_turn.format=hermes",
+        "rollout.multi_turn.max_parallel_calls=2",
         "rollout.multi_turn.max_assistant_turns=2", "rollout.multi_turn.environment.name=feedback",
         "rollout.multi_turn.environment.kwargs={retry_message: 'No. '}"))
     run, eng = open_warm(cfg)
+    assert isinstance(eng.rollout, AgentLoopEngine) and eng.rollout.turns.native is False
     uris = [run_iteration(DirectCalls(run, eng), cfg, k) for k in (1, 2)]
     rollout = join_by_uid(read(run, uris[0]["rollout"]), read(run, uris[0]["reward"]).select(["uid", "score"]))
     scores = rollout.column("turn_scores").to_pylist()
@@ -303,5 +310,8 @@ def test_two_iterations_with_the_feedback_environment_on_the_builtin_model(tmp_p
     rewards = rollout.column("score").to_pylist()
     assert rewards == pytest.approx([s[-1] for s in scores])  # the score is the final reward
     metrics = read_manifest(uris[1]["commit"], run.storage).metrics
-    for name in ("multi_turn/env_final_reward/mean", "multi_turn/env_steps/mean", "actor/pg_loss"):
+    masks, lens = rollout.column("response_mask").to_pylist(), rollout.column("response_len").to_pylist()
+    assert all(len(m) == n <= 24 for m, n in zip(masks, lens))
+    for name in ("multi_turn/env_final_reward/mean", "multi_turn/env_steps/mean", "multi_turn/malformed_calls",
+                 "multi_turn/tool_call_frac", "actor/pg_loss", "critic/score/mean"):
         assert name in metrics, name

@@ -62,3 +62,38 @@ def test_a_world_of_one_inherited_without_its_port_still_starts():
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu",
                               "OMP_NUM_THREADS": "1", "HOME": str(Path.home())})
     assert out.returncode == 0 and "ok 2" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+RESTARTED = textwrap.dedent("""
+    import os
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    import deepspeed, torch
+    import torch.distributed as td
+    from gpu_jobs.train.ranks.dist import free_port, init_distributed
+
+    def engine():
+        init_distributed()
+        model = torch.nn.Linear(4, 4)
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}
+        return deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                    config=config)[0]
+
+    engine()
+    # What an in-process vLLM engine does on shutdown, then the next one (or accelerate) on start:
+    # the group DeepSpeed was set up over is destroyed and another WORLD takes its place.
+    td.destroy_process_group()
+    td.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    engine()  # DeepSpeed's cached groups pointed at the destroyed one: "Group ... is not registered"
+    print("ok")
+""")
+
+
+@pytest.mark.deepspeed
+def test_an_engine_after_someone_restarted_the_process_group():
+    """Seen in make test when a TRL comparison, an in-process vLLM engine and the stage tests
+    shared a worker: DeepSpeed kept its groups from a process group someone had replaced."""
+    out = subprocess.run([sys.executable, "-c", RESTARTED], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu",
+                              "OMP_NUM_THREADS": "1", "HOME": str(Path.home())})
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

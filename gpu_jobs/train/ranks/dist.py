@@ -38,6 +38,9 @@ def free_port() -> int:
 # Whether this process picked MASTER_PORT itself (one rank, no launcher): then a port taken in the
 # meantime may be replaced by another; a launcher's or the user's port never is.
 _PORT_CHOSEN_HERE = False
+# The torch WORLD group DeepSpeed's comm was last set up over in this process: when the current
+# one is another object, the old one was destroyed and DeepSpeed's cached groups point at it.
+_DS_WORLD = None
 
 
 def _fill_single_rank_env() -> None:
@@ -96,11 +99,15 @@ def init_distributed() -> None:
         # `import deepspeed.comm.torch as m` would bind the torch package (deepspeed.comm
         # re-exports it), so patching that name silently does nothing: go through importlib.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    if td.is_available() and td.is_initialized() and deepspeed.comm.is_initialized():
+    global _DS_WORLD
+    if (td.is_available() and td.is_initialized() and deepspeed.comm.is_initialized()
+            and td.group.WORLD is _DS_WORLD):
         return
-    if not td.is_initialized():
-        # Someone else tore the process group down (an in-process vLLM engine does on shutdown):
-        # DeepSpeed would keep handing out its destroyed groups. Drop its references first.
+    if not td.is_initialized() or _DS_WORLD is not None:
+        # The process group DeepSpeed was set up over is gone: someone tore it down (an in-process
+        # vLLM engine does on shutdown) and maybe started another (the next engine, accelerate).
+        # DeepSpeed would keep handing out its destroyed groups ("Group ... is not registered"):
+        # drop its references first.
         from deepspeed.comm import comm as ds_comm
         from deepspeed.utils import groups
 
@@ -112,6 +119,7 @@ def init_distributed() -> None:
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         deepspeed.init_distributed(dist_backend="nccl")
+    _DS_WORLD = td.group.WORLD
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:

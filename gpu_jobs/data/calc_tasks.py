@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gpu_jobs.data.generators import register_generator
+from gpu_jobs.data.generators import product_row, register_generator
 from gpu_jobs.data.tool_calls import get_tool_format
 from gpu_jobs.data.tool_tasks import arith_tools_pairs
 from gpu_jobs.reward.registry import register_reward_fn
@@ -31,14 +31,8 @@ __all__ = ["CALC3_SOURCE", "CALC3_PROMPT", "calc3_row", "calc3_score", "last_num
 
 
 def calc3_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
-    """One row: a 3-digit product; `extra_info` keeps the operands."""
-    return {
-        "data_source": CALC3_SOURCE,
-        "prompt": [{"role": "user", "content": CALC3_PROMPT.format(a=a, b=b)}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str(a * b)},
-        "extra_info": {"split": split, "index": index, "a": a, "b": b},
-    }
+    """One row: a 3-digit product."""
+    return product_row(CALC3_SOURCE, CALC3_PROMPT, a, b, split, index)
 
 
 @register_generator("calc3")

@@ -136,15 +136,21 @@ def times_facts(seed: int) -> list[tuple[int, int]]:
     return [facts[int(k)] for k in np.random.default_rng(seed).permutation(len(facts))]
 
 
-def times_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
-    """One times-table row; the ground truth is str(a * b), scored on the response's last number."""
+def product_row(source: str, prompt: str, a: int, b: int, split: str, index: int) -> dict[str, Any]:
+    """One verl row asking for a * b (`prompt` formatted with a and b); the ground truth is
+    str(a * b), scored on the response's last number; `extra_info` keeps the operands."""
     return {
-        "data_source": TIMES_SOURCE,
-        "prompt": [{"role": "user", "content": TIMES_PROMPT.format(a=a, b=b)}],
+        "data_source": source,
+        "prompt": [{"role": "user", "content": prompt.format(a=a, b=b)}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(a * b)},
         "extra_info": {"split": split, "index": index, "a": a, "b": b},
     }
+
+
+def times_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
+    """One times-table row."""
+    return product_row(TIMES_SOURCE, TIMES_PROMPT, a, b, split, index)
 
 
 def _times_prompts(facts: list[tuple[int, int]]) -> list[tuple[int, int]]:

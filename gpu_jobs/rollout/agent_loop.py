@@ -131,12 +131,15 @@ class AgentLoopEngine:
                  rows: list[dict] | None = None) -> list[dict]:
         """See `RolloutEngine.generate`; each row also has response_mask (list[int]) and num_turns,
         and with an environment turn_scores and turn_ends. `rows`: the prompts' dataset rows,
-        which an environment's reset needs (ignored without one)."""
+        which an environment's reset needs, and whose `prompt` messages let the hermes format
+        place the tools in a prompt's own system message."""
         budget = sampling.max_response_length
         episodes = None
+        messages = _prompt_messages(rows, len(prompts))
         if self.environment is not None:
-            prompts, episodes = self._open_episodes(prompts, rows, n)
-        prompts = [self.turns.prompt(list(p)) for p in prompts]  # hermes: the tools shown in the system turn
+            prompts, episodes, messages = self._open_episodes(prompts, rows, n)
+        # hermes: the tools shown in the system turn (the prompt's own, where its messages have one)
+        prompts = [self.turns.prompt(list(p), m) for p, m in zip(prompts, messages)]
         convs = []
         for k, row in enumerate(self.engine.generate(prompts, n, sampling)):
             conv = _Conversation(row["prompt_index"], row["sample_index"], list(row["prompt_ids"]))
@@ -171,23 +174,25 @@ class AgentLoopEngine:
         return self.tokenizer.decode(row["response_ids"], skip_special_tokens=True)
 
     def _open_episodes(self, prompts: list[list[int]], rows: list[dict] | None,
-                       n: int) -> tuple[list[list[int]], list[tuple[Any, list[dict]]]]:
+                       n: int) -> tuple[list[list[int]], list[tuple[Any, list[dict]]], list[list[dict]]]:
         """The environment's opening of each prompt's episode: (prompt ids rendered from reset's
-        messages, (environment, messages) per response, prompt-major); a failed reset keeps the
-        given prompt and marks its episodes FAILED."""
+        messages, (environment, messages) per response, prompt-major, each prompt's messages); a
+        failed reset keeps the given prompt (and the row's messages) and marks its episodes FAILED."""
         from gpu_jobs.data.rendering import normalize_messages, render_prompt
 
         if rows is None or len(rows) != len(prompts):
             raise ValueError("rollout.multi_turn.environment: generate needs the prompts' dataset rows (rows=...), "
                              "which the environment's reset reads")
-        opened = self.environment.reset([{**r, "prompt": normalize_messages(r.get("prompt"))} for r in rows])
-        ids, episodes = [], []
-        for p, (env, messages) in zip(prompts, opened):
+        given = [{**r, "prompt": normalize_messages(r.get("prompt"))} for r in rows]
+        opened = self.environment.reset(given)
+        ids, episodes, opening = [], [], []
+        for p, row, (env, messages) in zip(prompts, given, opened):
             failed = env == FAILED
             ids.append(list(p) if failed else render_prompt(messages, self.tokenizer))
+            opening.append(row["prompt"] if failed else messages)
             copies = [FAILED] * n if failed else EnvironmentRunner.copies(env, n)
             episodes += [(e, [] if failed else [dict(m) for m in messages]) for e in copies]
-        return ids, episodes
+        return ids, episodes, opening
 
     def _step_environment(self, convs: list[_Conversation], budget: int, final: bool = False) -> list[_Conversation]:
         """Step the environment of each conversation after its last model turn; append its
@@ -306,11 +311,21 @@ def _environment_metrics(convs: list[_Conversation]) -> dict[str, float]:
             "multi_turn/env_errors": float(sum(c.env_errors for c in convs))}
 
 
+def _prompt_messages(rows: list[dict] | None, count: int) -> list[list[dict] | None]:
+    """Each prompt's messages (its row's `prompt`), None per prompt where the rows are not given."""
+    from gpu_jobs.data.rendering import normalize_messages
+
+    if rows is None or len(rows) != count:
+        return [None] * count
+    return [normalize_messages(r.get("prompt")) if "prompt" in r else None for r in rows]
+
+
 def generate_with_rows(engine: Any, prompts: list[dict], ids: list[list[int]], n: int,
                        sampling: SamplingConfig) -> list[dict]:
-    """`engine.generate(ids, n, sampling)`, handing an environment's agent loop the prompts'
-    dataset rows too (its reset reads them); every stage that samples calls this."""
-    if isinstance(engine, AgentLoopEngine) and engine.environment is not None:
+    """`engine.generate(ids, n, sampling)`, handing an agent loop the prompts' dataset rows too
+    (an environment's reset reads them; the hermes format places the tools in a prompt's own
+    system message); every stage that samples calls this."""
+    if isinstance(engine, AgentLoopEngine):
         return engine.generate([list(x) for x in ids], n, sampling, rows=list(prompts))
     return engine.generate([list(x) for x in ids], n, sampling)
 

@@ -14,13 +14,16 @@ Token-in/token-out: the agent loop appends exactly these ids after exactly the t
 engine sampled; nothing is ever re-rendered from text. `hermes` uses the chat template's own
 tool section when it has one (`apply_chat_template(..., tools=...)` differs from without), else
 writes Qwen2.5's `# Tools` section into the system turn and returns results as
-`<tool_response>` blocks in a user turn (gpu_jobs.rollout.hermes).
+`<tool_response>` blocks in a user turn (gpu_jobs.rollout.hermes). A prompt with its own system
+message gets the tools in that message (after its text, as Qwen2.5's template writes them):
+`turns.prompt(ids, messages)` with the prompt's messages.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from gpu_jobs.data.rendering import render_prompt
 from gpu_jobs.registry import Registry
 from gpu_jobs.rollout.hermes import Call, CallError, parse_calls, tools_section, tool_response
 from gpu_jobs.rollout.tools import ToolSet, get_tool_format
@@ -31,6 +34,9 @@ TURN_FORMATS: Registry = Registry("multi-turn call format")
 
 # Contents no real conversation holds: where they land in a rendering marks the turn boundaries.
 _PROBE_USER, _PROBE_ASSISTANT = "\x1fPROBE-USER\x1f", "\x1fPROBE-ASSISTANT\x1f"
+# Distinct system messages whose splice a HermesTurns keeps: a dataset shares a few, and one with
+# a system message per row must not grow the cache without bound.
+_SYSTEM_SPLICES = 1024
 
 
 def render_text(tokenizer: Any, messages: list[dict], generation_prompt: bool, tools: list | None = None) -> str:
@@ -51,8 +57,9 @@ class BracketsTurns:
     def __init__(self, tokenizer: Any, tools: ToolSet):
         self.tokenizer, self.tools, self.format = tokenizer, tools, get_tool_format("brackets")
 
-    def prompt(self, ids: list[int]) -> list[int]:
-        return ids
+    def prompt(self, ids: list[int], messages: list[dict] | None = None) -> list[int]:
+        """`ids` unchanged: the brackets format shows no tools in the prompt."""
+        return list(ids)
 
     def parse(self, text: str) -> list[Call | CallError]:
         call = self.format.parse_call(text)
@@ -84,6 +91,7 @@ class HermesTurns:
         self.native = render_text(tokenizer, probe, True, self.tool_list) != render_text(tokenizer, probe, True)
         # No tools (an environment alone): prompts stay as rendered, nothing to splice in.
         self.plain_prefix, self.tools_prefix = _prompt_splice(tokenizer, self._with_tools) if self.tool_list else ([], [])
+        self._system_splices: dict[str, tuple[list[int], list[int]]] = {}
 
     def _with_tools(self, messages: list[dict]) -> str:
         """The template's text of `messages` with the tools shown (natively or in the system turn)."""
@@ -94,14 +102,44 @@ class HermesTurns:
         return render_text(self.tokenizer, [{"role": "system", "content": tools_section(self.tool_list, system)},
                                             *rest], True)
 
-    def prompt(self, ids: list[int]) -> list[int]:
-        """`ids` (a prompt rendered without tools) with the template's tool section in place."""
-        n = len(self.plain_prefix)
-        if list(ids[:n]) != self.plain_prefix:
-            raise ValueError("rollout.multi_turn.format=hermes: a prompt does not start with the chat template's "
-                             "plain system turn (does it hold its own system message?); the tools cannot be "
-                             "placed in it")
-        return self.tools_prefix + list(ids[n:])
+    def prompt(self, ids: list[int], messages: list[dict] | None = None) -> list[int]:
+        """`ids` (a prompt rendered without tools) with the template's tool section in place.
+
+        `messages` are the prompt's own messages (None: not known). When they open with a system
+        message the tools go into it, and `ids` must be exactly those messages' rendering
+        (render_prompt); else `ids` must start with the template's plain system turn (its default
+        one). Either way the tokens after the system turn are kept exactly as given."""
+        if not self.tool_list:
+            return list(ids)
+        system = _own_system(messages)
+        if system is None:
+            plain, tooled = self.plain_prefix, self.tools_prefix
+        else:
+            # The splice is computed from the messages: they must be what `ids` were rendered
+            # from, or the tools could land inside a longer system text.
+            if render_prompt(messages, self.tokenizer) != list(ids):
+                raise ValueError("rollout.multi_turn.format=hermes: a prompt's token ids are not its messages as "
+                                 "the chat template renders them (another prompt column, or other template "
+                                 "arguments?); the tools cannot be placed in its system message")
+            plain, tooled = self._system_splice(system)
+        if list(ids[:len(plain)]) == plain:
+            return tooled + list(ids[len(plain):])
+        if messages is None:
+            why = ("does not start with the chat template's plain system turn (does it hold its own system "
+                   "message? pass the prompts' messages: generate(..., rows=...), as generate_with_rows does)")
+        elif system is None:
+            why = "does not start with the chat template's plain system turn, and its messages hold no system message"
+        else:
+            why = "does not start with its system turn as the template renders it alone"
+        raise ValueError(f"rollout.multi_turn.format=hermes: a prompt {why}; the tools cannot be placed in it")
+
+    def _system_splice(self, system: str) -> tuple[list[int], list[int]]:
+        """(plain prefix, prefix with tools) of prompts whose own system message is `system`."""
+        if system not in self._system_splices:
+            if len(self._system_splices) >= _SYSTEM_SPLICES:
+                self._system_splices.clear()
+            self._system_splices[system] = _prompt_splice(self.tokenizer, self._with_tools, system)
+        return self._system_splices[system]
 
     def parse(self, text: str) -> list[Call | CallError]:
         return parse_calls(text, self.schemas)
@@ -155,12 +193,21 @@ def _after_model_turn(tokenizer: Any, messages: list[dict], tools: list | None) 
     return full[len(base):]
 
 
-def _prompt_splice(tokenizer: Any, with_tools) -> tuple[list[int], list[int]]:
+def _own_system(messages: list[dict] | None) -> str | None:
+    """The text of the system message `messages` open with, or None (no messages, or no system message)."""
+    if messages and messages[0].get("role") == "system":
+        return str(messages[0].get("content") or "")
+    return None
+
+
+def _prompt_splice(tokenizer: Any, with_tools, system: str | None = None) -> tuple[list[int], list[int]]:
     """(plain prefix, prefix with tools): the leading tokens where a prompt rendered with the
-    tools differs from one rendered without; the same for every conversation (checked on two)."""
+    tools differs from one rendered without, for prompts opening with the system message
+    `system` (None: none of their own); the same for every conversation (checked on two)."""
+    head = [] if system is None else [{"role": "system", "content": system}]
     found = []
     for text in (_PROBE_USER, "2+2?"):
-        msgs = [{"role": "user", "content": text}]
+        msgs = head + [{"role": "user", "content": text}]
         plain = _encode(tokenizer, render_text(tokenizer, msgs, True))
         tooled = _encode(tokenizer, with_tools(msgs))
         same = 0

@@ -6,7 +6,8 @@ token-in/token-out agent loop over them.
 Parsing and schema checks are pure; the loop runs on a scripted engine (a model whose turns are
 written out, sampled character by character, so its tokens are not the tokenizer's own
 encoding of the same text) over SmolLM2's tokenizer (its chat template has no tool section:
-the Hermes fallback), a template with a native tool section, and the built-in tokenizer.
+the Hermes fallback), a template with a native tool section, and the built-in tokenizer; prompts
+with their own system message get the tools in it, on each of them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from gpu_jobs.data.rendering import render_prompt
 from gpu_jobs.models import build_tokenizer
 from gpu_jobs.models.loading import smollm2_available
 from gpu_jobs.rollout import SamplingConfig
-from gpu_jobs.rollout.agent_loop import AgentLoopEngine, MultiTurnConfig
+from gpu_jobs.rollout.agent_loop import AgentLoopEngine, MultiTurnConfig, generate_with_rows
 from gpu_jobs.rollout.hermes import Call, CallError, check_arguments, openai_tool, parse_calls, tools_section
 from gpu_jobs.rollout.tools import BUILTIN_SCHEMAS, ToolSet, load_tool_config
 from gpu_jobs.rollout.turn_formats import TURN_FORMATS, render_text
@@ -231,3 +232,95 @@ def test_builtin_tokenizer_template_drops_turns_so_re_rendering_differs():
     convo = [{"role": "user", "content": "What is 123*456?"}, {"role": "assistant", "content": tok.decode(first)}]
     rerendered = tok.encode(render_text(tok, convo, True), add_special_tokens=False)
     assert rerendered != row["prompt_ids"] + row["response_ids"][:len(first)]  # the model's turn is gone
+
+
+# -------------------------------------------------------------------------------- a prompt's own system message
+# A template of Qwen2.5's shape in how it treats a system message: the prompt's own replaces the
+# default, and the native tool section follows its text (written for this test; newlines right
+# after a block tag are written as expressions, since chat templates drop them: trim_blocks).
+OWN_SYSTEM = (
+    "{% if messages[0].role == 'system' %}{% set sys = messages[0].content %}{% set rest = messages[1:] %}"
+    "{% else %}{% set sys = 'You are helpful.' %}{% set rest = messages %}{% endif %}"
+    "<|im_start|>system\n{{ sys }}{% if tools %}{{ '\\n\\n# Tools\\n<tools>' }}{% for t in tools %}"
+    "{{ '\\n' + t | tojson }}{% endfor %}{{ '\\n</tools>' }}{% endif %}<|im_end|>\n"
+    "{% for m in rest %}{% if m.role == 'tool' %}{% if rest[loop.index0 - 1].role != 'tool' %}"
+    "<|im_start|>user{% endif %}{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{% if loop.last or rest[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SYSTEM = "You are a careful calculator. Use the tool."
+OWN = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 123*456?"}]
+
+
+def _run_rows(tok, messages, **cfg):
+    """One response to `messages` through the stages' entry (generate_with_rows: the row goes along)."""
+    engine = CharEngine(tok, solver)
+    agent = AgentLoopEngine(engine, MultiTurnConfig(enable=True, format="hermes", max_parallel_calls=2, **cfg), tok)
+    prompt = render_prompt(messages, tok)
+    row = generate_with_rows(agent, [{"prompt": messages}], [prompt], 1,
+                             SamplingConfig(max_response_length=1000, seed=0))[0]
+    return agent, engine, prompt, row
+
+
+@pytest.mark.parametrize("template", ["smollm2", "own_system"])
+def test_a_prompt_with_its_own_system_message_gets_the_tools_in_it(smol_tok, template):
+    tok = smol_tok if template == "smollm2" else copy.deepcopy(smol_tok)
+    if template == "own_system":
+        tok.chat_template = OWN_SYSTEM
+    agent, engine, prompt, row = _run_rows(tok, OWN)
+    turns = agent.turns
+    assert turns.native == (template == "own_system")
+    # The template's own rendering with the tools: after the prompt's system text, no default one.
+    assert row["prompt_ids"] == tok.encode(turns._with_tools(OWN), add_special_tokens=False)
+    text = tok.decode(row["prompt_ids"])
+    assert text.startswith(f"<|im_start|>system\n{SYSTEM}\n\n# Tools\n") and text.count("system\n") == 1
+    assert "You are helpful" not in text and "SmolLM" not in text
+    # The tokens after the system turn are the dataset's rendering, kept as given.
+    user = tok.encode("<|im_end|>\n<|im_start|>user\nWhat is 123*456?<|im_end|>\n<|im_start|>assistant\n",
+                      add_special_tokens=False)
+    assert prompt[-len(user):] == user == row["prompt_ids"][-len(user):]
+    # The response is token-in/token-out as with the template's own system turn.
+    first, answer = engine.turns
+    tool = turns.result_ids(["56088", "error: invalid syntax",
+                             "error: at most 2 tool call(s) per turn; this one was not run"])
+    assert row["response_ids"] == first + tool + answer
+    assert row["response_mask"] == [1] * len(first) + [0] * len(tool) + [1] * len(answer)
+    # Without the prompt's messages the system turn is not the template's: refused, naming the fix.
+    with pytest.raises(ValueError, match=r"rows="):
+        agent.generate([prompt], 1, SamplingConfig(max_response_length=100, seed=0))
+    # Messages that are not the prompt's: refused, never spliced into a longer system text.
+    with pytest.raises(ValueError, match="not its messages"):
+        turns.prompt(prompt, [{"role": "system", "content": SYSTEM[:-len(" Use the tool.")]}, OWN[1]])
+
+
+def test_a_template_with_a_default_system_turn_still_splices_prompts_without_one(smol_tok):
+    tok = copy.deepcopy(smol_tok)
+    tok.chat_template = OWN_SYSTEM
+    msgs = [{"role": "user", "content": "What is 123*456?"}]
+    agent, _, prompt, row = _run_rows(tok, msgs)
+    assert row["prompt_ids"] == tok.encode(agent.turns._with_tools(msgs), add_special_tokens=False)
+    assert tok.decode(row["prompt_ids"]).startswith("<|im_start|>system\nYou are helpful.\n\n# Tools\n")
+    assert agent.turns.prompt(prompt) == agent.turns.prompt(prompt, msgs) == row["prompt_ids"]
+
+
+def test_builtin_tokenizer_drops_a_system_message_so_the_prompt_is_unchanged():
+    tok = build_tokenizer()  # its template writes the user turns' text only
+    agent, engine, prompt, row = _run_rows(tok, OWN)
+    assert prompt == row["prompt_ids"] == tok.encode("What is 123*456?", add_special_tokens=False)
+    assert row["num_turns"] == 2 and row["response_mask"].count(0) > 0  # the call ran, the answer followed
+
+
+def test_an_environments_opening_with_a_system_message_under_hermes(smol_tok):
+    """The feedback environment opens with the row's messages, system message included: the tools
+    go into it, and the episode runs as without one."""
+    row = {"data_source": "rlmill/arith", "prompt": [{"role": "system", "content": SYSTEM},
+                                                     {"role": "user", "content": "37+45="}],
+           "reward_model": {"ground_truth": "82"}}
+    engine = CharEngine(smol_tok, lambda text: "82")
+    agent = AgentLoopEngine(engine, MultiTurnConfig(enable=True, format="hermes", environment={"name": "feedback"}),
+                            smol_tok)
+    prompt = render_prompt(row["prompt"], smol_tok)
+    out = generate_with_rows(agent, [row], [prompt], 2, SamplingConfig(max_response_length=50, seed=0))
+    for got in out:
+        assert got["prompt_ids"] == smol_tok.encode(agent.turns._with_tools(row["prompt"]), add_special_tokens=False)
+        assert got["turn_scores"] == [1.0] and got["response_ids"] == engine.turns[0]

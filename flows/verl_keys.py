@@ -229,10 +229,11 @@ def _model_rollout_ref_rules() -> dict[str, Rule]:
 
 def _multi_turn_rules(r: str) -> dict[str, Rule]:
     """verl's rollout.multi_turn keys: the same names in rlmill's section; tool_config_path's YAML
-    is read as verl writes it, with a Python path (or a built-in tool) as class_name."""
+    is read as verl writes it, with a Python path (or a built-in tool) as class_name, and
+    interaction_config_path's with one interaction (a verl class by module path, or a built-in)."""
     return {r + f"multi_turn.{k}": rename(f"rollout.multi_turn.{k}")
             for k in ("enable", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side",
-                      "format", "max_parallel_calls", "tool_config_path")}
+                      "format", "max_parallel_calls", "tool_config_path", "interaction_config_path")}
 
 
 def _data_rules() -> dict[str, Rule]:

@@ -113,7 +113,7 @@ class AgentLoopEngine:
         self.tools = ToolSet(config.tool_entries(), config.tool_timeout_s, config.tool_num_workers,
                              config.max_tool_response_length, config.tool_response_truncate_side)
         self.turns = TURN_FORMATS[config.format](tokenizer, self.tools)
-        env = config.environment
+        env = config.environment_config()  # interaction_config_path's, else environment
         self.environment = EnvironmentRunner(env, config.tool_timeout_s, config.tool_num_workers,
                                              config.max_tool_response_length,
                                              config.tool_response_truncate_side) if env.enabled else None

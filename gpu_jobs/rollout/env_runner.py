@@ -69,7 +69,7 @@ class EnvironmentRunner:
         self.cfg, self.timeout_s, self.num_workers = cfg, timeout_s, num_workers
         self.max_chars, self.side = max_chars, side
         self.factory = load_environment(cfg)  # here too: a bad file or name fails now, with its message
-        self.sandboxed = cfg.path is not None
+        self.sandboxed = cfg.user_code  # a file or a verl interaction: the user's code
 
     def reset(self, rows: Sequence[dict]) -> list[tuple[Any, Any]]:
         """(environment, opening messages) per row, or (FAILED, message)."""

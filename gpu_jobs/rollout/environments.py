@@ -24,7 +24,8 @@ instance per prompt, copied for each of its n responses; its state lives in its 
 built-in is named (`ENVIRONMENTS`: `calculator`, `feedback`, gpu_jobs.rollout.builtin_environments);
 a user's is `path` + `name`, like a custom reward function (gpu_jobs.rollout.environment_config),
 and runs in the tool sandbox (gpu_jobs.rollout.env_runner): its instances travel to the worker
-processes and back pickled.
+processes and back pickled. A verl interaction class (named by module path, or in verl's
+interaction YAML) runs through an adapter to this protocol (gpu_jobs.rollout.verl_interaction).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class Environment(Protocol):
     def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """The opening messages of the episode for a dataset `row` (verl's fields; `prompt` as a
         list of {"role", "content"} dicts). They are rendered with the chat template as the prompt
-        (hermes: the tools shown in its system turn), so they hold no system message of their own
-        under the hermes format."""
+        (hermes: the tools shown in its system turn, or in their own system message when they
+        open with one)."""
         ...
 
     def step(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float, bool]:

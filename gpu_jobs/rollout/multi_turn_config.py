@@ -5,6 +5,7 @@
     ['calculator']
     >>> MultiTurnConfig(enable=True, tools=[], environment={"name": "feedback"}).environment.enabled
     True
+    >>> MultiTurnConfig(enable=True, interaction_config_path="interaction.yaml").environment_config()  # verl's YAML
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from gpu_jobs.rollout.environment_config import EnvironmentConfig
+from gpu_jobs.rollout.environment_config import EnvironmentConfig, load_interaction_config
 from gpu_jobs.rollout.tools import ToolEntry, check_tool_spec, entry_of, load_tool_config
 from gpu_jobs.rollout.turn_formats import TURN_FORMATS
 
@@ -58,6 +59,12 @@ class MultiTurnConfig(BaseModel):
                                            "interactions): a built-in environment or your own by path; its "
                                            "calls run under the tools' limits (tool_timeout_s, "
                                            "max_tool_response_length, the sandbox for a user's file).")
+    interaction_config_path: str | None = Field(None, description="verl's interaction YAML (interaction: - "
+                                                "name, class_name, config), read as `environment`: class_name is a "
+                                                "verl interaction class by module path ('package.module.Class', "
+                                                "given config plus name as its config dict), a built-in "
+                                                "environment or 'path/to/file.py:Class' (given config as keyword "
+                                                "arguments). One interaction; instead of `environment`.")
 
     @field_validator("tools")
     @classmethod
@@ -75,12 +82,20 @@ class MultiTurnConfig(BaseModel):
     @model_validator(mode="after")
     def _tool_file_reads(self, info: ValidationInfo) -> "MultiTurnConfig":
         check_files = (info.context or {}).get("check_files", True)
-        if not self.tools and self.tool_config_path is None and not self.environment.enabled:
+        interaction = self.interaction_config_path is not None
+        if interaction and self.environment.enabled:
+            raise ValueError("set rollout.multi_turn.environment or rollout.multi_turn.interaction_config_path, "
+                             "not both")
+        with_env = interaction or self.environment.enabled
+        if not self.tools and self.tool_config_path is None and not with_env:
             raise ValueError("name at least one tool, e.g. ['calculator'] (no tools only with an environment)")
-        if self.environment.enabled and not self.enable:
-            raise ValueError("rollout.multi_turn.environment needs rollout.multi_turn.enable=true")
+        if with_env and not self.enable:
+            which = "interaction_config_path" if interaction else "environment"
+            raise ValueError(f"rollout.multi_turn.{which} needs rollout.multi_turn.enable=true")
         if self.tool_config_path is not None and check_files:
             load_tool_config(self.tool_config_path)  # raises naming the key at fault
+        if interaction and check_files:
+            load_interaction_config(self.interaction_config_path)  # raises naming the file and the fix
         if self.enable and self.format == "hermes" and check_files:
             missing = [e.name for e in self.tool_entries() if e.schema is None]
             if missing:
@@ -93,3 +108,9 @@ class MultiTurnConfig(BaseModel):
         if self.tool_config_path is not None:
             return load_tool_config(self.tool_config_path)
         return [entry_of(s) for s in self.tools]
+
+    def environment_config(self) -> EnvironmentConfig:
+        """The run's environment: interaction_config_path's, else `environment` (disabled: none)."""
+        if self.interaction_config_path is not None:
+            return load_interaction_config(self.interaction_config_path)
+        return self.environment

@@ -2,17 +2,27 @@
 
     >>> from gpu_jobs.data import render_prompt
     >>> render_prompt([{"role": "user", "content": "37+45="}], tokenizer, max_prompt_length=512)
+
+These render plain chats ({role, content}). A tool conversation (a row's `tools` column, an
+assistant's `tool_calls`, `tool` results: what `rlmill feedback dataset` writes for a served agent)
+is rendered by gpu_jobs.rollout.hermes.render_chat, the renderer `rlmill serve` uses, from the
+messages conversation_messages keeps and the tools row_tools reads; it sits above this package
+(rollout imports data, so data cannot import it back).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["DatasetConfig", "OverlongPromptError", "normalize_messages", "render_prompt", "render_many",
-           "render_prompts"]
+__all__ = ["TOOLS_KEY", "DatasetConfig", "OverlongPromptError", "conversation_messages", "normalize_messages",
+           "render_prompt", "render_many", "render_prompts", "row_tools"]
+
+TOOLS_KEY = "tools"  # verl's default data.tools_key: a row's OpenAI tools, as JSON text
 
 
 def normalize_messages(prompt: Any) -> list[dict[str, str]]:
@@ -26,6 +36,42 @@ def normalize_messages(prompt: Any) -> list[dict[str, str]]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def conversation_messages(prompt: Any) -> list[dict[str, Any]]:
+    """A prompt cell as normalize_messages gives it, plus an assistant's `tool_calls` (OpenAI's
+    shape, arguments as JSON text) and a tool result's `tool_call_id` where a message has them:
+    the conversation a served agent's row holds. Parquet gives every message of a column every
+    field (None where a message has none) and lists as numpy arrays."""
+    if prompt is None or isinstance(prompt, str):
+        return normalize_messages(prompt)
+    out = []
+    for m in prompt:
+        message = {"role": m["role"], "content": m["content"]}
+        calls = m.get("tool_calls")
+        if calls is not None and len(calls):  # len, not truth: a numpy array has none
+            message["tool_calls"] = [{"id": c["id"], "type": c.get("type") or "function", "function": {
+                "name": c["function"]["name"], "arguments": c["function"]["arguments"]}} for c in calls]
+        if m.get("tool_call_id") is not None:
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
+    return out
+
+
+def row_tools(value: Any) -> list[dict[str, Any]] | None:
+    """A row's tools cell as a list of OpenAI tool dicts, or None when it has none: JSON text
+    (what verl's tool datasets and `rlmill feedback dataset` store) or a list already.
+
+    >>> row_tools('[{"type": "function", "function": {"name": "f"}}]')[0]["function"]["name"]
+    'f'
+    """
+    if value is None or (isinstance(value, float) and math.isnan(value)):  # pandas' missing cell
+        return None
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else None
+    if value is not None and not isinstance(value, (list, tuple)):
+        raise TypeError(f"a row's {TOOLS_KEY!r} is a JSON list of OpenAI tools, not {type(value).__name__}")
+    return list(value) if value else None
 
 
 class DatasetConfig(BaseModel):
@@ -89,14 +135,17 @@ def render_many(prompts: Iterable[Any], tokenizer) -> list[list[int]]:
     return [_ids(x) for x in out]
 
 
-def render_prompts(prompts: Iterable[Any], tokenizer, cfg: DatasetConfig) -> tuple[list[list[int]], list[int], int]:
-    """Render many prompts; returns (token ids of the kept prompts, their positions, n_filtered).
+def render_prompts(prompts: Iterable[Any], tokenizer, cfg: DatasetConfig,
+                   render: Callable[[list[Any]], list[list[int]]] | None = None) -> tuple[list[list[int]], list[int], int]:
+    """Render many prompts (with `render`, prompts -> token id lists; default render_many);
+    returns (token ids of the kept prompts, their positions, n_filtered).
 
     With cfg.overlong_prompts == "error" the first overlong prompt raises, naming its position
     and length; with "filter" it is left out and counted in n_filtered (never dropped silently).
     """
     kept_ids, kept_pos, n_filtered = [], [], 0
-    for i, ids in enumerate(render_many(prompts, tokenizer)):
+    ids_of = render(list(prompts)) if render is not None else render_many(prompts, tokenizer)
+    for i, ids in enumerate(ids_of):
         if len(ids) > cfg.max_prompt_length:
             if cfg.overlong_prompts == "error":
                 raise OverlongPromptError(

@@ -39,17 +39,22 @@ baseline (the current version). Its answer's `system_fingerprint` and event name
 its arm, which is how the rl-canary flow counts each arm's feedback.
 
 Chat takes OpenAI's `tools` and `tool_choice` ("auto" | "none"), and messages with `tool_calls`
-and `tool` results (tools.py): the prompt is rendered with them as the rollout's hermes format
-renders them, an answer's well-formed Hermes calls come back as `tool_calls` (finish_reason
+and `tool` results (tools.py): the prompt is rendered with them by hermes.render_chat (the
+rollout's hermes format; training renders the logged conversation with it), an answer's well-formed Hermes calls come back as `tool_calls` (finish_reason
 "tool_calls"; malformed ones stay text and are counted, rlmill_serve_malformed_tool_calls_total),
-and the answer event logs the conversation, the tools and the calls. `stream: true` with tools is
-refused (400): the calls are parsed from the whole answer.
+and the answer event logs the conversation, the tools and the calls. `parallel_tool_calls: false`
+returns the first of several calls only (the others dropped and counted,
+rlmill_serve_dropped_tool_calls_total). `stream: true` with tools sends the content as it comes
+and the calls, held back, as `delta.tool_calls` chunks when the answer ends (streaming.py); both
+paths shape the calls with one step (_shaper), so the streamed answer and its event are the
+non-streamed ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -69,7 +74,8 @@ from gpu_jobs.online.protocol import (ApiError, ChatRequest, CompletionRequest, 
                                       refused_param, sampling_of)
 from gpu_jobs.online.streaming import sse_answer
 from gpu_jobs.online.swap import Generation, HotSwap, route_key
-from gpu_jobs.online.tools import render_chat, shape_choices
+from gpu_jobs.online.tools import shape_choices, well_formed
+from gpu_jobs.rollout.hermes import render_chat
 
 __all__ = ["Server", "ServeSettings", "create_app"]
 
@@ -102,7 +108,8 @@ class Server:
         self.rates = RateLimiter(settings.limits)
         self.refused: dict[int, int] = {}  # status -> requests the Gate refused (keys, rates, body size)
         self.counts = {"answers": 0, "feedback": 0, "events_not_logged": 0, "refused_votes": 0, "timeouts": 0,
-                       "queue_full": 0, "recalled_answers": 0, "tool_calls": 0, "malformed_tool_calls": 0}
+                       "queue_full": 0, "recalled_answers": 0, "tool_calls": 0, "malformed_tool_calls": 0,
+                       "dropped_tool_calls": 0}
 
     def _batcher(self, engine: Any) -> Batcher:
         return Batcher(engine, max_batch=self.settings.max_batch, max_wait_s=self.settings.batch_wait_ms / 1000,
@@ -250,8 +257,9 @@ def create_app(server: Server) -> FastAPI:
 
 
 def _render(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> list[int]:
-    """The chat template's token ids, with the tools (tools.render_chat); a template that refuses
-    the messages (roles out of the order it wants, ...) is the caller's mistake: a 400."""
+    """The chat template's token ids, with the tools (hermes.render_chat: the renderer training
+    renders the logged conversation with); a template that refuses the messages (roles out of
+    the order it wants, ...) is the caller's mistake: a 400."""
     from jinja2 import TemplateError
 
     try:
@@ -318,22 +326,36 @@ async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: 
             prompt_ids=prompt_ids, choices=choices, sampling=settings, user=req.user, session_id=req.session_id,
             principal=principal, tools=tools))
 
+    shape = _shaper(server, req, tools) if tools and req.calls_wanted() else None
     if req.stream:
-        return _streamed(server, gen, kind, req, prompt_ids, answer_id, int(created), log_answer, lease)
+        return _streamed(server, gen, kind, req, prompt_ids, answer_id, int(created), log_answer, lease, shape)
     choices = make_choices(await _generate(server, gen, req, prompt_ids), s.tokenizer, req.stop)
-    if tools and req.calls_wanted():  # off the event loop: a tool's schema checks the arguments
-        server.counts["malformed_tool_calls"] += await asyncio.to_thread(shape_choices, choices, tools)
-        server.counts["tool_calls"] += sum(len(c.get("tool_calls") or ()) for c in choices)
+    if shape is not None:
+        await shape(choices)
     logged = await log_answer(choices)
     args = (answer_id, int(created), s.name, f"{s.name}@{s.version}", prompt_ids, choices)
     body = chat_response(*args) if kind == "chat" else completion_response(*args)
     return JSONResponse(body, headers={EVENT_HEADER: logged})
 
 
+def _shaper(server: Server, req: Any, tools: list[dict]) -> Any:
+    """The step that makes an answer's Hermes calls its tool_calls (tools.shape_choices, in
+    place) and counts them: one step, so a streamed answer ends as the non-streamed one."""
+
+    async def shape(choices: list[dict]) -> None:
+        # off the event loop: a tool's schema checks the arguments
+        bad, dropped = await asyncio.to_thread(shape_choices, choices, tools, req.parallel_calls())
+        server.counts["malformed_tool_calls"] += bad
+        server.counts["dropped_tool_calls"] += dropped
+        server.counts["tool_calls"] += sum(len(c.get("tool_calls") or ()) for c in choices)
+    return shape
+
+
 def _streamed(server: Server, gen: Generation, kind: str, req: Any, prompt_ids: list[int], answer_id: str,
-              created: int, log_answer: Any, lease: contextlib.ExitStack) -> StreamingResponse:
-    """Queue the request with a token callback and stream its answer (streaming.sse_answer). A
-    full queue is still a 429: it is refused before the response starts."""
+              created: int, log_answer: Any, lease: contextlib.ExitStack, shape: Any = None) -> StreamingResponse:
+    """Queue the request with a token callback and stream its answer (streaming.sse_answer);
+    with `shape` (tools) its calls are held back and sent as tool_calls. A full queue is still a
+    429: it is refused before the response starts."""
     loop = asyncio.get_running_loop()
     tokens: asyncio.Queue = asyncio.Queue()
     sent = _submit(server, gen, req, prompt_ids,
@@ -343,8 +365,10 @@ def _streamed(server: Server, gen: Generation, kind: str, req: Any, prompt_ids: 
     head = {"id": answer_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
             "created": created, "model": s.name, "system_fingerprint": f"{s.name}@{s.version}"}
     usage = bool(req.stream_options and req.stream_options.include_usage)
+    tools = req.tool_list() if shape is not None else None
+    judge = None if tools is None else functools.partial(well_formed, tools=tools)
     body = sse_answer(kind, head, prompt_ids, req.n, s.tokenizer, req.stop, tokens, sent,
-                      server.settings.limits.request_timeout_s, log_answer, usage, lease.pop_all())
+                      server.settings.limits.request_timeout_s, log_answer, usage, lease.pop_all(), shape, judge)
     # The event is logged at the end of the stream, after the headers: the header says so.
     return StreamingResponse(body, media_type="text/event-stream", headers={EVENT_HEADER: "at-end"})
 

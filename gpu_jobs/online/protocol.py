@@ -5,7 +5,8 @@ Supported sampling parameters: temperature, top_p, top_k (vLLM's extension), max
 sees: the engine has no stop strings), stream and stream_options.include_usage, user, and
 rlmill's session_id. OpenAI parameters the engine cannot honour are refused with a 400 naming
 them unless they hold their neutral value (presence_penalty 0, logprobs false, ...); names
-OpenAI does not have are refused too.
+OpenAI does not have are refused too. Chat also takes `tools`, `tool_choice` and
+`parallel_tool_calls` (tools.py), streamed or not.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # False: at most one tool call per answer (the first)
 
     @field_validator("tools")
     @classmethod
@@ -162,20 +164,20 @@ class ChatRequest(_Sampling):
         """Whether the answer's Hermes calls become tool_calls (tools given, tool_choice not "none")."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    def parallel_calls(self) -> bool:
+        """Whether an answer may return several tool calls (OpenAI's default; False: the first only)."""
+        return self.parallel_tool_calls is not False
+
     def max_new_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16
 
     def check_size(self, max_chars: int, max_messages: int) -> None:
         """ParamError when the messages are more than `max_messages` or longer than `max_chars`
         characters in all, tools and calls' arguments included (checked before the chat template
-        tokenises them); `stream` with tools is refused (their calls are parsed from the whole
-        answer)."""
+        tokenises them)."""
         if len(self.messages) > max_messages:
             raise ParamError("messages", f"{len(self.messages)} messages: this server takes at most {max_messages} "
                                          "(--max-messages)")
-        if self.stream and self.calls_wanted():
-            raise ParamError("stream", "stream: true with tools is not supported by this server: leave out stream "
-                                       "(tool calls are parsed from the whole answer) or set tool_choice 'none'")
         chars = sum(len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
                     for m in self.messages)
         chars += len(json.dumps(self.tool_list())) if self.tools else 0

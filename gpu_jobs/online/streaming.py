@@ -1,9 +1,14 @@
 """`stream: true` as the tokens are generated: the text each new token adds, held back only where a
-stop string or a half-decoded character could still change it.
+stop string or a half-decoded character could still change it, and (chat with tools) where a
+tool call could be starting.
 
     text = TokenText(n=2, tokenizer=tok, stops=["\\n"])
     text.add(0, token_id)      # -> "4": what choice 0's text gained and can be sent now ("" if nothing)
     text.rest(0, "46")         # -> "6": what is left to send once the final text is known
+
+    calls = ToolText(lambda block: tools.well_formed(block, tools_list))
+    calls.add("Sure <tool")    # -> "Sure": content that no call can change any more
+    final_deltas("chat", shaped_choice, calls.sent, tokenizer)   # the rest, the calls, the finish
 
 Why hold back: a stop string cuts the final text before it (protocol.make_choices), so the last
 len(longest stop) - 1 characters may still be cut and are not sent until the answer ends; a
@@ -11,6 +16,20 @@ choice whose text contains a stop string sends nothing more. A character whose b
 tokens decodes to U+FFFD until its last token arrives, so a trailing U+FFFD waits too. Each step
 decodes the choice's tokens so far (fast tokenizers: well under a millisecond for hundreds of
 tokens), so what is sent is always a prefix of the final text.
+
+With tools (vLLM's Hermes tool parser streams the same way) the content is sent while the text
+cannot be the start of a `<tool_call>`: only a suffix that is a prefix of `<tool_call>` (and the
+whitespace before it, which the content of an answer with calls leaves out) is held. From the
+first `<tool_call>` on, the text is held: once a block closes malformed (or more than MAX_CALLS
+close), the answer is text whatever follows, and everything held goes out as content at once and
+the rest as it comes; otherwise the calls go out when the answer ends, as `delta.tool_calls`
+chunks in OpenAI's shape (per call: index, id, type and function.name with empty arguments, then
+the arguments), the last chunk with finish_reason "tool_calls". They wait for the end, not for
+their block's close as in vLLM, because what follows can still turn a well-formed call into text
+in the non-streamed answer (a malformed later call, a cut at max_tokens): the answer streamed is
+the non-streamed one (tools.shape_choices on the final text decides both), and so is the answer
+logged. A Hermes model ends its turn right after its calls, so the wait is the later calls'
+tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +41,12 @@ import logging
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-__all__ = ["TokenText", "chunk", "delta", "sse_answer"]
+from gpu_jobs.online.tools import MAX_CALLS, content_of
+from gpu_jobs.rollout.hermes import TAG
+
+__all__ = ["TokenText", "ToolText", "chunk", "delta", "final_deltas", "sendable", "sse_answer"]
+
+END = "</tool_call>"
 
 log = logging.getLogger("rlmill.serve")
 
@@ -60,6 +84,81 @@ class TokenText:
         return final[len(shown):] if final.startswith(shown) else ""
 
 
+def sendable(text: str, judge: Callable[[str], bool]) -> str:
+    """The content that an answer's text so far (`text`) already fixes, whatever comes after it:
+    `judge(block)` says whether a closed `<tool_call>...</tool_call>` block is well formed.
+
+    >>> sendable("Sure <tool_c", lambda block: True)
+    'Sure'
+    >>> sendable("Sure <tool_call>bad</tool_call> more", lambda block: False)
+    'Sure <tool_call>bad</tool_call> more'
+    """
+    start = text.find(TAG)
+    if start < 0:
+        held = next((k for k in range(min(len(TAG) - 1, len(text)), 0, -1) if text.endswith(TAG[:k])), 0)
+        # trailing whitespace waits too: before a call, content_of leaves it out
+        return text[:len(text) - held].rstrip()
+    at, closed = start, 0
+    while (end := text.find(END, at)) >= 0:
+        closed += 1
+        if closed > MAX_CALLS or not judge(text[at:end + len(END)]):
+            return text  # the answer will be its text (tools.shape_choice): all of it is content
+        if (at := text.find(TAG, end + len(END))) < 0:
+            break
+    return text[:start].rstrip()
+
+
+class ToolText:
+    """The content streamed of one chat choice with tools (see the module docstring): `add`
+    takes the text a token added (TokenText.add) and returns the content to send now; `sent` is
+    all the content sent so far. Each closed block is judged once."""
+
+    def __init__(self, judge: Callable[[str], bool]):
+        self.check, self.judged = judge, {}
+        self.text = self.sent = ""
+
+    def judge(self, block: str) -> bool:
+        """judge(block), asked once per block: the text is judged again after every token."""
+        if block not in self.judged:
+            self.judged[block] = self.check(block)
+        return self.judged[block]
+
+    def add(self, piece: str) -> str:
+        """Take the text a token added; the content it lets us send now ("" if none)."""
+        self.text += piece
+        now = sendable(self.text, self.judge)
+        if len(now) <= len(self.sent) or not now.startswith(self.sent):
+            return ""
+        out, self.sent = now[len(self.sent):], now
+        return out
+
+
+def final_deltas(kind: str, choice: dict, sent: str | None, tokenizer: Any) -> list[dict]:
+    """The deltas that end one choice once its final form (tools.shape_choices applied) is
+    known: the rest of its content (its whole text cut at token boundaries when nothing was sent
+    yet), its tool calls in OpenAI's chunk shape, and its finish reason. `sent`: the content the
+    client has (None or "": nothing)."""
+    from gpu_jobs.online.protocol import _pieces
+
+    i, calls = choice["index"], choice.get("tool_calls")
+    final = (content_of(choice["text"]) or "") if calls else choice["text"]
+    if sent:
+        pieces = [final[len(sent):]] if final.startswith(sent) else []
+    else:
+        pieces = [final] if calls else _pieces(choice, tokenizer)
+    out = [delta(kind, i, p) for p in pieces if p]
+    for k, c in enumerate(calls or ()):
+        f = c["function"]
+        out.append(_calls_delta(i, {"index": k, "id": c["id"], "type": "function",
+                                    "function": {"name": f["name"], "arguments": ""}}))
+        out.append(_calls_delta(i, {"index": k, "function": {"arguments": f["arguments"]}}))
+    return out + [delta(kind, i, finish_reason=choice["finish_reason"])]
+
+
+def _calls_delta(index: int, call: dict) -> dict:
+    return {"index": index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
+
+
 def chunk(head: dict, part: list[dict], **extra) -> str:
     """One server-sent event in OpenAI's chunk format."""
     return f"data: {json.dumps({**head, 'choices': part, **extra})}\n\n"
@@ -76,17 +175,21 @@ def delta(kind: str, index: int, piece: str | None = None, finish_reason: str | 
 
 async def sse_answer(kind: str, head: dict, prompt_ids: list[int], n: int, tokenizer: Any, stops: list[str] | None,
                      tokens: asyncio.Queue, sent: Future, timeout_s: float | None,
-                     finish: Callable[[list[dict]], Awaitable[None]], include_usage: bool,
-                     held: contextlib.ExitStack) -> AsyncIterator[str]:
+                     finish: Callable[[list[dict]], Awaitable[Any]], include_usage: bool,
+                     held: contextlib.ExitStack, shape: Callable[[list[dict]], Awaitable[Any]] | None = None,
+                     judge: Callable[[str], bool] | None = None) -> AsyncIterator[str]:
     """The events of one streamed answer: each choice's text as its tokens arrive on `tokens`
     ((choice, token) pairs, then None once `sent` resolved), then what the final choices
-    (protocol.make_choices) add, finish reasons, usage, and `[DONE]`. `finish(choices)` logs the
-    answer once, before `[DONE]`; `held` (the request's lease on its version) is released when the
-    stream ends, however it ends."""
-    from gpu_jobs.online.protocol import _pieces, _usage, make_choices
+    (protocol.make_choices) add, finish reasons, usage, and `[DONE]`. With tools, `judge` (is a
+    closed `<tool_call>` block well formed) holds the calls back (ToolText) and `shape(choices)`
+    makes the final choices' tool_calls as the non-streamed answer does. `finish(choices)` logs
+    the answer once, before `[DONE]`; `held` (the request's lease on its version) is released
+    when the stream ends, however it ends."""
+    from gpu_jobs.online.protocol import _usage, make_choices
 
     with held:
         text = TokenText(n, tokenizer, stops)
+        calls = [ToolText(judge) for _ in range(n)] if judge is not None else None
         if kind == "chat":
             yield chunk(head, [delta(kind, i, role=True) for i in range(n)])
         loop = asyncio.get_running_loop()
@@ -100,20 +203,23 @@ async def sse_answer(kind: str, head: dict, prompt_ids: list[int], n: int, token
                 return
             if item is None:
                 break
-            if piece := text.add(*item):
+            piece = text.add(*item)
+            if piece and calls is not None:
+                piece = calls[item[0]].add(piece)
+            if piece:
                 yield chunk(head, [delta(kind, item[0], piece)])
         try:
             choices = make_choices(sent.result(), tokenizer, stops)
+            if shape is not None:
+                await shape(choices)
         except Exception as exc:  # noqa: BLE001 -- the status line is gone: the error goes in the stream
             log.exception("a streamed generation failed")
             yield _error(500, f"generation failed: {type(exc).__name__}", "server_error")
             return
         for c in choices:
-            i = c["index"]
-            pieces = _pieces(c, tokenizer) if not text.shown[i] else [p for p in (text.rest(i, c["text"]),) if p]
-            for piece in pieces:
-                yield chunk(head, [delta(kind, i, piece)])
-            yield chunk(head, [delta(kind, i, finish_reason=c["finish_reason"])])
+            shown = calls[c["index"]].sent if calls is not None else text.shown[c["index"]]
+            for part in final_deltas(kind, c, shown, tokenizer):
+                yield chunk(head, [part])
         if include_usage:
             yield chunk(head, [], usage=_usage(prompt_ids, choices))
         await finish(choices)

@@ -1,22 +1,20 @@
-"""OpenAI tools on the served chat API: the request's `tools`, `tool_choice` and tool-call
-messages (bounded), the prompt rendered with them, and the Hermes calls in the model's answer
-returned as OpenAI's `tool_calls`.
+"""OpenAI tools on the served chat API: the request's `tools`, `tool_choice`,
+`parallel_tool_calls` and tool-call messages (bounded), and the Hermes calls in the model's
+answer returned as OpenAI's `tool_calls`.
 
     tools = [{"type": "function", "function": {"name": "calculator", "description": "Exact arithmetic",
               "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
-    ids = render_chat(messages, tokenizer, tools)            # the prompt's token ids
-    shape_choice("<tool_call>\\n{\\"name\\": \\"calculator\\", \\"arguments\\": {\\"expression\\": \\"2*3\\"}}\\n"
-                 "</tool_call>", "stop", tools)              # -> ([{"id": "call_...", ...}], 0)
+    ids = hermes.render_chat(messages, tokenizer, tools)      # the prompt's token ids
+    shape_choice(hermes.call_text("calculator", {"expression": "2*3"}), "stop", tools)
+    # -> ([{"id": "call_...", "type": "function", "function": {...}}], 0 malformed, 0 dropped)
 
-Rendering is the rollout's (gpu_jobs.rollout.hermes / turn_formats), so serving and training
-show a model the same text: a chat template with a tool section of its own gets `tools=` and the
-messages as OpenAI sends them (arguments as objects); any other template gets the Hermes
-`# Tools` section in the system turn (as Qwen2.5's template writes it), an assistant's calls as
-`<tool_call>` blocks in its content, and consecutive `tool` results as one user turn of
-`<tool_response>` blocks. An answer's calls are the Hermes blocks of its text: all well formed
-(a known tool, arguments valid against its JSON schema) -> `tool_calls`, finish_reason
-"tool_calls", content the text outside them (or None); any malformed -> the text as content, the
-engine's finish_reason, and the malformed calls counted.
+The prompt is rendered by gpu_jobs.rollout.hermes.render_chat, the renderer training renders a
+dataset row with, so serving and training show a model the same tokens. An answer's calls are the Hermes blocks of its text: all well formed
+(a known tool, arguments valid against its JSON schema) and the engine stopped on its own ->
+`tool_calls`, finish_reason "tool_calls", content the text outside them (or None); any malformed
+-> the text as content, the engine's finish_reason, and the malformed calls counted. With
+`parallel_tool_calls: false` only the first of several well-formed calls is returned; the others
+are dropped (counted; the text logged for training keeps them, as the model wrote them).
 
 The same bounds (tool count, names, schema size and depth, calls per message, id and arguments
 length) check a request (a 400 naming the field) and an answer event on the stream (quarantine).
@@ -32,10 +30,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gpu_jobs.rollout.hermes import Call, parse_calls, tool_response, tools_section
+from gpu_jobs.rollout.hermes import Call, parse_calls
 
 __all__ = ["MAX_CALLS", "MAX_TOOLS", "TOOL_CHOICES", "ToolCall", "ToolSpec", "calls_problem", "content_of",
-           "message_problem", "render_chat", "schema_problem", "shape_choice", "tools_problem"]
+           "message_problem", "schema_problem", "shape_choice", "shape_choices", "tools_problem", "well_formed"]
 
 NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function name
 _NAME = re.compile(NAME)
@@ -194,110 +192,49 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-# ------------------------------------------------------------------ rendering
-def render_chat(messages: list[dict], tokenizer: Any, tools: list[dict] | None) -> list[int]:
-    """The prompt's token ids: `messages` (logged shape: role, content, tool_calls, tool_call_id)
-    and `tools` through the chat template, the way the rollout's hermes format renders them."""
-    from gpu_jobs.data import render_prompt
-
-    tooled = bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-    if not tooled:
-        return render_prompt(messages, tokenizer)
-    if tools and _native(tokenizer, tools):
-        from gpu_jobs.rollout.turn_formats import render_text
-
-        text = render_text(tokenizer, [_native_message(m) for m in messages], True, tools)
-        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-    return render_prompt(hermes_messages(messages, tools), tokenizer)
-
-
-def _native(tokenizer: Any, tools: list[dict]) -> bool:
-    """Whether the chat template has a tool section of its own (its text changes with tools=)."""
-    from gpu_jobs.rollout.turn_formats import render_text
-
-    probe = [{"role": "user", "content": "\x1fPROBE\x1f"}]
-    return render_text(tokenizer, probe, True, tools) != render_text(tokenizer, probe, True)
-
-
-def _arguments(text: str) -> Any:
-    return json.loads(text)  # checked as JSON when the request was parsed
-
-
-def _native_message(m: dict) -> dict:
-    """A message for a template with a tool section: calls' arguments as objects (HF's convention)."""
-    out = {"role": m["role"], "content": m.get("content") or ""}
-    if m.get("tool_calls"):
-        out["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
-            "name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
-            for c in m["tool_calls"]]
-    if m.get("tool_call_id"):
-        out["tool_call_id"] = m["tool_call_id"]
-    return out
-
-
-def call_text(name: str, arguments: Any) -> str:
-    """One call as Qwen2.5's template writes it (and a Hermes model samples it)."""
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments, ensure_ascii=False)}}}\n</tool_call>'
-
-
-def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
-    """Plain {role, content} messages for a template without a tool section: the `# Tools`
-    section in the system turn (one is added when there is none), calls as `<tool_call>` blocks
-    after the assistant's text, consecutive tool results as one user turn (hermes.tool_response)."""
-    out: list[dict] = []
-    results: list[str] = []
-    for m in messages:
-        if m["role"] == "tool":
-            results.append(m.get("content") or "")
-            continue
-        if results:
-            out.append({"role": "user", "content": tool_response(results)})
-            results = []
-        content = m.get("content") or ""
-        if m.get("tool_calls"):
-            calls = "\n".join(call_text(c["function"]["name"], _arguments(c["function"]["arguments"]))
-                              for c in m["tool_calls"])
-            content = f"{content}\n{calls}" if content else calls
-        out.append({"role": m["role"], "content": content})
-    if results:
-        out.append({"role": "user", "content": tool_response(results)})
-    if tools:
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": tools_section(tools, out[0]["content"] or None)}
-        else:
-            out.insert(0, {"role": "system", "content": tools_section(tools)})
-    return out
-
-
 # ------------------------------------------------------------------ answers
-def shape_choice(text: str, finish_reason: str | None, tools: list[dict]) -> tuple[list[dict] | None, int]:
-    """(tool_calls in OpenAI's shape or None, malformed calls) of one answer's text: calls only
-    when the engine stopped on its own and every `<tool_call>` block is well formed."""
+def shape_choice(text: str, finish_reason: str | None, tools: list[dict],
+                 parallel: bool = True) -> tuple[list[dict] | None, int, int]:
+    """(tool_calls in OpenAI's shape or None, malformed calls, calls dropped) of one answer's
+    text: calls only when the engine stopped on its own and every `<tool_call>` block is well
+    formed; with `parallel` False (OpenAI's parallel_tool_calls: at most one call per answer) the
+    first call only, the others dropped and counted."""
     try:
         found = parse_calls(text, {t["function"]["name"]: t for t in tools})
     except Exception:  # noqa: BLE001 -- a schema jsonschema cannot apply ($ref to nowhere): malformed
-        return None, max(1, text.count("<tool_call>"))
+        return None, max(1, text.count("<tool_call>")), 0
     bad = sum(not isinstance(c, Call) for c in found)
     if not found or bad or finish_reason != "stop" or len(found) > MAX_CALLS:
-        return None, bad
+        return None, bad, 0
+    kept = found if parallel else found[:1]
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-            for c in found], 0
+            for c in kept], 0, len(found) - len(kept)
+
+
+def well_formed(block: str, tools: list[dict]) -> bool:
+    """Whether one closed `<tool_call>` block would count as well formed in shape_choice (a
+    stream uses it to know, as soon as a block closes, that the answer will be text)."""
+    try:
+        return all(isinstance(c, Call) for c in parse_calls(block, {t["function"]["name"]: t for t in tools}))
+    except Exception:  # noqa: BLE001 -- as in shape_choice: a schema jsonschema cannot apply
+        return False
 
 
 def content_of(text: str) -> str | None:
-    """An answer's content beside its calls: the text outside the `<tool_call>` blocks, or None."""
-    rest = _BLOCK.sub("", text).strip()
-    return rest or None
+    """An answer's content beside its calls: the text outside the `<tool_call>` blocks, without
+    the whitespace at its end (the line breaks before the calls), or None. Its start is kept: a
+    stream sends the text before the first call as it comes (streaming.ToolText)."""
+    return _BLOCK.sub("", text).rstrip() or None
 
 
-def shape_choices(choices: list[dict], tools: list[dict]) -> int:
+def shape_choices(choices: list[dict], tools: list[dict], parallel: bool = True) -> tuple[int, int]:
     """Add `tool_calls` (and finish_reason "tool_calls") to the choices whose text holds well
-    formed calls (in place); returns the malformed calls counted."""
-    malformed = 0
+    formed calls (in place); returns (malformed calls, calls dropped by parallel False)."""
+    malformed = dropped = 0
     for c in choices:
-        calls, bad = shape_choice(c["text"], c["finish_reason"], tools)
-        malformed += bad
+        calls, bad, extra = shape_choice(c["text"], c["finish_reason"], tools, parallel)
+        malformed, dropped = malformed + bad, dropped + extra
         if calls:
             c["tool_calls"], c["finish_reason"] = calls, "tool_calls"
-    return malformed
+    return malformed, dropped

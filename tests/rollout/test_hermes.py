@@ -23,7 +23,7 @@ from gpu_jobs.models import build_tokenizer
 from gpu_jobs.models.loading import smollm2_available
 from gpu_jobs.rollout import SamplingConfig
 from gpu_jobs.rollout.agent_loop import AgentLoopEngine, MultiTurnConfig, generate_with_rows
-from gpu_jobs.rollout.hermes import Call, CallError, check_arguments, openai_tool, parse_calls, tools_section
+from gpu_jobs.rollout.hermes import Call, CallError, call_text, check_arguments, openai_tool, parse_calls, tools_section
 from gpu_jobs.rollout.tools import BUILTIN_SCHEMAS, ToolSet, load_tool_config
 from gpu_jobs.rollout.turn_formats import TURN_FORMATS, render_text
 
@@ -32,7 +32,7 @@ TOOLS = {"calculator": CALC}
 
 
 def call(name: str, **arguments) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return call_text(name, arguments)
 
 
 # -------------------------------------------------------------------------------- parsing

@@ -13,8 +13,9 @@ A command validates its config once (load_run_config) and decides the run id onc
 validated config (decide_run_id); what runs next receives both, typed.
 
     cfg, fresh = decide_run_id(load_run_config(path, overrides), path, overrides)
+    check_startable(cfg)                               # the CLI (flows.user_errors), before Prefect starts
     with prepared_run(cfg, fresh, path, overrides):    # the CLI: the rl-training flow takes these
-        rl_training(config=path, overrides=overrides)  # flows.training: flow_run_config() -> cfg, fresh
+        rl_training(config=path, overrides=overrides)  # flows.training: flow_run_config() -> cfg, fresh, True
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def run_exists(cfg: RunConfig, run_id: str) -> bool:
 
 @dataclass(frozen=True)
 class PreparedRun:
-    """A run config validated and a run id decided by the caller of rl_training (the CLI), for the
-    call with exactly these ``config``/``overrides`` parameters."""
+    """A run config validated, a run id decided and the run checked startable
+    (flows.user_errors.check_startable) by the caller of rl_training (the CLI), for the call with
+    exactly these ``config``/``overrides`` parameters."""
 
     cfg: RunConfig
     fresh: str | None  # the id decided fresh (None: the config or overrides named the run)
@@ -98,7 +100,8 @@ _PREPARED: ContextVar[PreparedRun | None] = ContextVar("rlmill_prepared_run", de
 @contextmanager
 def prepared_run(cfg: RunConfig, fresh: str | None, config: str | None, overrides: list[str]):
     """Within it, ``rl_training(config=config, overrides=overrides)`` trains ``cfg`` as given
-    instead of validating the parameters and deciding the run id again.
+    instead of validating the parameters, deciding the run id and checking that the run can start
+    again: the caller has done all three (the CLI, before Prefect starts).
 
         with prepared_run(cfg, fresh, path, overrides):
             rl_training(config=path, overrides=overrides)
@@ -111,18 +114,19 @@ def prepared_run(cfg: RunConfig, fresh: str | None, config: str | None, override
 
 
 def flow_run_config(config: str | None, overrides: list[str] | None, iterations: int | None,
-                    run_id: str | None) -> tuple[RunConfig, str | None]:
-    """The rl-training flow's config and (fresh or None) run id from its parameters (``iterations``
-    and ``run_id``: shortcuts for trainer.total_iterations and run_id): the caller's prepared_run
-    for this very call, else the parameters validated here, once, and the run id decided once
-    (a deployment run, or a call from Python)."""
+                    run_id: str | None) -> tuple[RunConfig, str | None, bool]:
+    """The rl-training flow's config, (fresh or None) run id, and whether its caller prepared it
+    (and so checked it startable), from its parameters (``iterations`` and ``run_id``: shortcuts
+    for trainer.total_iterations and run_id): the caller's prepared_run for this very call, else
+    the parameters validated here, once, and the run id decided once (a deployment run, or a
+    call from Python), unchecked."""
     extra = list(overrides or [])
     extra += [f"trainer.total_iterations={iterations}"] if iterations else []
     extra += [f"run_id={run_id}"] if run_id else []
     prepared = _PREPARED.get()
     if prepared is not None and (prepared.config, prepared.overrides) == (config, extra):
-        return prepared.cfg, prepared.fresh
-    return decide_run_id(load_run_config(config, extra), config, extra)
+        return prepared.cfg, prepared.fresh, True
+    return (*decide_run_id(load_run_config(config, extra), config, extra), False)
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:

@@ -215,9 +215,10 @@ def rl_training(config: str | None = None, overrides: list[str] | None = None,
     one_traceback_per_error()
     cfg = None
     try:
-        cfg, fresh = flow_run_config(config, overrides, iterations, run_id)  # once (prepared_run: the CLI's)
+        cfg, fresh, checked = flow_run_config(config, overrides, iterations, run_id)  # once (prepared_run: the CLI's)
         logger.info("run %s (%s)", cfg.run_id, run_start_words(cfg, fresh))
-        check_startable(cfg)
+        if not checked:  # the CLI checked it before Prefect started (a data gate reads every file)
+            check_startable(cfg)
         with RunLock(cfg.root, cfg.run_id), tags("rlmill", f"run:{cfg.run_id}"), \
                 stop_signals(cfg.tasks.stop_grace_seconds):
             own_line = stopping.set_default_line(lambda signum: _deployment_stop_line(cfg, signum))

@@ -67,15 +67,19 @@ def _row_count(text: str) -> int:
 def _data_sizes(name: str, train: int | None, test: int | None) -> tuple[int, int]:
     """--train-size / --test-size, with the dataset's defaults for the ones not given: arith has
     only 8100 distinct prompts, so its defaults share them out (7100 train + 1000 test); times
-    has 121, so 40 are held out and the train split repeats the rest (1000 rows)."""
+    has 121, so 40 are held out and the train split repeats the rest (1000 rows); times25 has
+    576, so 200 are held out."""
     from flows.config import ARITH_PROBLEMS
-    from gpu_jobs.data.generators import TIMES_MAX_HELD_OUT
+    from gpu_jobs.data.generators import TIMES_TABLES
 
-    if name == "times":  # 121 prompts: whole facts held out, the train split repeats the rest in order
-        if test is not None and test > TIMES_MAX_HELD_OUT:
-            raise UserError(f"times has 121 prompts in all and holds out at most {TIMES_MAX_HELD_OUT} (whole facts, "
-                            f"both orders): --test-size {test} asks for more; leave it out for 40")
-        return (1000 if train is None else train), (40 if test is None else test)
+    if name in TIMES_TABLES:  # few prompts: whole facts held out, the train split repeats the rest in order
+        family = TIMES_TABLES[name]
+        default_test = family.default_held_out
+        if test is not None and test > family.max_held_out:
+            raise UserError(f"{name} has {family.prompts} prompts in all and holds out at most {family.max_held_out} "
+                            f"(whole facts, both orders): --test-size {test} asks for more; leave it out for "
+                            f"{default_test}")
+        return (1000 if train is None else train), (default_test if test is None else test)
     if name != "arith":
         return (DEFAULT_TRAIN_SIZE if train is None else train), (DEFAULT_TEST_SIZE if test is None else test)
     total = ARITH_PROBLEMS

@@ -5,7 +5,7 @@
 
 Generators are registered by name (`dataset_names()` lists them): "arith" (the built-in 2-digit
 addition task), "times" (times tables up to 12 x 12 in words, the real-model task SmolLM2-135M
-learns on CPU), "gsm_symbolic" (reasoning-gym's GSM8K-style word problems), "arith_tools"
+learns on CPU), "times25" (the same up to 25 x 25: 200+ held-out prompts), "gsm_symbolic" (reasoning-gym's GSM8K-style word problems), "arith_tools"
 (gpu_jobs/data/tool_tasks.py), "calc3" (3-digit products for the calculator environment,
 gpu_jobs/data/calc_tasks.py) and "rg:<task>" for any other reasoning-gym task. A reasoning-gym row keeps the generated entry as a JSON string in
 `extra_info["rg_entry"]`, which is what the reward needs to call that task's `score_answer`.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -27,10 +28,12 @@ from storage.datasets import write_prompts
 
 ARITH_SOURCE = "rlmill/arith"
 TIMES_SOURCE = "rlmill/times"
+TIMES25_SOURCE = "rlmill/times25"
 RG_SOURCE_PREFIX = "reasoning_gym/"
 
 __all__ = ["ARITH_SOURCE", "RG_SOURCE_PREFIX", "GENERATORS", "register_generator", "get_generator", "make_dataset",
-           "dataset_names", "arith_pairs", "arith_row", "TIMES_SOURCE", "TIMES_MAX_HELD_OUT", "times_facts",
+           "dataset_names", "arith_pairs", "arith_row", "TIMES_SOURCE", "TIMES25_SOURCE", "TIMES_MAX_HELD_OUT", "TIMES_TABLES", "TimesTables",
+           "times_facts",
            "held_out_size"]
 
 
@@ -126,14 +129,69 @@ def _arith_splits(train_size: int, test_size: int, seed: int):
 # a third of them greedily and two thirds within 4 samples at temperature 0.8 (it often explains
 # instead of answering), which is the headroom GRPO needs. A fact and its mirror (7 x 8, 8 x 7)
 # always land in the same split, so a held-out fact was never trained on in either order.
-TIMES_RANGE = range(2, 13)
 TIMES_PROMPT = "What is {a} times {b}? Answer with only the number."
 
 
+@dataclass(frozen=True)
+class TimesTables:
+    """A times-table family: every product of two factors in `factors`, asked in TIMES_PROMPT's
+    words, held out by whole facts (both orders), at most `max_held_out` prompts so that at least
+    half the facts stay for training."""
+
+    name: str
+    source: str  # data_source: scored on the response's last number (gpu_jobs.reward.registry)
+    factors: range
+    max_held_out: int
+    default_held_out: int  # `rlmill data make`'s --test-size when not given
+
+    @property
+    def prompts(self) -> int:
+        return len(self.factors) ** 2
+
+    def facts(self, seed: int) -> list[tuple[int, int]]:
+        """The unordered facts a <= b, in a seeded random order."""
+        facts = [(a, b) for a in self.factors for b in self.factors if a <= b]
+        return [facts[int(k)] for k in np.random.default_rng(seed).permutation(len(facts))]
+
+    def row(self, a: int, b: int, split: str, index: int) -> dict[str, Any]:
+        return product_row(self.source, TIMES_PROMPT, a, b, split, index)
+
+    def splits(self, train_size: int, test_size: int, seed: int) -> tuple[list[dict], list[dict]]:
+        """Test takes whole facts from the front of the seeded order until it has `test_size`
+        prompts (one more when the last fact has a mirror); train is the rest, repeated in order
+        when `train_size` asks for more than there are."""
+        facts, test_pairs = self.facts(seed), []
+        while facts and len(test_pairs) < test_size:
+            test_pairs += _both_orders([facts.pop(0)])
+        train_pairs = _both_orders(facts)
+        if test_size and len(test_pairs) < test_size or train_size and not train_pairs:
+            raise ValueError(f"{self.name} has {self.prompts} prompts in all; "
+                             f"asked for {test_size} held out and {train_size} to train on")
+        train_pairs = [train_pairs[i % len(train_pairs)] for i in range(train_size)]
+        return ([self.row(a, b, "train", i) for i, (a, b) in enumerate(train_pairs)],
+                [self.row(a, b, "test", i) for i, (a, b) in enumerate(test_pairs)])
+
+    def generate(self, split: str, size: int, seed: int) -> list[dict[str, Any]]:
+        # Standalone use: one split's prompts (make_dataset keeps the splits' facts apart).
+        train, test = self.splits(size if split != "test" else 0, size if split == "test" else 0, seed)
+        return test if split == "test" else train
+
+
+# times: the 12 x 12 tables (121 prompts, 40 held out by default). times25: 2..25 (576 prompts),
+# wide enough to hold out 200+ prompts of never-trained facts, on which SmolLM2-135M-Instruct
+# starts at 27 % greedy (82 of 300 random prompts; 40 % on the 12 x 12 ones, 28 % on those with a
+# factor of 13..20): a held-out set where one prompt is half a point, not 2.5.
+TIMES_TABLES: dict[str, TimesTables] = {
+    "times": TimesTables("times", TIMES_SOURCE, range(2, 13), max_held_out=60, default_held_out=40),
+    "times25": TimesTables("times25", TIMES25_SOURCE, range(2, 26), max_held_out=288, default_held_out=200),
+}
+TIMES_MAX_HELD_OUT = TIMES_TABLES["times"].max_held_out
+TIMES_RANGE = TIMES_TABLES["times"].factors
+
+
 def times_facts(seed: int) -> list[tuple[int, int]]:
-    """The 66 unordered facts a <= b of TIMES_RANGE, in a seeded random order."""
-    facts = [(a, b) for a in TIMES_RANGE for b in TIMES_RANGE if a <= b]
-    return [facts[int(k)] for k in np.random.default_rng(seed).permutation(len(facts))]
+    """The 66 unordered facts a <= b of the 12 x 12 tables, in a seeded random order."""
+    return TIMES_TABLES["times"].facts(seed)
 
 
 def product_row(source: str, prompt: str, a: int, b: int, split: str, index: int) -> dict[str, Any]:
@@ -149,51 +207,29 @@ def product_row(source: str, prompt: str, a: int, b: int, split: str, index: int
 
 
 def times_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
-    """One times-table row."""
-    return product_row(TIMES_SOURCE, TIMES_PROMPT, a, b, split, index)
+    """One times-table row (12 x 12)."""
+    return TIMES_TABLES["times"].row(a, b, split, index)
 
 
-def _times_prompts(facts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _both_orders(facts: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [pair for a, b in facts for pair in ([(a, b)] if a == b else [(a, b), (b, a)])]
 
 
-def _times_splits(train_size: int, test_size: int, seed: int):
-    """Test takes whole facts from the front of the seeded order until it has `test_size`
-    prompts (one more when the last fact has a mirror); train is the rest, repeated in order
-    when `train_size` asks for more than the 121 - test prompts there are."""
-    facts, test_pairs = times_facts(seed), []
-    while facts and len(test_pairs) < test_size:
-        test_pairs += _times_prompts([facts.pop(0)])
-    train_pairs = _times_prompts(facts)
-    if test_size and len(test_pairs) < test_size or train_size and not train_pairs:
-        raise ValueError(f"times has {len(_times_prompts(times_facts(seed)))} prompts in all; "
-                         f"asked for {test_size} held out and {train_size} to train on")
-    train_pairs = [train_pairs[i % len(train_pairs)] for i in range(train_size)]
-    return ([times_row(a, b, "train", i) for i, (a, b) in enumerate(train_pairs)],
-            [times_row(a, b, "test", i) for i, (a, b) in enumerate(test_pairs)])
-
-
-@register_generator("times")
-def _times(split: str, size: int, seed: int) -> list[dict[str, Any]]:
-    # Standalone use: one split's prompts (make_dataset keeps the splits' facts apart).
-    train, test = _times_splits(size if split != "test" else 0, size if split == "test" else 0, seed)
-    return test if split == "test" else train
-
-
-TIMES_MAX_HELD_OUT = 60  # of its 121 prompts: the rest (and at least half the facts) are for training
+for _family in TIMES_TABLES.values():
+    register_generator(_family.name)(_family.generate)
 
 
 def held_out_size(name: str, val_size: int) -> int:
     """Rows a run generates for `name`'s held-out split. At least 300, so that a later run with a
-    larger data.val_size, or the nightly evaluation, reads the same first rows; times has only
-    121 prompts in all, so it holds out exactly `val_size` (at most TIMES_MAX_HELD_OUT)."""
-    return val_size if name == "times" else max(val_size, 300)
+    larger data.val_size, or the nightly evaluation, reads the same first rows; a times-table
+    family has few prompts, so it holds out exactly `val_size` (at most its max_held_out)."""
+    return val_size if name in TIMES_TABLES else max(val_size, 300)
 
 
 # Generators whose train and test splits must be drawn together, so no test problem is trained on.
 _SPLIT_GENERATORS: dict[str, Callable[[int, int, int], tuple[list, list]]] = {
     "arith": lambda train_size, test_size, seed: _arith_splits(train_size, test_size, seed),
-    "times": _times_splits,
+    **{name: family.splits for name, family in TIMES_TABLES.items()},
 }
 
 

@@ -93,7 +93,7 @@ def _arith(data_source, solution_str, ground_truth, extra_info=None, **_):
     return arith_score(solution_str, ground_truth)
 
 
-@register_reward_fn("rlmill/times")
+@register_reward_fn("rlmill/times", "rlmill/times25")
 def _times(data_source, solution_str, ground_truth, extra_info=None, **_):
     return last_number_score(solution_str, ground_truth)
 

@@ -22,7 +22,7 @@ from storage.config import StorageConfig
 from storage.fs import redact_url
 from storage.layout import check_name, check_root
 from gpu_jobs.data.gates import GateConfig
-from gpu_jobs.data.generators import TIMES_MAX_HELD_OUT
+from gpu_jobs.data.generators import TIMES_TABLES
 from gpu_jobs.stages.sections import (ARITH_PROBLEMS, AgreementConfig, AsyncConfig, DataConfig, LoopConfig, ModelConfig,
                                       PreferenceSection, RolloutStageConfig, TaskConfig, _Section)
 
@@ -135,9 +135,11 @@ class RunConfig(_Section):
                 and self.data.train_size + max(self.data.val_size, 300) > ARITH_PROBLEMS:
             raise ValueError(f"data.train_size + held-out rows exceed the {ARITH_PROBLEMS} distinct arith "
                              "problems (a+b, a and b in 10..99): lower data.train_size")
-        if self.data.generate == "times" and not self.data.val_files and self.data.val_size > TIMES_MAX_HELD_OUT:
-            raise ValueError(f"data.val_size={self.data.val_size}: times has 121 prompts in all and holds out at most "
-                             f"{TIMES_MAX_HELD_OUT} (whole facts, both orders); lower data.val_size")
+        family = TIMES_TABLES.get(self.data.generate or "")
+        if family and not self.data.val_files and self.data.val_size > family.max_held_out:
+            raise ValueError(f"data.val_size={self.data.val_size}: {family.name} has {family.prompts} prompts in all "
+                             f"and holds out at most {family.max_held_out} (whole facts, both orders); lower "
+                             "data.val_size")
         if self.overlong_buffer.enable and not 0 < self.overlong_buffer.len <= self.rollout.max_response_length:
             raise ValueError("overlong_buffer.len must be in (0, rollout.max_response_length]")
         if self.trainer.placement == "remote":

@@ -204,8 +204,29 @@ def test_times_holds_out_whole_facts_and_both_orders(tmp_path):
         make_dataset("times", str(tmp_path / "u"), train_size=10, test_size=200, seed=3)
 
 
-def test_a_times_run_config_refuses_a_held_out_set_it_cannot_hold():
+def test_times25_holds_out_200_never_trained_facts_and_scores_their_products(tmp_path):
+    """The wide family: 200+ held-out prompts (one is half a point), whole facts in both orders,
+    disjoint from training, every fact of 2..25 in one split, scored on the last number."""
+    from gpu_jobs.reward.registry import default_compute_score as compute_score
+
+    train_url, test_url = make_dataset("times25", str(tmp_path / "t"), train_size=1000, test_size=200, seed=0)
+    train, test = read_prompts(train_url), read_prompts(test_url)
+    facts = lambda df: {frozenset((e["a"], e["b"])) for e in df["extra_info"]}  # noqa: E731
+    assert len(test) in (200, 201) and len(train) == 1000 and not facts(test) & facts(train)
+    assert len(facts(test)) + len(facts(train)) == 300  # every fact a <= b of 2..25
+    assert {e["a"] for e in test["extra_info"]} | {e["a"] for e in train["extra_info"]} == set(range(2, 26))
+    row = test.iloc[0]
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    assert row["data_source"] == "rlmill/times25" and row["reward_model"]["ground_truth"] == str(a * b)
+    assert compute_score("rlmill/times25", f"It is {a * b}.", str(a * b)) == 1.0
+    assert compute_score("rlmill/times25", f"It is {a * b + 1}.", str(a * b)) == 0.0
+    with pytest.raises(ValueError, match="576 prompts in all"):
+        make_dataset("times25", str(tmp_path / "u"), train_size=10, test_size=600, seed=0)
+
+
+@pytest.mark.parametrize("name, most", [("times", 60), ("times25", 288)])
+def test_a_times_run_config_refuses_a_held_out_set_it_cannot_hold(name, most):
     from flows.config import ConfigError, load_run_config
 
-    with pytest.raises(ConfigError, match="holds out at most 60"):
-        load_run_config(None, ["data.generate=times", "data.val_size=100"])
+    with pytest.raises(ConfigError, match=f"{name} has .* holds out at most {most}"):
+        load_run_config(None, [f"data.generate={name}", f"data.val_size={most + 1}"])

@@ -499,7 +499,7 @@ def test_data_make_names_come_from_the_generator_registry(tmp_path, capsys):
     from gpu_jobs.data import GENERATORS, dataset_names
 
     names = " | ".join(dataset_names())
-    assert set(GENERATORS) == {"arith", "arith_tools", "calc3", "gsm_symbolic", "times"} and names.endswith("rg:<reasoning-gym task>")
+    assert set(GENERATORS) == {"arith", "arith_tools", "calc3", "gsm_symbolic", "times", "times25"} and names.endswith("rg:<reasoning-gym task>")
     with pytest.raises(SystemExit):
         main(["data", "make", "--help"])
     assert " ".join(capsys.readouterr().out.split()).count(names) == 2  # the argument's help and the list below

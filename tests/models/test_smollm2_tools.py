@@ -105,7 +105,8 @@ def test_warmup_stops_on_the_probe_rate_and_raises_at_max_steps():
     assert seen == [False, False, True] and [c[0] for c in info["checks"]] == [2, 4]
     never = lambda *a, exact=False: (0.0, None)  # noqa: E731
     with pytest.raises(st.ToolWarmupNotReachedError, match="never reached 0.5 in 4 steps"):
-        st.warmup_smollm2_tools(model, tok, st.SmolToolsRecipe(batch_size=2, check_every=2, max_steps=4),
+        st.warmup_smollm2_tools(model, tok, st.SmolToolsRecipe(batch_size=2, check_every=2, max_steps=4,
+                                                               target_call_rate=0.5),
                                 probe_fn=never)
 
 

@@ -70,7 +70,7 @@ class Task:
 
 TASKS = {
     "arith": Task("grpo_arith.yaml", "arith_score", heldout=300),
-    # 121 prompts in all; the example's 40 held out (gpu_jobs.data.generators.TIMES_MAX_HELD_OUT = 60)
+    # 121 prompts in all; the example's 40 held out (gpu_jobs.data.generators.TIMES_TABLES["times"].max_held_out = 60)
     "times": Task("grpo_times_smollm2.yaml", "last_number_score", heldout=40, max_heldout=60, fixed_split=True),
 }
 

@@ -32,8 +32,7 @@ TIMES25_SOURCE = "rlmill/times25"
 RG_SOURCE_PREFIX = "reasoning_gym/"
 
 __all__ = ["ARITH_SOURCE", "RG_SOURCE_PREFIX", "GENERATORS", "register_generator", "get_generator", "make_dataset",
-           "dataset_names", "arith_pairs", "arith_row", "TIMES_SOURCE", "TIMES25_SOURCE", "TIMES_MAX_HELD_OUT", "TIMES_TABLES", "TimesTables",
-           "times_facts",
+           "dataset_names", "arith_pairs", "arith_row", "TIMES_SOURCE", "TIMES25_SOURCE", "TIMES_TABLES", "TimesTables",
            "held_out_size"]
 
 
@@ -185,15 +184,6 @@ TIMES_TABLES: dict[str, TimesTables] = {
     "times": TimesTables("times", TIMES_SOURCE, range(2, 13), max_held_out=60, default_held_out=40),
     "times25": TimesTables("times25", TIMES25_SOURCE, range(2, 26), max_held_out=288, default_held_out=200),
 }
-TIMES_MAX_HELD_OUT = TIMES_TABLES["times"].max_held_out
-TIMES_RANGE = TIMES_TABLES["times"].factors
-
-
-def times_facts(seed: int) -> list[tuple[int, int]]:
-    """The 66 unordered facts a <= b of the 12 x 12 tables, in a seeded random order."""
-    return TIMES_TABLES["times"].facts(seed)
-
-
 def product_row(source: str, prompt: str, a: int, b: int, split: str, index: int) -> dict[str, Any]:
     """One verl row asking for a * b (`prompt` formatted with a and b); the ground truth is
     str(a * b), scored on the response's last number; `extra_info` keeps the operands."""
@@ -204,11 +194,6 @@ def product_row(source: str, prompt: str, a: int, b: int, split: str, index: int
         "reward_model": {"style": "rule", "ground_truth": str(a * b)},
         "extra_info": {"split": split, "index": index, "a": a, "b": b},
     }
-
-
-def times_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
-    """One times-table row (12 x 12)."""
-    return TIMES_TABLES["times"].row(a, b, split, index)
 
 
 def _both_orders(facts: list[tuple[int, int]]) -> list[tuple[int, int]]:

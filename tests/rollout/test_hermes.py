@@ -164,12 +164,17 @@ NATIVE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _run(tok, **cfg):
+def _run(tok, messages=None, **cfg):
+    """One response through the agent loop: to a plain question by its own entry, or to `messages`
+    through the stages' entry (generate_with_rows: the row goes along)."""
     engine = CharEngine(tok, solver)
     agent = AgentLoopEngine(engine, MultiTurnConfig(enable=True, format="hermes", max_parallel_calls=2, **cfg), tok)
-    prompt = render_prompt([{"role": "user", "content": "What is 123*456?"}], tok)
-    row = agent.generate([prompt], 1, SamplingConfig(max_response_length=1000, seed=0))[0]
-    return agent, engine, prompt, row
+    sampling = SamplingConfig(max_response_length=1000, seed=0)
+    if messages is None:
+        prompt = render_prompt([{"role": "user", "content": "What is 123*456?"}], tok)
+        return agent, engine, prompt, agent.generate([prompt], 1, sampling)[0]
+    prompt = render_prompt(messages, tok)
+    return agent, engine, prompt, generate_with_rows(agent, [{"prompt": messages}], [prompt], 1, sampling)[0]
 
 
 @pytest.mark.parametrize("template", ["smollm2", "native"])
@@ -252,22 +257,12 @@ SYSTEM = "You are a careful calculator. Use the tool."
 OWN = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 123*456?"}]
 
 
-def _run_rows(tok, messages, **cfg):
-    """One response to `messages` through the stages' entry (generate_with_rows: the row goes along)."""
-    engine = CharEngine(tok, solver)
-    agent = AgentLoopEngine(engine, MultiTurnConfig(enable=True, format="hermes", max_parallel_calls=2, **cfg), tok)
-    prompt = render_prompt(messages, tok)
-    row = generate_with_rows(agent, [{"prompt": messages}], [prompt], 1,
-                             SamplingConfig(max_response_length=1000, seed=0))[0]
-    return agent, engine, prompt, row
-
-
 @pytest.mark.parametrize("template", ["smollm2", "own_system"])
 def test_a_prompt_with_its_own_system_message_gets_the_tools_in_it(smol_tok, template):
     tok = smol_tok if template == "smollm2" else copy.deepcopy(smol_tok)
     if template == "own_system":
         tok.chat_template = OWN_SYSTEM
-    agent, engine, prompt, row = _run_rows(tok, OWN)
+    agent, engine, prompt, row = _run(tok, OWN)
     turns = agent.turns
     assert turns.native == (template == "own_system")
     # The template's own rendering with the tools: after the prompt's system text, no default one.
@@ -297,7 +292,7 @@ def test_a_template_with_a_default_system_turn_still_splices_prompts_without_one
     tok = copy.deepcopy(smol_tok)
     tok.chat_template = OWN_SYSTEM
     msgs = [{"role": "user", "content": "What is 123*456?"}]
-    agent, _, prompt, row = _run_rows(tok, msgs)
+    agent, _, prompt, row = _run(tok, msgs)
     assert row["prompt_ids"] == tok.encode(agent.turns._with_tools(msgs), add_special_tokens=False)
     assert tok.decode(row["prompt_ids"]).startswith("<|im_start|>system\nYou are helpful.\n\n# Tools\n")
     assert agent.turns.prompt(prompt) == agent.turns.prompt(prompt, msgs) == row["prompt_ids"]
@@ -305,7 +300,7 @@ def test_a_template_with_a_default_system_turn_still_splices_prompts_without_one
 
 def test_builtin_tokenizer_drops_a_system_message_so_the_prompt_is_unchanged():
     tok = build_tokenizer()  # its template writes the user turns' text only
-    agent, engine, prompt, row = _run_rows(tok, OWN)
+    agent, engine, prompt, row = _run(tok, OWN)
     assert prompt == row["prompt_ids"] == tok.encode("What is 123*456?", add_special_tokens=False)
     assert row["num_turns"] == 2 and row["response_mask"].count(0) > 0  # the call ran, the answer followed
 

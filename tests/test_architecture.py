@@ -30,7 +30,8 @@ MAX_FUNCTION_LINES = 60
 # A part's modules by prefix ("flows.cli*": flows.cli and flows.cli_serve, flows.cli_models ...).
 ONLINE_WORK = ("gpu_jobs.online",)
 ONLINE_FLOWS = ("flows.online",)
-ONLINE_WORK_MAY_IMPORT = ("storage", "gpu_jobs.models", "gpu_jobs.rollout", "gpu_jobs.data", "gpu_jobs.reward")
+ONLINE_WORK_MAY_IMPORT = ("storage", "gpu_jobs.models", "gpu_jobs.rollout", "gpu_jobs.chat", "gpu_jobs.data",
+                          "gpu_jobs.reward")
 ONLINE_WORK_USERS = ("flows.cli*", "flows.nightly")
 ONLINE_FLOWS_USERS = ("flows.cli*",)
 

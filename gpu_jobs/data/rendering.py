@@ -5,7 +5,7 @@
 
 These render plain chats ({role, content}). A tool conversation (a row's `tools` column, an
 assistant's `tool_calls`, `tool` results: what `rlmill feedback dataset` writes for a served agent)
-is rendered by gpu_jobs.rollout.hermes.render_chat, the renderer `rlmill serve` uses, from the
+is rendered by gpu_jobs.chat.hermes.render_chat, the renderer `rlmill serve` uses, from the
 messages conversation_messages keeps and the tools row_tools reads; it sits above this package
 (rollout imports data, so data cannot import it back).
 """

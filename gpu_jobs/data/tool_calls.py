@@ -6,7 +6,7 @@
     >>> calculator("1234+5678"), fmt.render_response("6912")
     ('6912', '<6912>')
 
-Shared by the rollout's agent loop (gpu_jobs.rollout.tools runs the tools of a run), the
+Shared by the rollout's agent loop (gpu_jobs.chat.tools runs the tools of a run), the
 `arith_tools` task's scorer (gpu_jobs.data.tool_tasks) and the tool model's warm-up
 (gpu_jobs.models.tool_model), which is why it sits below all three.
 """

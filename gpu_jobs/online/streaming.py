@@ -42,7 +42,7 @@ from concurrent.futures import Future
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from gpu_jobs.online.tools import MAX_CALLS, content_of
-from gpu_jobs.rollout.hermes import TAG
+from gpu_jobs.chat.hermes import TAG
 
 __all__ = ["TokenText", "ToolText", "chunk", "delta", "final_deltas", "sendable", "sse_answer"]
 

@@ -8,7 +8,7 @@ answer returned as OpenAI's `tool_calls`.
     shape_choice(hermes.call_text("calculator", {"expression": "2*3"}), "stop", tools)
     # -> ([{"id": "call_...", "type": "function", "function": {...}}], 0 malformed, 0 dropped)
 
-The prompt is rendered by gpu_jobs.rollout.hermes.render_chat, the renderer training renders a
+The prompt is rendered by gpu_jobs.chat.hermes.render_chat, the renderer training renders a
 dataset row with, so serving and training show a model the same tokens. An answer's calls are the Hermes blocks of its text: all well formed
 (a known tool, arguments valid against its JSON schema) and the engine stopped on its own ->
 `tool_calls`, finish_reason "tool_calls", content the text outside them (or None); any malformed
@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gpu_jobs.rollout.hermes import Call, parse_calls
+from gpu_jobs.chat.hermes import Call, parse_calls
 
 __all__ = ["MAX_CALLS", "MAX_TOOLS", "TOOL_CHOICES", "ToolCall", "ToolSpec", "calls_problem", "content_of",
            "message_problem", "schema_problem", "shape_choice", "shape_choices", "tools_problem", "well_formed"]

@@ -6,7 +6,7 @@
     >>> rows[0]["response_mask"]     # 1 = the model's token, 0 = a tool turn's
 
 One assistant turn is generated until EOS (the end of a chat model's turn). The calls in a turn
-are parsed by the call format (gpu_jobs.rollout.turn_formats: `brackets`, "[calculator(123+456)]"
+are parsed by the call format (gpu_jobs.chat.turn_formats: `brackets`, "[calculator(123+456)]"
 answered "<579>"; `hermes`, OpenAI tools through the chat template), run (at most
 `max_parallel_calls`; a malformed call, an unknown tool or a tool's failure is answered with an
 error text the model reads), and their results appended as one tool turn; generation continues
@@ -38,11 +38,11 @@ from typing import Any
 
 from gpu_jobs.rollout.base import SamplingConfig, make_row
 from gpu_jobs.rollout.env_runner import FAILED, EnvironmentRunner
-from gpu_jobs.rollout.hermes import Call
+from gpu_jobs.chat.hermes import Call
 from gpu_jobs.rollout.multi_turn_config import MultiTurnConfig
-from gpu_jobs.rollout.tool_worker import truncate_text
-from gpu_jobs.rollout.tools import ToolSet
-from gpu_jobs.rollout.turn_formats import TURN_FORMATS
+from gpu_jobs.chat.tool_worker import truncate_text
+from gpu_jobs.chat.tools import ToolSet
+from gpu_jobs.chat.turn_formats import TURN_FORMATS
 
 __all__ = ["MultiTurnConfig", "AgentLoopEngine", "truncate_text", "with_agent_loop", "generate_with_rows"]
 
@@ -108,8 +108,9 @@ class AgentLoopEngine:
     """A rollout engine whose `generate` runs multi-turn conversations on an inner engine; rows
     gain `response_mask` and `num_turns`. Weight updates and everything else go to the inner one."""
 
-    def __init__(self, engine: Any, config: MultiTurnConfig, tokenizer: Any):
+    def __init__(self, engine: Any, config: MultiTurnConfig, tokenizer: Any, prompt_key: str = "prompt"):
         self.engine, self.config, self.tokenizer = engine, config, tokenizer
+        self.prompt_key = prompt_key  # the rows' messages column (data.prompt_key)
         self.tools = ToolSet(config.tool_entries(), config.tool_timeout_s, config.tool_num_workers,
                              config.max_tool_response_length, config.tool_response_truncate_side)
         self.turns = TURN_FORMATS[config.format](tokenizer, self.tools)
@@ -131,11 +132,11 @@ class AgentLoopEngine:
                  rows: list[dict] | None = None) -> list[dict]:
         """See `RolloutEngine.generate`; each row also has response_mask (list[int]) and num_turns,
         and with an environment turn_scores and turn_ends. `rows`: the prompts' dataset rows,
-        which an environment's reset needs, and whose `prompt` messages let the hermes format
-        place the tools in a prompt's own system message."""
+        which an environment's reset needs, and whose messages (column `prompt_key`) let the
+        hermes format place the tools in a prompt's own system message."""
         budget = sampling.max_response_length
         episodes = None
-        messages = _prompt_messages(rows, len(prompts))
+        messages = _prompt_messages(rows, len(prompts), self.prompt_key)
         if self.environment is not None:
             prompts, episodes, messages = self._open_episodes(prompts, rows, n)
         # hermes: the tools shown in the system turn (the prompt's own, where its messages have one)
@@ -183,7 +184,8 @@ class AgentLoopEngine:
         if rows is None or len(rows) != len(prompts):
             raise ValueError("rollout.multi_turn.environment: generate needs the prompts' dataset rows (rows=...), "
                              "which the environment's reset reads")
-        given = [{**r, "prompt": normalize_messages(r.get("prompt"))} for r in rows]
+        # reset sees the messages as `prompt` (the environment protocol), whatever data.prompt_key is
+        given = [{**r, "prompt": normalize_messages(r.get(self.prompt_key))} for r in rows]
         opened = self.environment.reset(given)
         ids, episodes, opening = [], [], []
         for p, row, (env, messages) in zip(prompts, given, opened):
@@ -311,13 +313,13 @@ def _environment_metrics(convs: list[_Conversation]) -> dict[str, float]:
             "multi_turn/env_errors": float(sum(c.env_errors for c in convs))}
 
 
-def _prompt_messages(rows: list[dict] | None, count: int) -> list[list[dict] | None]:
-    """Each prompt's messages (its row's `prompt`), None per prompt where the rows are not given."""
+def _prompt_messages(rows: list[dict] | None, count: int, key: str = "prompt") -> list[list[dict] | None]:
+    """Each prompt's messages (its row's `key` column), None per prompt where the rows are not given."""
     from gpu_jobs.data.rendering import normalize_messages
 
     if rows is None or len(rows) != count:
         return [None] * count
-    return [normalize_messages(r.get("prompt")) if "prompt" in r else None for r in rows]
+    return [normalize_messages(r.get(key)) if key in r else None for r in rows]
 
 
 def generate_with_rows(engine: Any, prompts: list[dict], ids: list[list[int]], n: int,
@@ -330,9 +332,9 @@ def generate_with_rows(engine: Any, prompts: list[dict], ids: list[list[int]], n
     return engine.generate([list(x) for x in ids], n, sampling)
 
 
-def with_agent_loop(engine: Any, config: MultiTurnConfig, tokenizer: Any) -> Any:
+def with_agent_loop(engine: Any, config: MultiTurnConfig, tokenizer: Any, prompt_key: str = "prompt") -> Any:
     """`engine` wrapped in an AgentLoopEngine when `config.enable` (once: a wrapped engine is
-    returned as is), else `engine` unchanged."""
+    returned as is), else `engine` unchanged; `prompt_key`: the rows' messages column."""
     if not config.enable or isinstance(engine, AgentLoopEngine) or engine is None:
         return engine
-    return AgentLoopEngine(engine, config, tokenizer)
+    return AgentLoopEngine(engine, config, tokenizer, prompt_key)

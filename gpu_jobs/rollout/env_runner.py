@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from gpu_jobs.rollout.environment_config import EnvironmentConfig, load_environment
 from gpu_jobs.rollout.environments import StepResult, step_result
-from gpu_jobs.rollout.tool_worker import truncate_text
+from gpu_jobs.chat.tool_worker import truncate_text
 
 __all__ = ["EnvironmentRunner", "FAILED"]
 

@@ -15,8 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gpu_jobs.rollout.environment_config import EnvironmentConfig, load_interaction_config
-from gpu_jobs.rollout.tools import ToolEntry, check_tool_spec, entry_of, load_tool_config
-from gpu_jobs.rollout.turn_formats import TURN_FORMATS
+from gpu_jobs.chat.tools import ToolEntry, check_tool_spec, entry_of, load_tool_config
+from gpu_jobs.chat.turn_formats import TURN_FORMATS
 
 __all__ = ["MultiTurnConfig"]
 

@@ -60,7 +60,7 @@ class Roles:
                                     storage=cfg.storage)
         # Multi-turn runs: every user of the engine (rollout, validation, the start probe) goes
         # through the tool loop; unchanged when rollout.multi_turn.enable is false.
-        self.rollout = with_agent_loop(engine, cfg.rollout.multi_turn, run.tokenizer)
+        self.rollout = with_agent_loop(engine, cfg.rollout.multi_turn, run.tokenizer, cfg.data.prompt_key)
         self.rollout_version = 0
 
     def load_trainers(self, run: Run) -> None:

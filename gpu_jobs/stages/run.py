@@ -66,7 +66,7 @@ class Run:
         rendered it (see _row_tools)."""
         from gpu_jobs.data import render_prompt
         from gpu_jobs.data.rendering import TOOLS_KEY
-        from gpu_jobs.rollout.hermes import render_chat
+        from gpu_jobs.chat.hermes import render_chat
 
         prompts = [dict(df.iloc[i].to_dict(), row=int(i)) for i in rows]
         key, tok = self.cfg.data.prompt_key, self.tokenizer
@@ -218,7 +218,7 @@ def _prompts_within_length(cfg: RunConfig, split: str, df: Any, tokenizer: Any) 
     (verl's filter_overlong_prompts). Malformed prompts are left for the data gate to name."""
     from gpu_jobs.data import OverlongPromptError, render_prompts
     from gpu_jobs.data.rendering import TOOLS_KEY, normalize_messages
-    from gpu_jobs.rollout.hermes import render_chats
+    from gpu_jobs.chat.hermes import render_chats
 
     prompts = df[cfg.data.prompt_key].tolist()
     well_formed = [i for i, p in enumerate(prompts) if _normalizes(normalize_messages, p)]

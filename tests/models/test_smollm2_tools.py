@@ -14,7 +14,7 @@ from gpu_jobs.models import ensure_builtin_model
 from gpu_jobs.models import smollm2_tools as st
 from gpu_jobs.rollout.agent_loop import AgentLoopEngine, MultiTurnConfig
 from gpu_jobs.rollout.base import SamplingConfig
-from gpu_jobs.rollout.hermes import call_text, parse_calls
+from gpu_jobs.chat.hermes import call_text, parse_calls
 
 
 @functools.lru_cache(maxsize=None)  # loaded once per session; the tests only read them
@@ -118,3 +118,18 @@ def test_probe_rates_parse_the_calls_against_the_schemas():
     assert rate == 0.0 and exact == 0.0
     good = call_text("calculator", {"expression": "123*456"})
     assert parse_calls(good, turns.schemas) and not parse_calls("56088", turns.schemas)
+
+
+def test_the_alias_names_the_seeds_cached_folder(monkeypatch, tmp_path):
+    # model.path=smollm2-tools with model.seed=s is the warm-up of SmolToolsRecipe(seed=s): a folder
+    # built before is returned as it is, each seed its own (nothing is built here).
+    from gpu_jobs.models.loading import MODEL_ALIASES, resolve_model_path
+
+    monkeypatch.setenv("RLMILL_CACHE_DIR", str(tmp_path))
+    for seed in (0, 1):
+        folder = tmp_path / "models" / f"smollm2-tools-{st.SmolToolsRecipe(seed=seed).digest()}"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        assert resolve_model_path("smollm2-tools", seed=seed) == str(folder)
+    assert st.SmolToolsRecipe(seed=0).digest() != st.SmolToolsRecipe(seed=1).digest()
+    assert "warmed up" in MODEL_ALIASES["smollm2-tools"].what

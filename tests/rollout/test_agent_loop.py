@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with tools (gpu_jobs.rollout.agent_loop, gpu_jobs.rollout.tools).
+"""Multi-turn rollouts with tools (gpu_jobs.rollout.agent_loop, gpu_jobs.chat.tools).
 
     .venv/bin/python -m pytest -q tests/rollout/test_agent_loop.py
 
@@ -17,7 +17,7 @@ import pytest
 from gpu_jobs.models import build_tokenizer
 from gpu_jobs.rollout import SamplingConfig
 from gpu_jobs.rollout.agent_loop import AgentLoopEngine, MultiTurnConfig, truncate_text
-from gpu_jobs.rollout.tools import ToolSet, calculator, get_tool_format
+from gpu_jobs.chat.tools import ToolSet, calculator, get_tool_format
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id

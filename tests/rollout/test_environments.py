@@ -23,7 +23,7 @@ from gpu_jobs.rollout.agent_loop import AgentLoopEngine, MultiTurnConfig, genera
 from gpu_jobs.rollout.builtin_environments import CalculatorEnvironment, FeedbackEnvironment
 from gpu_jobs.rollout.environment_config import EnvironmentConfig, load_environment
 from gpu_jobs.rollout.environments import ENVIRONMENTS, Environment, StepResult, step_result
-from gpu_jobs.rollout.hermes import call_text
+from gpu_jobs.chat.hermes import call_text
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
@@ -175,8 +175,8 @@ def test_generate_without_rows_is_refused_with_an_environment():
 
 
 def test_hermes_format_with_a_user_turn_on_smollm2(smol_tok):
-    from gpu_jobs.rollout.tools import ToolSet
-    from gpu_jobs.rollout.turn_formats import TURN_FORMATS
+    from gpu_jobs.chat.tools import ToolSet
+    from gpu_jobs.chat.turn_formats import TURN_FORMATS
 
     turns = TURN_FORMATS["hermes"](smol_tok, ToolSet(["calculator"]))
     text = smol_tok.decode(turns.message_ids([{"role": "user", "content": RETRY}]))

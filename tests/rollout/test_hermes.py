@@ -1,4 +1,4 @@
-"""OpenAI tools in the Hermes format (gpu_jobs.rollout.hermes, turn_formats) and the
+"""OpenAI tools in the Hermes format (gpu_jobs.chat.hermes, turn_formats) and the
 token-in/token-out agent loop over them.
 
     .venv/bin/python -m pytest -q tests/rollout/test_hermes.py
@@ -23,9 +23,9 @@ from gpu_jobs.models import build_tokenizer
 from gpu_jobs.models.loading import smollm2_available
 from gpu_jobs.rollout import SamplingConfig
 from gpu_jobs.rollout.agent_loop import AgentLoopEngine, MultiTurnConfig, generate_with_rows
-from gpu_jobs.rollout.hermes import Call, CallError, call_text, check_arguments, openai_tool, parse_calls, tools_section
-from gpu_jobs.rollout.tools import BUILTIN_SCHEMAS, ToolSet, load_tool_config
-from gpu_jobs.rollout.turn_formats import TURN_FORMATS, render_text
+from gpu_jobs.chat.hermes import Call, CallError, call_text, check_arguments, openai_tool, parse_calls, tools_section
+from gpu_jobs.chat.tools import BUILTIN_SCHEMAS, ToolSet, load_tool_config
+from gpu_jobs.chat.turn_formats import TURN_FORMATS, render_text
 
 CALC = BUILTIN_SCHEMAS["calculator"][0]
 TOOLS = {"calculator": CALC}
@@ -164,17 +164,18 @@ NATIVE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _run(tok, messages=None, **cfg):
+def _run(tok, messages=None, prompt_key="prompt", **cfg):
     """One response through the agent loop: to a plain question by its own entry, or to `messages`
-    through the stages' entry (generate_with_rows: the row goes along)."""
+    through the stages' entry (generate_with_rows: the row, its messages under `prompt_key`, goes along)."""
     engine = CharEngine(tok, solver)
-    agent = AgentLoopEngine(engine, MultiTurnConfig(enable=True, format="hermes", max_parallel_calls=2, **cfg), tok)
+    agent = AgentLoopEngine(engine, MultiTurnConfig(enable=True, format="hermes", max_parallel_calls=2, **cfg), tok,
+                            prompt_key)
     sampling = SamplingConfig(max_response_length=1000, seed=0)
     if messages is None:
         prompt = render_prompt([{"role": "user", "content": "What is 123*456?"}], tok)
         return agent, engine, prompt, agent.generate([prompt], 1, sampling)[0]
     prompt = render_prompt(messages, tok)
-    return agent, engine, prompt, generate_with_rows(agent, [{"prompt": messages}], [prompt], 1, sampling)[0]
+    return agent, engine, prompt, generate_with_rows(agent, [{prompt_key: messages}], [prompt], 1, sampling)[0]
 
 
 @pytest.mark.parametrize("template", ["smollm2", "native"])
@@ -286,6 +287,25 @@ def test_a_prompt_with_its_own_system_message_gets_the_tools_in_it(smol_tok, tem
     # Messages that are not the prompt's: refused, never spliced into a longer system text.
     with pytest.raises(ValueError, match="not its messages"):
         turns.prompt(prompt, [{"role": "system", "content": SYSTEM[:-len(" Use the tool.")]}, OWN[1]])
+
+
+def test_the_rows_messages_are_read_from_data_prompt_key(smol_tok):
+    """data.prompt_key names the messages' column: the agent loop reads it there, for the hermes
+    system turn and for an environment's reset (which sees them as `prompt`)."""
+    tok = copy.deepcopy(smol_tok)
+    tok.chat_template = OWN_SYSTEM
+    *_, as_prompt = _run(tok, OWN)
+    *_, as_question = _run(tok, OWN, prompt_key="question")
+    assert as_question["prompt_ids"] == as_prompt["prompt_ids"]
+    assert tok.decode(as_question["prompt_ids"]).startswith(f"<|im_start|>system\n{SYSTEM}\n\n# Tools\n")
+    row = {"data_source": "rlmill/arith", "question": [{"role": "user", "content": "37+45="}],
+           "reward_model": {"ground_truth": "82"}}
+    engine = CharEngine(smol_tok, lambda text: "82")
+    agent = AgentLoopEngine(engine, MultiTurnConfig(enable=True, format="hermes", environment={"name": "feedback"}),
+                            smol_tok, "question")
+    prompt = render_prompt(row["question"], smol_tok)
+    out = generate_with_rows(agent, [row], [prompt], 1, SamplingConfig(max_response_length=50, seed=0))
+    assert out[0]["turn_scores"] == [1.0]  # reset read the question; the answer scored
 
 
 def test_a_template_with_a_default_system_turn_still_splices_prompts_without_one(smol_tok):

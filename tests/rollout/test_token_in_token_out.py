@@ -14,8 +14,8 @@ import pytest
 
 from gpu_jobs.rollout import SamplingConfig
 from gpu_jobs.rollout.agent_loop import AgentLoopEngine, MultiTurnConfig
-from gpu_jobs.rollout.tools import calculator
-from gpu_jobs.rollout.turn_formats import render_text
+from gpu_jobs.chat.tools import calculator
+from gpu_jobs.chat.turn_formats import render_text
 
 
 class Recording:

@@ -26,7 +26,7 @@ from gpu_jobs.online.app import Server, ServeSettings, create_app
 from gpu_jobs.online.events import answer_event, check_event, encode
 from gpu_jobs.online.protocol import chat_response
 from gpu_jobs.online.tools import content_of, shape_choices
-from gpu_jobs.rollout.hermes import call_text, hermes_messages, openai_tool, render_chat, tools_section
+from gpu_jobs.chat.hermes import call_text, hermes_messages, openai_tool, render_chat, tools_section
 from tests.serve.conftest import Capture
 
 CALC = openai_tool("calculator", "Exact arithmetic", {
@@ -118,8 +118,8 @@ def test_smollm2_and_native_templates_render_as_the_rollout():
     from transformers import AutoTokenizer
 
     from gpu_jobs.models.loading import ensure_smollm2
-    from gpu_jobs.rollout.tools import ToolSet
-    from gpu_jobs.rollout.turn_formats import TURN_FORMATS
+    from gpu_jobs.chat.tools import ToolSet
+    from gpu_jobs.chat.turn_formats import TURN_FORMATS
     from tests.rollout.test_hermes import NATIVE
 
     smol = AutoTokenizer.from_pretrained(ensure_smollm2())

@@ -21,7 +21,7 @@ from gpu_jobs.online.app import Server
 from gpu_jobs.online.protocol import _message
 from gpu_jobs.online.streaming import ToolText, final_deltas
 from gpu_jobs.online.tools import shape_choices, well_formed
-from gpu_jobs.rollout.hermes import openai_tool
+from gpu_jobs.chat.hermes import openai_tool
 from tests.serve.conftest import Capture
 
 CALC = openai_tool("calculator", "Exact arithmetic", {

@@ -2,7 +2,7 @@
 the prompt (with the tools shown), the calls parsed from a model turn, and the token ids of
 the turn that carries the results back.
 
-    >>> from gpu_jobs.rollout.turn_formats import TURN_FORMATS
+    >>> from gpu_jobs.chat.turn_formats import TURN_FORMATS
     >>> turns = TURN_FORMATS["hermes"](tokenizer, ToolSet(["calculator"]))
     >>> prompt = turns.prompt(render_prompt([{"role": "user", "content": "123*456?"}], tokenizer))
     >>> turns.parse('<tool_call>\\n{"name": "calculator", "arguments": {"expression": "123*456"}}\\n</tool_call>')
@@ -14,7 +14,7 @@ Token-in/token-out: the agent loop appends exactly these ids after exactly the t
 engine sampled; nothing is ever re-rendered from text. `hermes` uses the chat template's own
 tool section when it has one (`apply_chat_template(..., tools=...)` differs from without), else
 writes Qwen2.5's `# Tools` section into the system turn and returns results as
-`<tool_response>` blocks in a user turn (gpu_jobs.rollout.hermes). A prompt with its own system
+`<tool_response>` blocks in a user turn (gpu_jobs.chat.hermes). A prompt with its own system
 message gets the tools in that message (after its text, as Qwen2.5's template writes them):
 `turns.prompt(ids, messages)` with the prompt's messages.
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 from gpu_jobs.data.rendering import render_prompt
 from gpu_jobs.registry import Registry
-from gpu_jobs.rollout.hermes import Call, CallError, parse_calls, tools_section, tool_response
-from gpu_jobs.rollout.tools import ToolSet, get_tool_format
+from gpu_jobs.chat.hermes import Call, CallError, parse_calls, tools_section, tool_response
+from gpu_jobs.chat.tools import ToolSet, get_tool_format
 
 __all__ = ["TURN_FORMATS", "BracketsTurns", "HermesTurns", "render_text"]
 

@@ -1,7 +1,7 @@
 """Tools a model may call during a multi-turn rollout: which exist, their OpenAI schemas, and
 running a batch of calls (built-ins here, users' tools in the sandbox).
 
-    >>> from gpu_jobs.rollout.tools import ToolSet, get_tool_format
+    >>> from gpu_jobs.chat.tools import ToolSet, get_tool_format
     >>> get_tool_format("brackets").parse_call("[calculator(1234+5678)]")
     ('calculator', '1234+5678')
     >>> ToolSet(["calculator"]).run([("calculator", "1234+5678"), ("calculator", {"expression": "2*3"})])
@@ -12,7 +12,7 @@ running a batch of calls (built-ins here, users' tools in the sandbox).
 A tool is named by a built-in name (the TOOLS registry: `calculator`, exact arithmetic over an
 AST, never `eval`) or `path/to/file.py:function`. Arguments are the call's text (`brackets`
 format) or its JSON object (`hermes`). A user's tool runs in the sandbox's worker processes
-(gpu_jobs.reward.sandbox, entry gpu_jobs.rollout.tool_worker.call_tool) with a time limit per
+(gpu_jobs.reward.sandbox, entry gpu_jobs.chat.tool_worker.call_tool) with a time limit per
 call, so a hung or crashing tool costs one call, answered with an error text, never the rollout.
 Tools can also come from verl's tool YAML (`load_tool_config`).
 """
@@ -26,8 +26,8 @@ from typing import Any, Sequence
 # The call format and the built-in tools are plain text functions, shared with the data and model
 # packages below this one.
 from gpu_jobs.data.tool_calls import TOOL_FORMATS, TOOLS, ToolFormat, calculator, get_tool_format, register_tool
-from gpu_jobs.rollout.hermes import openai_tool
-from gpu_jobs.rollout.tool_worker import truncate_text
+from gpu_jobs.chat.hermes import openai_tool
+from gpu_jobs.chat.tool_worker import truncate_text
 
 __all__ = ["TOOLS", "TOOL_FORMATS", "ToolFormat", "ToolSet", "ToolEntry", "calculator", "get_tool_format",
            "check_tool_spec", "register_tool", "load_tool_config", "BUILTIN_SCHEMAS"]
@@ -167,7 +167,7 @@ class ToolSet:
 
     def _run_in_sandbox(self, calls: Sequence[tuple[str, Any]]) -> list[str]:
         from gpu_jobs.reward.sandbox import Failed, SandboxSpec, run_guarded
-        from gpu_jobs.rollout import tool_worker
+        from gpu_jobs.chat import tool_worker
 
         if not calls:
             return []

@@ -5,7 +5,7 @@ template (render_chat). Pure functions. `rlmill serve` renders its requests with
 training renders a dataset row with it (gpu_jobs.stages.run: a served agent's row, its `tools`
 column), so a model sees the same tokens in either.
 
-    >>> from gpu_jobs.rollout.hermes import openai_tool, parse_calls
+    >>> from gpu_jobs.chat.hermes import openai_tool, parse_calls
     >>> calc = openai_tool("calculator", "Exact arithmetic", {"type": "object",
     ...     "properties": {"expression": {"type": "string"}}, "required": ["expression"]})
     >>> parse_calls('<tool_call>\\n{"name": "calculator", "arguments": {"expression": "2*3"}}\\n</tool_call>',

@@ -4,6 +4,8 @@
         [--model builtin,16m,smollm2] [--steps N] [--repeats N] [--seconds 60] [--prompts N] [--tokens N]
         [--lr X] [--mini-batches 1] [--threads 2] [--heldout N] [--rows rlmill-flow,rlmill-stages,rlmill-vllm,trl,trl-vllm]
     .venv/bin/python -m benchmarks.bench_e2e --workload times --model smollm2   # issue 24: the real model
+    .venv/bin/python -m benchmarks.bench_e2e --workload times25 --rows rlmill-vllm,trl-vllm \
+        --seeds 0,1,2 --eval-every 4 --seconds 120                  # issue 45: over seeds, 200 held out
 
 Without --workload/--model it runs arith/builtin, long128/builtin, long128/16m, long512/builtin;
 --model smollm2 (or --workload times) alone runs times/smollm2
@@ -57,6 +59,10 @@ Measured:
                 single process of the run (wait4's maxrss: the worker, or vLLM's engine core or
                 Prefect's ephemeral server if either peaked higher); tree GB: the highest sampled
                 sum over the run's whole process tree (bench_e2e_report.run_measured).
+  seeds         --seeds runs the accuracy phase once per seed (the throughput phase on the first),
+                the rows in alternating order; a summary gives each row's mean, standard deviation
+                and range over the seeds, and with --eval-every N the per-step curve: the held-out
+                score after every N-th step (weights saved off the clock on every side).
   acc           (arith, times) greedy score on the first --heldout problems of rlmill's held-out split,
                 one function (transformers `generate`, greedy, at most max_len new tokens, the
                 task's rule: arith_score, last_number_score) for everyone:
@@ -113,7 +119,8 @@ from benchmarks.bench_e2e_long import (DEFAULT_CASES, GOALS, LONG_ROWS, MODELS, 
                                        check_context, heldout_problems, matmul_peak, model_folder, pick_cases,
                                        prompt_text, task_score, task_splits, trl_forcing, trl_reward, trl_rows,
                                        trl_vllm_args, trl_vllm_setup)
-from benchmarks.bench_e2e_report import (after_warmup, budget_steps, check_lines, evaluate_folder, first_crossing, flops_lines,
+from benchmarks.bench_e2e_report import (after_warmup, budget_steps, check_lines, curve_steps, evaluate_folder,
+                                         first_crossing, flops_lines, seeds_lines,
                                          format_table, goal_lines, greedy_accuracy, median_summary,
                                          run_measured, summarize, token_counts)
 
@@ -132,6 +139,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "rlmill-async", "trl", "trl-vllm")
 ARITH_ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")  # the default rows of arith (issue 7's)
 TIMES_ROWS = ("rlmill-flow", "rlmill-vllm", "rlmill-async", "trl", "trl-vllm")  # issue 24's table
+DEFAULT_ROWS = {"arith": ARITH_ROWS, "times": TIMES_ROWS, "times25": TIMES_ROWS}
+ISSUES = {("times", "smollm2"): 24, ("times25", "smollm2"): 45}  # whose goals a case's goal line reports
 # What a row adds to rlmill's overrides (rlmill-async: one step off-policy, as verl's one-step-off).
 # Staleness needs the trainer's own old log-probs (the run config refuses it without them).
 ROW_OVERRIDES = {"rlmill-async": ["async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true"]}
@@ -156,6 +165,9 @@ class Workload:
     # data.val_size of every run, when the held-out count decides the train rows (times); None:
     # each run picks its own (arith always holds out its first 300 problems)
     val_size: int | None = None
+    # rlmill's data.seed (the task's split, the prompts' order, every rollout's sampling seed) and
+    # TRL's seed; TRL trains on those same prompts in that order (trl_rows)
+    seed: int = 0
 
     def __post_init__(self):
         if self.prompts % self.mini_batches:
@@ -173,7 +185,8 @@ class Workload:
         length = f"exactly {self.max_len}" if self.ignore_eos else f"<= {self.max_len}"
         return (f"GRPO, {self.model} model, {self.task} prompts, {self.prompts} prompts x {self.group} samples per step, "
                 f"{length} response tokens, temperature {self.temperature}, lr {self.lr:g} constant, "
-                f"{self.mini_batches} optimizer step(s) per step, no KL, rlmill ZeRO stage {self.zero_stage}")
+                f"{self.mini_batches} optimizer step(s) per step, no KL, rlmill ZeRO stage {self.zero_stage}, "
+                f"seed {self.seed}")
 
 
 # ------------------------------------------------------------------------------ configs, both sides
@@ -189,7 +202,8 @@ def rlmill_overrides(w: Workload, root: str, run_id: str, *, iterations: int, ch
             f"actor.ppo_mini_batch_size={w.prompts // w.mini_batches}", "actor.ppo_epochs=1",
             "actor.lr_scheduler=constant", "actor.kl_loss.use_kl_loss=false", f"actor.zero_stage={w.zero_stage}",
             "algorithm.epsilon=1e-4",  # TRL's (std + 1e-4) in the advantage (tests/algos/test_trl_parity.py)
-            f"trainer.total_iterations={iterations}", "trainer.val_every=0",
+            f"trainer.total_iterations={iterations}", "trainer.val_every=0", f"data.seed={w.seed}",
+            *([f"data.generate={TASKS[w.task].generate}"] if TASKS[w.task].generate else []),
             f"trainer.checkpoint_every={checkpoint_every}", "trainer.tensorboard=false",
             f"data.val_size={val_size}", f"rollout.ignore_eos={str(w.ignore_eos).lower()}",
             f"trainer.val_before_train={str(val_before_train).lower()}",
@@ -289,7 +303,8 @@ def run_flow(spec: dict) -> dict:
            "update_seconds": [m["timing_s/update_actor"] for m in updates]}
     if budget:
         steps, clock = first_crossing(seconds, budget)
-        out.update(steps=steps, train_seconds=clock, weights=layout.policy(steps))
+        out.update(steps=steps, train_seconds=clock, weights=layout.policy(steps),
+                   curve_weights={k: layout.policy(k) for k in curve_steps(steps, spec.get("eval_every", 0))})
     return out
 
 
@@ -301,17 +316,22 @@ def run_stages(spec: dict) -> dict:
     cfg = rlmill_config(w, spec["root"], spec["run_id"], val_size=32)
     run, roles = open_warm(cfg)
     seconds: list[float] = []
+    curve, every = {}, spec.get("eval_every", 0) if budget else 0
     while (sum(seconds[1:]) < budget) if budget else (len(seconds) < spec["steps"]):
         k, t0 = len(seconds) + 1, time.perf_counter()
         run_iteration(DirectCalls(run, roles), cfg, k)
         seconds.append(time.perf_counter() - t0)
+        if every and k % every == 0:  # off the clock, as the flow's checkpoint writes are
+            curve[k] = os.path.join(spec["root"], f"policy-{k}")
+            roles.trainer.save_hf(curve[k])
     tokens = [rlmill_tokens(run.layout, k) for k in range(1, len(seconds) + 1)]
     out = {"step_seconds": seconds, "gen_tokens": [g for g, _ in tokens], "train_tokens": [t for _, t in tokens],
            "update_seconds": [m["timing_s/update_actor"] for m in rlmill_update_metrics(run.layout, len(seconds))]}
     if budget:
         folder = os.path.join(spec["root"], "final-policy")
         roles.trainer.save_hf(folder)
-        out.update(steps=len(seconds), train_seconds=sum(seconds[1:]), weights=folder)
+        out.update(steps=len(seconds), train_seconds=sum(seconds[1:]), weights=folder,
+                   curve_weights={k: f for k, f in curve.items() if k < len(seconds)})
     return out
 
 
@@ -346,18 +366,24 @@ def run_trl(spec: dict) -> dict:
     dataset = Dataset.from_dict(trl_rows(cfg, train, tok, spec["steps"]))
     gen_tokens, train_tokens, ends, gen_seconds = [], [], [], []
     reward = trl_reward(task_score(w.task), tok, gen_tokens, train_tokens)
+    curve, every, paused = {}, spec.get("eval_every", 0) if budget else 0, [0.0]
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             ends.append(time.perf_counter())
 
-        def on_step_end(self, args, state, control, **kw):
+        def on_step_end(self, args, state, control, model=None, **kw):
             if state.global_step % w.mini_batches == 0:  # a whole generation batch is trained on
-                ends.append(time.perf_counter())
+                ends.append(time.perf_counter() - paused[0])
                 control.should_training_stop = bool(budget) and len(ends) > 2 and ends[-1] - ends[1] >= budget
+                k = len(ends) - 1
+                if every and k % every == 0 and not control.should_training_stop:  # off the clock
+                    t0, curve[k] = time.perf_counter(), os.path.join(spec["root"], f"policy-{k}")
+                    model.save_pretrained(curve[k])
+                    paused[0] += time.perf_counter() - t0
             return control
 
-    args = trl_args(w, cfg, max_steps=spec["steps"], output_dir=os.path.join(spec["root"], "trl"))
+    args = trl_args(w, cfg, max_steps=spec["steps"], output_dir=os.path.join(spec["root"], "trl"), seed=w.seed)
     args = GRPOConfig(**{**args, **(trl_vllm_args(w.max_len, w.ignore_eos) if use_vllm else {})})
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tok, callbacks=[Clock()])
@@ -371,7 +397,7 @@ def run_trl(spec: dict) -> dict:
     if budget:
         folder = os.path.join(spec["root"], "final-policy")
         trainer.save_model(folder)
-        out.update(steps=len(seconds), train_seconds=sum(seconds[1:]), weights=folder)
+        out.update(steps=len(seconds), train_seconds=sum(seconds[1:]), weights=folder, curve_weights=curve)
     return out
 
 
@@ -393,6 +419,9 @@ def worker_main(spec_path: str) -> None:
         tok = AutoTokenizer.from_pretrained(spec["model_path"])
         problems = heldout_problems(task_splits(rlmill_config(w), spec["data_dir"])[1], tok, spec["heldout"])
         out["acc_after"] = evaluate_folder(out["weights"], tok, problems, w.max_len, task_score(w.task))
+        out["curve"] = {k: evaluate_folder(folder, tok, problems, w.max_len, task_score(w.task))
+                        for k, folder in out.pop("curve_weights", {}).items()}
+        out["curve"][out["steps"]] = out["acc_after"]
     Path(spec["result"]).write_text(json.dumps(out))
 
 
@@ -436,17 +465,18 @@ def throughput_phase(rows, base: dict, steps: int, repeats: int, tmp: str, keep:
     return runs
 
 
-def accuracy_phase(rows, base: dict, args, tmp: str, s_step: dict) -> dict[str, dict]:
+def accuracy_phase(rows, base: dict, args, tmp: str, s_step: dict, tag: str = "acc") -> dict[str, dict]:
     out = {}
     for row in rows:
         # A flow's length is fixed up front (margin 1.3); TRL and the stage loop stop on the clock.
         steps = budget_steps(args.seconds, s_step.get(row), 1.3 if WORKERS[row] is run_flow else 3.0)
         try:
-            r = run_worker({**base, "row": row, "tag": "acc", "steps": steps, "budget": args.seconds}, tmp, bool(args.keep))
+            r = run_worker({**base, "row": row, "tag": tag, "steps": steps, "budget": args.seconds,
+                            "eval_every": args.eval_every}, tmp, bool(args.keep))
         except RuntimeError as e:
             print(f"  {row} failed: {e}", file=sys.stderr, flush=True)
             continue
-        out[row] = {k: r[k] for k in ("acc_after", "steps", "train_seconds", "own_acc_before") if k in r}
+        out[row] = {k: r[k] for k in ("acc_after", "steps", "train_seconds", "own_acc_before", "curve") if k in r}
         print(f"  {row:<14} {r['steps']} steps in {r['train_seconds']:.1f} s -> acc {100 * r['acc_after']:.1f} %",
               file=sys.stderr, flush=True)
     return out
@@ -481,6 +511,11 @@ def parse_args(argv):
     p.add_argument("--rows", default=None, help=f"comma-separated subset of {','.join(ROWS)} (default: "
                    f"{','.join(ARITH_ROWS)} for arith, {','.join(LONG_ROWS)} for forced-length workloads, "
                    f"{','.join(TIMES_ROWS)} for times)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds of the accuracy phase: each seed is rlmill's "
+                   "data.seed (split, prompt order, sampling) and TRL's seed, the rows alternating order seed by "
+                   "seed; the table shows the first, a summary all (mean, spread, per-step curve)")
+    p.add_argument("--eval-every", type=int, default=0, help="also score the held-out set after every N-th step "
+                   "of the accuracy runs (the per-step curve; the weights are saved off the clock); 0 = final only")
     p.add_argument("--keep", default=None, help="keep run folders, logs and results under this folder")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -491,6 +526,14 @@ def parse_args(argv):
         args.cases = pick_cases(args.workload, args.model)
     except ValueError as e:
         p.error(str(e))
+    try:
+        args.seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds {args.seeds!r}: give comma-separated integers, e.g. 0,1,2")
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        p.error(f"--seeds {','.join(map(str, args.seeds))}: give distinct seeds >= 0")
+    if args.eval_every < 0:
+        p.error(f"--eval-every must be >= 0, got {args.eval_every}")
     if args.steps is not None and args.steps < 2 and args.repeats != 0:
         p.error("--steps must be >= 2 (the first step is not timed)")
     for flag, value in (("--tokens", args.tokens), ("--heldout", args.heldout), ("--prompts", args.prompts)):
@@ -520,35 +563,39 @@ def case_workload(name: str, model: str, args) -> Workload:
 def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
     """Every row of one (workload, model) case, A/B; returns the lines that report it. `peak`: the
     matmul FLOP/s measured before the case; the best of it and a measure after is reported (on
-    shared cores, the best seen is the closer to what the cores can do)."""
+    shared cores, the best seen is the closer to what the cores can do). The throughput phase runs
+    on the first seed; the accuracy phase on every seed of --seeds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     w, load0, t0 = case_workload(name, model, args), os.getloadavg()[0], time.perf_counter()
     steps, repeats = (args.steps or RUNS[name][0]), (RUNS[name][1] if args.repeats is None else args.repeats)
-    rows = args.rows.split(",") if args.rows else list({"arith": ARITH_ROWS, "times": TIMES_ROWS}.get(name, LONG_ROWS))
-    heldout, score = case_heldout(name, args), task_score(w.task)
-    model_path, data_dir = model_folder(model), os.path.join(tmp, f"data-{w.task}-{w.val_size or 'a'}")
+    rows = args.rows.split(",") if args.rows else list(DEFAULT_ROWS.get(name, LONG_ROWS))
+    heldout, model_path = case_heldout(name, args), model_folder(model)
     case_tmp = os.path.join(tmp, f"{name}-{model}")
     os.makedirs(case_tmp, exist_ok=True)
-    train, test = task_splits(rlmill_config(w), data_dir)
-    tok, policy = AutoTokenizer.from_pretrained(model_path), AutoModelForCausalLM.from_pretrained(model_path)
-    if w.ignore_eos:
-        longest = max(len(tok(text=prompt_text(m, tok))["input_ids"]) for m in train["prompt"].tolist())
-        check_context(w.max_len, longest, policy.config.max_position_embeddings)
     scored = not w.ignore_eos and args.seconds > 0  # forced-length answers never score: no accuracy phase
-    problems = heldout_problems(test, tok, heldout)
-    acc_before = greedy_accuracy(policy, tok, problems, w.max_len, score) if scored else None
-    base = {"workload": asdict(w), "threads": args.threads, "heldout": heldout,
-            "model_path": model_path, "data_dir": data_dir}
-    runs = throughput_phase(rows, base, steps, repeats, case_tmp, bool(args.keep))
+    tok, policy = AutoTokenizer.from_pretrained(model_path), AutoModelForCausalLM.from_pretrained(model_path)
+    starts = {seed: case_start(replace(w, seed=seed), tok, policy if scored else None, tmp, heldout, model_path)
+              for seed in (args.seeds if scored else args.seeds[:1])}
+    first = args.seeds[0]
+    problems, acc_before, base = starts[first]
+    if w.ignore_eos:
+        longest = max(len(p) for p in base.pop("prompt_lens"))
+        check_context(w.max_len, longest, policy.config.max_position_embeddings)
+    runs = throughput_phase(rows, {**base, "threads": args.threads}, steps, repeats, case_tmp, bool(args.keep))
     results = {row: median_summary(runs[row]) if runs[row] else {} for row in rows}
+    by_seed: dict[int, dict[str, dict]] = {}
     if scored:
         # A flow's length is sized from its fastest throughput step (after each run's warm-up):
         # running out of steps before the budget would cut its accuracy short (a run slowed by
         # other work on the box once left rlmill-flow at 179 of 200 s); extra steps only cost waiting.
         fastest = {row: min(s for r in runs[row] for s in r["step_seconds"][after_warmup(r["step_seconds"])])
                    for row in rows if runs[row]}
-        for row, acc in accuracy_phase(rows, base, args, case_tmp, fastest).items():
+        for i, seed in enumerate(args.seeds):  # the rows alternate order seed by seed: A/B, B/A, ...
+            order = rows if i % 2 == 0 else rows[::-1]
+            seed_base = {**starts[seed][2], "threads": args.threads}
+            by_seed[seed] = accuracy_phase(order, seed_base, args, case_tmp, fastest, tag=f"acc-s{seed}")
+        for row, acc in by_seed[first].items():
             results[row].update(acc)
     lines = [f"\n== {name} / {model}: load average {load0:.1f} -> {os.getloadavg()[0]:.1f}, "
              f"{time.perf_counter() - t0:.0f} s",
@@ -557,15 +604,30 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
              "peak GB: the largest process of a throughput run (kernel's maxrss), tree GB: the run's whole "
              "process tree (sum of resident sets, sampled every 0.5 s); the highest of the repeats"
              + (f"; acc: greedy {TASKS[w.task].score} on {len(problems)} held-out problems, after {args.seconds:g} s "
-                "of training" if scored else "; no accuracy phase (forced-length answers never score)")]
+                f"of training (seed {first})" if scored else "; no accuracy phase (forced-length answers never score)")]
     lines += format_table(results, acc_before)
-    lines.append(f"goals (issue {24 if model == 'smollm2' else 14}, {name}/{model}): rlmill train tok/s vs TRL"
+    lines.append(f"goals (issue {ISSUES.get((name, model), 14)}, {name}/{model}): rlmill train tok/s vs TRL"
                  + ("; held-out accuracy at equal training time not below TRL's" if scored else ""))
     lines += goal_lines(results, GOALS.get((name, model), {}))
     lines += check_lines(results, acc_before, args.seconds) if scored else []
+    if scored and (len(args.seeds) > 1 or args.eval_every):
+        lines += seeds_lines(by_seed, {seed: start[1] for seed, start in starts.items()})
     if w.ignore_eos or name != "arith":  # arith's 6-token answers on 0.5M parameters: fixed costs only
         lines += flops_lines(results, policy.num_parameters(), max(peak, matmul_peak(args.threads)))
     return lines
+
+
+def case_start(w: Workload, tok, policy, tmp: str, heldout: int, model_path: str):
+    """(held-out problems, the start policy's greedy score on them (None without a policy), the
+    runs' base spec) of workload `w`: its task's split for its seed, written once under `tmp`."""
+    data_dir = os.path.join(tmp, f"data-{w.task}-{w.val_size or 'a'}-seed{w.seed}")
+    train, test = task_splits(rlmill_config(w), data_dir)
+    problems = heldout_problems(test, tok, heldout)
+    base = {"workload": asdict(w), "heldout": heldout, "model_path": model_path, "data_dir": data_dir}
+    if w.ignore_eos:  # forced lengths: the longest prompt decides whether the context holds them
+        base["prompt_lens"] = [len(tok(text=prompt_text(m, tok))["input_ids"]) for m in train["prompt"].tolist()]
+    score = None if policy is None else greedy_accuracy(policy, tok, problems, w.max_len, task_score(w.task))
+    return problems, score, base
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,9 @@ the built-in arith task):
            examples/grpo_times_smollm2.yaml; reward and held-out score are the answer's last number
            (gpu_jobs.reward.rules.last_number_score) on both sides; 40 held-out prompts (whole
            facts, both orders; --heldout, at most 60: the held-out count decides the train split).
+  times25  times on the 2..25 tables (data.generate=times25: 576 prompts, 300 facts), 200 held-out
+           prompts (at most 288), where one prompt is half a point instead of times' 2.5; SmolLM2
+           starts near 27 % on it. Issue 45's comparison: --seeds 0,1,2 --eval-every 4.
 Forcing: rlmill sets rollout.ignore_eos (keeps sampling past EOS; every token is trained); TRL
 cannot use ignore_eos, because its completion mask ends each completion at its first EOS, so it
 forbids EOS until the length is reached instead (transformers `min_new_tokens`, vLLM
@@ -52,8 +55,9 @@ WORKLOADS = {  # Workload keyword arguments; steps/repeats are the defaults of -
     "long512": dict(prompts=16, max_len=506, lr=1e-5, ignore_eos=True),  # + 6 prompt tokens = 512 positions
     # examples/grpo_times_smollm2.yaml's batch, temperature and lr; 64 tokens: the cap for 2 cores
     "times": dict(prompts=8, group=4, max_len=64, lr=1e-5, temperature=0.8, ignore_eos=False, task="times"),
+    "times25": dict(prompts=8, group=4, max_len=64, lr=1e-5, temperature=0.8, ignore_eos=False, task="times25"),
 }
-RUNS = {"arith": (8, 3), "long128": (5, 2), "long512": (4, 2), "times": (4, 1)}  # (steps, repeats) per run
+RUNS = {"arith": (8, 3), "long128": (5, 2), "long512": (4, 2), "times": (4, 1), "times25": (4, 1)}  # (steps, repeats)
 MODELS = ("builtin", "16m", "smollm2")
 
 
@@ -66,12 +70,16 @@ class Task:
     heldout: int  # held-out prompts evaluated by default
     max_heldout: int | None = None  # the task holds out at most this many (None: no limit)
     fixed_split: bool = False  # the held-out count decides the train rows: every run of a case uses one
+    generate: str | None = None  # data.generate in place of the example's (None: the example's own)
 
 
 TASKS = {
     "arith": Task("grpo_arith.yaml", "arith_score", heldout=300),
     # 121 prompts in all; the example's 40 held out (gpu_jobs.data.generators.TIMES_TABLES["times"].max_held_out = 60)
     "times": Task("grpo_times_smollm2.yaml", "last_number_score", heldout=40, max_heldout=60, fixed_split=True),
+    # 576 prompts, 300 facts; at most 288 held out (TIMES_TABLES["times25"]), 200 by default
+    "times25": Task("grpo_times_smollm2.yaml", "last_number_score", heldout=200, max_heldout=288, fixed_split=True,
+                    generate="times25"),
 }
 
 
@@ -91,13 +99,16 @@ GOALS = {("arith", "builtin"): {"rlmill-flow": 1.0, "rlmill-vllm": 1.0, "rlmill-
          ("long128", "builtin"): {"rlmill-flow": 1.3, "rlmill-vllm": 1.3},
          ("long128", "16m"): {"rlmill-flow": 1.2, "rlmill-vllm": 1.2},
          # issue 24: the flow at 1.5x TRL's faster row on the real model
-         ("times", "smollm2"): {"rlmill-flow": 1.5, "rlmill-vllm": 1.5, "rlmill-async": 1.5}}
+         ("times", "smollm2"): {"rlmill-flow": 1.5, "rlmill-vllm": 1.5, "rlmill-async": 1.5},
+         # issue 45: 2x TRL's fastest row
+         ("times25", "smollm2"): {"rlmill-vllm": 2.0, "rlmill-async": 2.0}}
 
 
 # A flag left out pairs each named workload/model with these partners: times is SmolLM2's task (the
 # character models were never trained on words or on multiplication), and SmolLM2 is
 # benchmarked on it alone (its long512 would force 506 tokens: minutes a step on 2 cores).
-PARTNERS = {"times": ("smollm2",), "smollm2": ("times",)}
+PARTNERS = {"times": ("smollm2",), "times25": ("smollm2",), "smollm2": ("times",)}
+SMOLLM2_TASKS = ("times", "times25")  # words and multiplication: never run on the character models by default
 
 
 def pick_cases(workloads: str | None, models: str | None) -> list[tuple[str, str]]:
@@ -114,7 +125,7 @@ def pick_cases(workloads: str | None, models: str | None) -> list[tuple[str, str
     if models is None:
         return [(w, m) for w in ws for m in PARTNERS.get(w, ("builtin",))]
     if workloads is None:
-        return [(w, m) for m in ms for w in PARTNERS.get(m, tuple(x for x in WORKLOADS if x != "times"))]
+        return [(w, m) for m in ms for w in PARTNERS.get(m, tuple(x for x in WORKLOADS if x not in SMOLLM2_TASKS))]
     return [(w, m) for w in ws for m in ms]
 
 

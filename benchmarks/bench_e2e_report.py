@@ -127,6 +127,41 @@ def first_crossing(step_seconds, budget: float, skip: int = 1) -> tuple[int, flo
     return len(step_seconds), clock
 
 
+def curve_steps(steps: int, every: int) -> list[int]:
+    """The steps before `steps` whose weights the per-step curve evaluates: every `every`-th (none
+    when every is 0); the last step's are the run's final weights, evaluated anyway."""
+    return list(range(every, steps, every)) if every > 0 else []
+
+
+def seeds_lines(by_seed: dict[int, dict[str, dict]], before: dict[int, float]) -> list[str]:
+    """The accuracy phase over seeds: per row, the held-out score at equal training time (mean,
+    standard deviation, range), the steps it took, and the per-step curve's mean over the seeds
+    that reached each step. `by_seed`: seed -> row -> that run's results (acc_after, steps,
+    train_seconds, curve: step -> score); `before`: seed -> the start checkpoint's score."""
+    rows = list(dict.fromkeys(row for results in by_seed.values() for row in results))
+    pct = lambda xs: f"{100 * statistics.mean(xs):5.1f} ± {100 * (statistics.stdev(xs) if len(xs) > 1 else 0):4.1f}"
+    b = list(before.values())
+    out = [f"over seeds {', '.join(map(str, by_seed))}: held-out score before {pct(b)} %",
+           f"{'row':<14} {'acc at equal time':>19} {'range':>13} {'steps':>6} {'train s':>8}  per-step curve (mean over seeds)"]
+    for row in rows:
+        runs = [results[row] for results in by_seed.values() if results.get(row, {}).get("acc_after") is not None]
+        if not runs:
+            out.append(f"{row:<14} {'-':>19}")
+            continue
+        acc = [r["acc_after"] for r in runs]
+        curve: dict[int, list[float]] = {}
+        for r in runs:
+            for k, v in r.get("curve", {}).items():
+                curve.setdefault(int(k), []).append(v)
+        points = "  ".join(f"{k}: {100 * statistics.mean(v):.1f}" + ("" if len(v) == len(runs) else f" ({len(v)})")
+                           for k, v in sorted(curve.items()))
+        out.append(f"{row:<14} {pct(acc):>17} % {100 * min(acc):5.1f}..{100 * max(acc):5.1f} "
+                   f"{statistics.mean(r['steps'] for r in runs):6.1f} {statistics.mean(r['train_seconds'] for r in runs):8.1f}"
+                   f"  {points}")
+    out.append("  (curve: step -> held-out %; a count in brackets: only that many seeds reached the step)")
+    return out
+
+
 def budget_steps(budget: float, s_step: float | None, margin: float) -> int:
     """Steps a fixed-length run needs to cross `budget` seconds, with a margin for noise."""
     return math.ceil(budget / (s_step or 1.0) * margin) + 2

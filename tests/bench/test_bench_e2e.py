@@ -121,7 +121,7 @@ def test_trl_smoke_counts_tokens_and_stops_on_the_clock(builtin, tmp_path):
     path, start, tok = builtin
     w = be.Workload(prompts=2)
     spec = {"row": "trl", "workload": be.asdict(w), "model_path": path, "data_dir": str(tmp_path / "data"),
-            "root": str(tmp_path / "trl"), "steps": 6, "budget": 1e-3, "heldout": 8}
+            "root": str(tmp_path / "trl"), "steps": 6, "budget": 1e-3, "heldout": 8, "eval_every": 1}
     out = be.run_trl(spec)
     # A budget of ~0 stops after step 2 (the clock starts after step 1), not at the cap of 6.
     assert out["steps"] == 2 and len(out["step_seconds"]) == 2 and out["train_seconds"] > 0
@@ -132,6 +132,10 @@ def test_trl_smoke_counts_tokens_and_stops_on_the_clock(builtin, tmp_path):
     # The trained weights are saved for the shared evaluation, and they moved.
     trained = AutoModelForCausalLM.from_pretrained(out["weights"]).state_dict()
     assert any(not torch.equal(v, start.state_dict()[k]) for k, v in trained.items())
+    # --eval-every 1: step 1's weights were saved for the per-step curve (step 2's are the final ones).
+    assert list(out["curve_weights"]) == [1]
+    first = AutoModelForCausalLM.from_pretrained(out["curve_weights"][1]).state_dict()
+    assert any(not torch.equal(v, trained[k]) for k, v in first.items())
     problems = be.heldout_problems(be.task_splits(be.rlmill_config(w), spec["data_dir"])[1], tok, 8)
     assert be.evaluate_folder(out["weights"], tok, problems, 6, be.task_score("arith")) in {i / 8 for i in range(9)}
 
@@ -159,6 +163,10 @@ def test_smollm2_and_times_pair_with_each_other_when_the_other_flag_is_left_out(
 
 @pytest.mark.parametrize("argv, message", [
     (["--workload", "times", "--heldout", "61"], "times task holds out at most 60 prompts"),
+    (["--workload", "times25", "--heldout", "289"], "times25 task holds out at most 288 prompts"),
+    (["--seeds", "0,x"], "give comma-separated integers"),
+    (["--seeds", "1,1"], "give distinct seeds"),
+    (["--eval-every", "-1"], "--eval-every must be >= 0"),
     (["--workload", "times", "--tokens", "0"], "--tokens must be >= 1"),
     (["--model", "gpt5"], "unknown --model"),
 ])
@@ -235,3 +243,40 @@ def test_tree_rss_counts_this_process_and_nothing_once_a_process_is_gone():
 
     assert tree_rss(os.getpid()) > 50 << 20  # torch is loaded here
     assert tree_rss(2**22 + 1) == 0  # above Linux's largest possible pid (PID_MAX_LIMIT): never a process
+
+
+# ------------------------------------------------------------------------------ issue 45: times25 over seeds
+def test_times25_pairs_with_smollm2_and_holds_out_200_facts_by_default():
+    from benchmarks.bench_e2e_long import pick_cases
+
+    assert pick_cases("times25", None) == [("times25", "smollm2")]
+    assert all(w not in ("times", "times25") for w, _ in pick_cases(None, "16m"))
+    w = be.case_workload("times25", "smollm2", be.parse_args(["--workload", "times25", "--seeds", "3,4"]))
+    assert (w.task, w.val_size, w.prompts, w.group, w.max_len) == ("times25", 200, 8, 4, 64)
+
+
+@pytest.mark.skipif(not smollm2_available(), reason="SmolLM2 is not converted here (make smollm2)")
+def test_a_seed_reaches_rlmills_data_and_sampling_and_trls_seed(tmp_path):
+    w = be.replace(be.case_workload("times25", "smollm2", be.parse_args(["--workload", "times25"])), seed=3)
+    cfg = be.rlmill_config(w, str(tmp_path / "run"), "r")
+    assert (cfg.data.generate, cfg.data.val_size, cfg.data.seed) == ("times25", 200, 3)
+    assert be.trl_args(w, cfg, max_steps=2, output_dir=str(tmp_path), seed=w.seed)["seed"] == 3
+    train, test = be.task_splits(cfg, str(tmp_path / "data"))
+    held = {frozenset((x["a"], x["b"])) for x in test["extra_info"]}
+    # whole facts in both orders: a square is one prompt, so the split can hold one more than asked
+    assert len(test) in (200, 201) and not held & {frozenset((x["a"], x["b"])) for x in train["extra_info"]}
+
+
+def test_seed_summary_means_spreads_and_curves():
+    from benchmarks.bench_e2e_report import curve_steps, seeds_lines
+
+    assert curve_steps(10, 4) == [4, 8] and curve_steps(8, 4) == [4] and curve_steps(5, 0) == []
+    run = lambda acc, steps, curve: {"acc_after": acc, "steps": steps, "train_seconds": 60.0, "curve": curve}
+    by_seed = {0: {"rlmill-vllm": run(0.5, 8, {"4": 0.4, "8": 0.5}), "trl": run(0.3, 4, {4: 0.3})},
+               1: {"rlmill-vllm": run(0.7, 9, {4: 0.6, 8: 0.7, 9: 0.7}), "trl": {}}}
+    lines = seeds_lines(by_seed, {0: 0.25, 1: 0.35})
+    assert lines[0] == "over seeds 0, 1: held-out score before  30.0 ±  7.1 %"
+    vllm = lines[2]
+    assert vllm.split()[:4] == ["rlmill-vllm", "60.0", "±", "14.1"] and "50.0.. 70.0" in vllm
+    assert "4: 50.0  8: 60.0  9: 70.0 (1)" in vllm  # JSON's string keys too; step 9: one seed only
+    assert lines[3].split()[:2] == ["trl", "30.0"] and "4: 30.0" in lines[3]

@@ -184,10 +184,19 @@ def median_summary(runs: list[dict], skip: int = 1) -> dict:
 
 
 # ------------------------------------------------------------------------------ tables
+def reference_row(results: dict[str, dict]) -> str:
+    """The row the ratios divide by: `trl`, else the first other TRL row measured (trl-vllm when
+    only that one runs)."""
+    if results.get("trl"):
+        return "trl"
+    return next((row for row, r in results.items() if row.startswith("trl") and r), "trl")
+
+
 def format_table(results: dict[str, dict], acc_before: float | None) -> list[str]:
-    """One line per row; ratio columns are row / TRL (the `trl` row) for every measure (s/step: < 1
-    is faster). `acc_before` None: a workload without an accuracy phase."""
-    trl = results.get("trl", {})
+    """One line per row; ratio columns are row / the reference row (`reference_row`: TRL) for
+    every measure (s/step: < 1 is faster). `acc_before` None: a workload without an accuracy phase."""
+    ref = reference_row(results)
+    trl = results.get(ref, {})
 
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
@@ -202,7 +211,7 @@ def format_table(results: dict[str, dict], acc_before: float | None) -> list[str
     head = (f"{'row':<14}{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'peak GB':>9}{'tree GB':>9}"
             f"{'acc before':>12}{'acc after':>11}{'steps':>7}{'train s':>9}"
             f"  |{'s/step':>8}{'gen tok/s':>11}{'train tok/s':>13}{'peak GB':>9}{'acc after':>11}")
-    lines = [" " * head.index("|") + "|  rlmill / TRL", head]
+    lines = [" " * head.index("|") + f"|  rlmill / {ref}", head]
     for row, r in results.items():
         acc = r.get("acc_after")
         lines.append(
@@ -218,9 +227,11 @@ def format_table(results: dict[str, dict], acc_before: float | None) -> list[str
 def goal_lines(results: dict[str, dict], goals: dict[str, float]) -> list[str]:
     """Each rlmill row's train tok/s over every TRL row's, judged against its goal in `goals`
     (row -> minimum ratio; a row without one is only measured) over the fastest TRL row: TRL in
-    its best configuration. Held-out accuracy is compared with the `trl` row's."""
+    its best configuration. Held-out accuracy is compared with the reference row's (`trl`, else
+    the TRL row measured)."""
     trls = {row: r["train_tps"] for row, r in results.items() if row.startswith("trl") and r.get("train_tps")}
-    trl, out = results.get("trl", {}), []
+    ref = reference_row(results)
+    trl, out = results.get(ref, {}), []
     for row, r in results.items():
         if row.startswith("trl") or not trls or r.get("train_tps") is None:
             continue
@@ -230,7 +241,7 @@ def goal_lines(results: dict[str, dict], goals: dict[str, float]) -> list[str]:
                    f" (goal >= {goal:g}x{' the fastest TRL row' if len(x) > 1 else ''}: "
                    f"{'met' if best >= goal else 'not met'})")
         acc = ("" if r.get("acc_after") is None or trl.get("acc_after") is None else
-               f"; acc after {100 * r['acc_after']:.1f} % vs TRL {100 * trl['acc_after']:.1f} % "
+               f"; acc after {100 * r['acc_after']:.1f} % vs {ref} {100 * trl['acc_after']:.1f} % "
                f"({'met' if r['acc_after'] >= trl['acc_after'] else 'not met'})")
         ratios = ", ".join(f"{v:.2f}x {ref}" for ref, v in x.items())
         out.append(f"  {row}: train tok/s {ratios}{verdict}{acc}")

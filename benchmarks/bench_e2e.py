@@ -123,6 +123,7 @@ from benchmarks.bench_e2e_report import (after_warmup, budget_steps, check_lines
                                          first_crossing, flops_lines, seeds_lines,
                                          format_table, goal_lines, greedy_accuracy, median_summary,
                                          run_measured, summarize, token_counts)
+from benchmarks.heldout_eval import ENGINES, evaluate_folders, vllm_available
 
 
 def _quiet_env() -> None:
@@ -418,10 +419,9 @@ def worker_main(spec_path: str) -> None:
         w = Workload(**spec["workload"])
         tok = AutoTokenizer.from_pretrained(spec["model_path"])
         problems = heldout_problems(task_splits(rlmill_config(w), spec["data_dir"])[1], tok, spec["heldout"])
-        out["acc_after"] = evaluate_folder(out["weights"], tok, problems, w.max_len, task_score(w.task))
-        out["curve"] = {k: evaluate_folder(folder, tok, problems, w.max_len, task_score(w.task))
-                        for k, folder in out.pop("curve_weights", {}).items()}
-        out["curve"][out["steps"]] = out["acc_after"]
+        folders = {**out.pop("curve_weights", {}), out["steps"]: out["weights"]}
+        out["curve"] = shared_scores(folders, tok, problems, w, spec.get("eval_engine", "hf"), spec["threads"])
+        out["acc_after"] = out["curve"][out["steps"]]
     Path(spec["result"]).write_text(json.dumps(out))
 
 
@@ -516,6 +516,9 @@ def parse_args(argv):
                    "seed; the table shows the first, a summary all (mean, spread, per-step curve)")
     p.add_argument("--eval-every", type=int, default=0, help="also score the held-out set after every N-th step "
                    "of the accuracy runs (the per-step curve; the weights are saved off the clock); 0 = final only")
+    p.add_argument("--eval-engine", choices=ENGINES, default="vllm" if vllm_available() else "hf",
+                   help="the shared held-out evaluation's greedy decoder: plain vLLM (default where installed; "
+                   "a third of the time on SmolLM2) or transformers `generate`; both give the same answers")
     p.add_argument("--keep", default=None, help="keep run folders, logs and results under this folder")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -575,7 +578,8 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
     os.makedirs(case_tmp, exist_ok=True)
     scored = not w.ignore_eos and args.seconds > 0  # forced-length answers never score: no accuracy phase
     tok, policy = AutoTokenizer.from_pretrained(model_path), AutoModelForCausalLM.from_pretrained(model_path)
-    starts = {seed: case_start(replace(w, seed=seed), tok, policy if scored else None, tmp, heldout, model_path)
+    starts = {seed: case_start(replace(w, seed=seed), tok, policy if scored else None, tmp, heldout, model_path,
+                               args.eval_engine, args.threads)
               for seed in (args.seeds if scored else args.seeds[:1])}
     first = args.seeds[0]
     problems, acc_before, base = starts[first]
@@ -617,17 +621,26 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
     return lines
 
 
-def case_start(w: Workload, tok, policy, tmp: str, heldout: int, model_path: str):
+def case_start(w: Workload, tok, policy, tmp: str, heldout: int, model_path: str, eval_engine: str = "hf",
+               threads: int = 2):
     """(held-out problems, the start policy's greedy score on them (None without a policy), the
     runs' base spec) of workload `w`: its task's split for its seed, written once under `tmp`."""
     data_dir = os.path.join(tmp, f"data-{w.task}-{w.val_size or 'a'}-seed{w.seed}")
     train, test = task_splits(rlmill_config(w), data_dir)
     problems = heldout_problems(test, tok, heldout)
-    base = {"workload": asdict(w), "heldout": heldout, "model_path": model_path, "data_dir": data_dir}
+    base = {"workload": asdict(w), "heldout": heldout, "model_path": model_path, "data_dir": data_dir,
+            "eval_engine": eval_engine}
     if w.ignore_eos:  # forced lengths: the longest prompt decides whether the context holds them
         base["prompt_lens"] = [len(tok(text=prompt_text(m, tok))["input_ids"]) for m in train["prompt"].tolist()]
-    score = None if policy is None else greedy_accuracy(policy, tok, problems, w.max_len, task_score(w.task))
+    score = None if policy is None else shared_scores({0: model_path}, tok, problems, w, eval_engine, threads)[0]
     return problems, score, base
+
+
+def shared_scores(folders: dict, tok, problems, w: Workload, engine: str, threads: int) -> dict:
+    """{key: the shared greedy evaluation of folders[key]} on `engine` (--eval-engine)."""
+    if engine == "vllm":
+        return evaluate_folders(folders, problems, w.max_len, w.task, threads)
+    return {k: evaluate_folder(f, tok, problems, w.max_len, task_score(w.task)) for k, f in folders.items()}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -101,6 +101,22 @@ def test_shared_evaluation_agrees_with_rlmill_engine_and_can_fail(builtin, tmp_p
     assert be.greedy_accuracy(model, tok, [(p, "x" + t) for p, t in problems], 6, score) == 0.0
 
 
+@pytest.mark.slow
+def test_shared_evaluation_on_vllm_gives_transformers_scores_per_folder(builtin, tmp_path):
+    pytest.importorskip("vllm")
+    from benchmarks.heldout_eval import evaluate_folders
+
+    path, model, tok = builtin
+    _, test = be.task_splits(be.rlmill_config(be.Workload()), str(tmp_path / "data"))
+    problems = be.heldout_problems(test, tok, 24)
+    acc = be.greedy_accuracy(model, tok, problems, 6, be.task_score("arith"))
+    assert 0.0 < acc < 1.0  # a score that could differ (the transformers side's test shows it can fail)
+    # One interpreter, one engine per folder: the second starts clean after the first.
+    assert evaluate_folders({"a": path, "b": path}, problems, 6, "arith", threads=1) == {"a": acc, "b": acc}
+    with pytest.raises(RuntimeError, match="held-out evaluation failed"):
+        evaluate_folders({"a": str(tmp_path / "no-such-folder")}, problems, 6, "arith", threads=1)
+
+
 def test_trl_gets_exactly_the_prompts_of_rlmill_iterations(builtin, tmp_path):
     from gpu_jobs.stages import Run
     from gpu_jobs.data import render_prompt

@@ -7,6 +7,9 @@
     .venv/bin/python -m benchmarks.bench_e2e --workload times25 --rows rlmill-vllm,trl-vllm \
         --seeds 0,1,2 --eval-every 4 --seconds 120                  # issue 45: over seeds, 200 held out
 
+The held-out score (--eval-engine) is plain vLLM's greedy answers where vLLM is installed, else
+transformers `generate` (benchmarks/heldout_eval.py; both give the same answers).
+
 Without --workload/--model it runs arith/builtin, long128/builtin, long128/16m, long512/builtin;
 --model smollm2 (or --workload times) alone runs times/smollm2
 (benchmarks/bench_e2e_long.py: the presets, how each side forces answers to length, the 16M model,
@@ -639,7 +642,7 @@ def case_start(w: Workload, tok, policy, tmp: str, heldout: int, model_path: str
 def shared_scores(folders: dict, tok, problems, w: Workload, engine: str, threads: int) -> dict:
     """{key: the shared greedy evaluation of folders[key]} on `engine` (--eval-engine)."""
     if engine == "vllm":
-        return evaluate_folders(folders, problems, w.max_len, w.task, threads)
+        return evaluate_folders(folders, problems, w.max_len, w.task, tok.name_or_path, threads)
     return {k: evaluate_folder(f, tok, problems, w.max_len, task_score(w.task)) for k, f in folders.items()}
 
 

@@ -32,16 +32,18 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def evaluate_folders(folders: dict, problems, max_new_tokens: int, task: str, threads: int = 2) -> dict:
+def evaluate_folders(folders: dict, problems, max_new_tokens: int, task: str, tokenizer: str,
+                     threads: int = 2) -> dict:
     """{key: greedy score of folders[key] on `problems` ((prompt text, truth) pairs)} with the
-    scoring rule of bench task `task`, computed in a fresh interpreter."""
+    scoring rule of bench task `task`, computed in a fresh interpreter. `tokenizer`: the folder of
+    the tokenizer all of them share (a policy saved mid-run may be weights and config only)."""
     if not folders:
         return {}
     with tempfile.TemporaryDirectory(prefix="heldout-eval-") as tmp:
         spec, result = Path(tmp, "spec.json"), Path(tmp, "result.json")
         keys = list(folders)
         spec.write_text(json.dumps({"folders": [str(folders[k]) for k in keys], "problems": [list(p) for p in problems],
-                                    "max_new_tokens": max_new_tokens, "task": task, "threads": threads,
+                                    "max_new_tokens": max_new_tokens, "task": task, "tokenizer": tokenizer, "threads": threads,
                                     "result": str(result)}))
         repo = Path(__file__).resolve().parent.parent
         done = subprocess.run([sys.executable, "-m", "benchmarks.heldout_eval", str(spec)], cwd=repo,
@@ -52,8 +54,9 @@ def evaluate_folders(folders: dict, problems, max_new_tokens: int, task: str, th
     return dict(zip(keys, scores))
 
 
-def greedy_scores(folders: list[str], problems, max_new_tokens: int, score) -> list[float]:
-    """The mean `score`(greedy answer, truth) of each folder, one in-process vLLM engine at a time."""
+def greedy_scores(folders: list[str], tokenizer: str, problems, max_new_tokens: int, score) -> list[float]:
+    """The mean `score`(greedy answer, truth) of each folder, one in-process vLLM engine at a time;
+    `tokenizer` is the folder of their shared tokenizer."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -61,13 +64,13 @@ def greedy_scores(folders: list[str], problems, max_new_tokens: int, score) -> l
     from gpu_jobs.rollout.vllm_engine import cpu_engine_options
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False)
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    # The prompt text is already the chat template's output: no special tokens added, as in greedy_accuracy.
+    prompts = [TokensPrompt(prompt_token_ids=tok(p, add_special_tokens=False)["input_ids"]) for p, _ in problems]
     scores = []
     for folder in folders:
-        tok = AutoTokenizer.from_pretrained(folder)
-        # The prompt text is already the chat template's output: no special tokens added, as in greedy_accuracy.
-        prompts = [TokensPrompt(prompt_token_ids=tok(p, add_special_tokens=False)["input_ids"]) for p, _ in problems]
-        llm = LLM(model=folder, dtype="float32", seed=0, enforce_eager=True, gpu_memory_utilization=0.5,
-                  kv_cache_memory_bytes=1 << 30, **cpu_engine_options())
+        llm = LLM(model=folder, tokenizer=tokenizer, dtype="float32", seed=0, enforce_eager=True,
+                  gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 30, **cpu_engine_options())
         outs = llm.generate(prompts, params, use_tqdm=False)
         texts = [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
         scores.append(sum(score(t, truth) for t, (_, truth) in zip(texts, problems)) / len(problems))
@@ -86,7 +89,7 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     problems = [tuple(p) for p in spec["problems"]]
-    scores = greedy_scores(spec["folders"], problems, spec["max_new_tokens"], task_score(spec["task"]))
+    scores = greedy_scores(spec["folders"], spec["tokenizer"], problems, spec["max_new_tokens"], task_score(spec["task"]))
     Path(spec["result"]).write_text(json.dumps(scores))
 
 

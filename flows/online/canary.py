@@ -233,10 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    state = rl_canary(model=a.model, root=a.root, return_state=True)
-    if not state.is_completed():
-        raise SystemExit(f"rlmill: {state.message}")
-    print(json.dumps(state.result(), indent=1, default=str))
+    from flows.online import run_for_cli
+
+    print(json.dumps(run_for_cli(rl_canary, model=a.model, root=a.root), indent=1, default=str))
 
 
 if __name__ == "__main__":

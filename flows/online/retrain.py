@@ -435,12 +435,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"rlmill: --replay {a.replay!r} is not JSON ({exc}): give e.g. '{{\"feedback\": 0.2}}'")
     _quiet_env()
     roots = [o.split("=", 1)[1] for o in a.overrides if o.startswith("root=")]
-    state = rl_retrain(model=a.model, root=roots[-1] if roots else ".rlmill", config=a.config,
-                       overrides=a.overrides, run_id=a.run_id, epochs=a.epochs, eval_size=a.eval_size,
-                       min_gain=a.min_gain, canary_share=a.canary_share, replay=replay, return_state=True)
-    if not state.is_completed():  # a refused input: its one line, no traceback
-        raise SystemExit(f"rlmill: {state.message}")
-    print(json.dumps(state.result(), indent=1, default=str))
+    from flows.online import run_for_cli
+
+    summary = run_for_cli(rl_retrain, model=a.model, root=roots[-1] if roots else ".rlmill", config=a.config,
+                          overrides=a.overrides, run_id=a.run_id, epochs=a.epochs, eval_size=a.eval_size,
+                          min_gain=a.min_gain, canary_share=a.canary_share, replay=replay)
+    print(json.dumps(summary, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ measure, and one tiny real TRL run when TRL is installed.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -111,10 +112,15 @@ def test_shared_evaluation_on_vllm_gives_transformers_scores_per_folder(builtin,
     problems = be.heldout_problems(test, tok, 24)
     acc = be.greedy_accuracy(model, tok, problems, 6, be.task_score("arith"))
     assert 0.0 < acc < 1.0  # a score that could differ (the transformers side's test shows it can fail)
-    # One interpreter, one engine per folder: the second starts clean after the first.
-    assert evaluate_folders({"a": path, "b": path}, problems, 6, "arith", threads=1) == {"a": acc, "b": acc}
+    # A policy saved mid-run may be weights and config only (TRL's model.save_pretrained): the shared
+    # tokenizer serves it. One interpreter, one engine per folder: the second starts clean.
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(path, name), bare / name)
+    assert evaluate_folders({"a": path, "b": str(bare)}, problems, 6, "arith", path, threads=1) == {"a": acc, "b": acc}
     with pytest.raises(RuntimeError, match="held-out evaluation failed"):
-        evaluate_folders({"a": str(tmp_path / "no-such-folder")}, problems, 6, "arith", threads=1)
+        evaluate_folders({"a": str(tmp_path / "no-such-folder")}, problems, 6, "arith", path, threads=1)
 
 
 def test_trl_gets_exactly_the_prompts_of_rlmill_iterations(builtin, tmp_path):

@@ -124,6 +124,14 @@ def test_rl_canary_waits_promotes_rolls_back_and_finishes(tmp_path):
 
     state = rl_canary(model="../up", root=root, return_state=True)
     assert state.is_failed() and state.message.startswith("invalid model name '../up'") and "\n" not in state.message
+    # The module's command line: the flow's own value (no capsys here: Prefect's console handler
+    # would keep the captured stream past the test), a refused input as its one line.
+    from flows.online import run_for_cli
+    from flows.online.canary import main as canary_main
+
+    assert run_for_cli(rl_canary, model="bad", root=root) == {"status": "no canary", "model": "bad"}
+    with pytest.raises(SystemExit, match=r"^rlmill: invalid model name '\.\./up'"):
+        canary_main(["--model", "../up", "--root", root])
 
 
 def test_a_person_rollback_ends_the_canary(tmp_path):

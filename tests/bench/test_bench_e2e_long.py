@@ -105,9 +105,11 @@ def test_forced_length_table_has_no_accuracy_and_goals_use_the_fastest_trl_row()
 def undo_trl_vllm_setup(monkeypatch):
     """trl_vllm_setup patches TRL's class and sets vLLM variables for the whole process: undo both."""
     pytest.importorskip("trl")
+    import trl.generation.vllm_generation as trl_vllm
     from trl.generation.vllm_generation import VLLMGeneration
 
     monkeypatch.setattr(VLLMGeneration, "sync_weights", VLLMGeneration.sync_weights)
+    monkeypatch.setattr(trl_vllm, "LLM", trl_vllm.LLM)
     for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CACHE_ROOT", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE"):
         if key in os.environ:
             monkeypatch.setenv(key, os.environ[key])
@@ -132,6 +134,18 @@ def test_trl_generates_every_completion_to_length_on_both_paths(row, tmp_path, u
     assert [t - g for t, g in zip(out["train_tokens"], out["gen_tokens"])] == [48, 48]  # 6-character prompts
     assert len(out["update_seconds"]) == 2 and all(0 < u < s for u, s in zip(out["update_seconds"],
                                                                             out["step_seconds"]))
+
+
+def test_trl_colocated_engine_samples_from_the_bench_seed(undo_trl_vllm_setup, monkeypatch):
+    import trl.generation.vllm_generation as trl_vllm
+
+    built = []
+    monkeypatch.setattr(trl_vllm, "LLM", lambda **kw: built.append(kw) or "engine")
+    bl.trl_vllm_setup(seed=7)
+    bl.trl_vllm_setup(seed=3)  # a second setup in one process replaces the first seed, wraps once
+    # TRL's own call (vllm_generation.py), the process index as seed: the bench seed replaces it
+    assert trl_vllm.LLM(model="m", seed=0, max_model_len=64) == "engine"
+    assert built == [{"model": "m", "seed": 3, "max_model_len": 64}]
 
 
 @pytest.mark.slow

@@ -114,6 +114,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -263,27 +264,36 @@ def rlmill_update_metrics(layout, iterations: int) -> list[dict]:
             for k in range(1, iterations + 1)]
 
 
+def iteration_seconds(spans: list[tuple[float, float]]) -> list[float]:
+    """Per-iteration wall time from the iteration subflows' (start, end) times, in seconds: start of
+    k to start of k+1, which holds Prefect's ~1 s exit after a subflow's recorded end (the user
+    waits for it too); the last one its own span plus the median of those exit gaps.
+
+    Not the last to the start of the run's final validation task: that task's recorded start came
+    ~20 s after the last iteration's commit on SmolLM2 (2026-12-05: 45.3 s against 20.5-24.5 s for
+    the others), which made a 3-step throughput run's median of steps 2..3 half again too slow."""
+    starts = [a for a, _ in spans]
+    out = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [nxt - end for (_, end), nxt in zip(spans, starts[1:])]
+    if spans:
+        out.append(spans[-1][1] - spans[-1][0] + (statistics.median(gaps) if gaps else 0.0))
+    return out
+
+
 def _subflow_seconds(parent_id) -> list[float]:
-    """Per-iteration wall time of a flow run: start of subflow k to start of k+1, and the last
-    one to the start of the run's final validation, i.e. to whenever the parent moves on (a
-    subflow's recorded end comes before Prefect's ~1 s exit, which the user still waits for)."""
+    """iteration_seconds of flow run `parent_id`'s iteration subflows (Prefect's recorded times)."""
     import asyncio
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
     async def query():
         async with get_client() as client:
-            subflows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            return await client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
-            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[parent_id])))
-            return subflows, tasks
 
-    subflows, tasks = asyncio.run(query())
-    runs = sorted((r for r in subflows if r.name.startswith("iter-")), key=lambda r: r.name)
-    final_validation = max(t.start_time for t in tasks if t.name.startswith("validate"))
-    starts = [r.start_time for r in runs] + [final_validation]
-    return [(b - a).total_seconds() for a, b in zip(starts, starts[1:])]
+    runs = sorted((r for r in asyncio.run(query()) if r.name.startswith("iter-")), key=lambda r: r.name)
+    return iteration_seconds([(r.start_time.timestamp(), r.end_time.timestamp()) for r in runs])
 
 
 def run_flow(spec: dict) -> dict:
@@ -592,7 +602,7 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
     first = args.seeds[0]
     problems, acc_before, base = starts[first]
     if w.ignore_eos:
-        longest = max(len(p) for p in base.pop("prompt_lens"))
+        longest = max(base.pop("prompt_lens"))  # token counts of the train prompts
         check_context(w.max_len, longest, policy.config.max_position_embeddings)
     runs = throughput_phase(rows, {**base, "threads": args.threads}, steps, repeats, case_tmp, bool(args.keep))
     results = {row: median_summary(runs[row]) if runs[row] else {} for row in rows}

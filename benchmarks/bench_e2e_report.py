@@ -136,8 +136,10 @@ def curve_steps(steps: int, every: int) -> list[int]:
 def seeds_lines(by_seed: dict[int, dict[str, dict]], before: dict[int, float]) -> list[str]:
     """The accuracy phase over seeds: per row, the held-out score at equal training time (mean,
     standard deviation, range), the steps it took, and the per-step curve's mean over the seeds
-    that reached each step. `by_seed`: seed -> row -> that run's results (acc_after, steps,
-    train_seconds, curve: step -> score); `before`: seed -> the start checkpoint's score."""
+    that reached each step; under it, each seed's own curve (a mean alone cannot say whether one
+    row's curve lies within the other's spread). `by_seed`: seed -> row -> that run's results
+    (acc_after, steps, train_seconds, curve: step -> score); `before`: seed -> the start
+    checkpoint's score."""
     rows = list(dict.fromkeys(row for results in by_seed.values() for row in results))
     pct = lambda xs: f"{100 * statistics.mean(xs):5.1f} ± {100 * (statistics.stdev(xs) if len(xs) > 1 else 0):4.1f}"
     b = list(before.values())
@@ -158,6 +160,12 @@ def seeds_lines(by_seed: dict[int, dict[str, dict]], before: dict[int, float]) -
         out.append(f"{row:<14} {pct(acc):>17} % {100 * min(acc):5.1f}..{100 * max(acc):5.1f} "
                    f"{statistics.mean(r['steps'] for r in runs):6.1f} {statistics.mean(r['train_seconds'] for r in runs):8.1f}"
                    f"  {points}")
+        for seed, results in by_seed.items():
+            r = results.get(row, {})
+            if r.get("acc_after") is not None:
+                own = "  ".join(f"{k}: {100 * v:.1f}" for k, v in sorted((int(k), v) for k, v in r.get("curve", {}).items()))
+                out.append(f"  seed {seed:<7} {100 * r['acc_after']:17.1f} % {'':>13} {r['steps']:6d} "
+                           f"{r['train_seconds']:8.1f}  {own}")
     out.append("  (curve: step -> held-out %; a count in brackets: only that many seeds reached the step)")
     return out
 

@@ -342,6 +342,13 @@ def test_a_seed_reaches_rlmills_data_and_sampling_and_trls_seed(tmp_path):
     assert len(test) in (200, 201) and not held & {frozenset((x["a"], x["b"])) for x in train["extra_info"]}
 
 
+def test_iteration_seconds_time_the_last_iteration_by_its_own_span():
+    # Subflows start at 0, 22, 45 and end 1 s before the next starts; the last ends at 65.
+    spans = [(0.0, 21.0), (22.0, 44.0), (45.0, 65.0)]
+    assert be.iteration_seconds(spans) == [22.0, 23.0, 21.0]  # 20 s of span + the 1 s exit gap
+    assert be.iteration_seconds([(3.0, 10.0)]) == [7.0] and be.iteration_seconds([]) == []
+
+
 def test_seed_summary_means_spreads_and_curves():
     from benchmarks.bench_e2e_report import curve_steps, seeds_lines
 
@@ -354,4 +361,7 @@ def test_seed_summary_means_spreads_and_curves():
     vllm = lines[2]
     assert vllm.split()[:4] == ["rlmill-vllm", "60.0", "±", "14.1"] and "50.0.. 70.0" in vllm
     assert "4: 50.0  8: 60.0  9: 70.0 (1)" in vllm  # JSON's string keys too; step 9: one seed only
-    assert lines[3].split()[:2] == ["trl", "30.0"] and "4: 30.0" in lines[3]
+    assert lines[3].split() == ["seed", "0", "50.0", "%", "8", "60.0", "4:", "40.0", "8:", "50.0"]
+    assert lines[4].split()[:3] == ["seed", "1", "70.0"] and lines[4].endswith("4: 60.0  8: 70.0  9: 70.0")
+    assert lines[5].split()[:2] == ["trl", "30.0"] and "4: 30.0" in lines[5]
+    assert lines[6].split()[:3] == ["seed", "0", "30.0"] and len(lines) == 8  # seed 1 ran no TRL row

@@ -87,10 +87,9 @@ Differences that remain (they favour neither side on purpose, but they exist):
     global generator seeded by its `seed` (transformers path) or from its colocated vLLM engine,
     seeded here with the same seed (TRL itself seeds it with the process index, 0, whatever `seed`
     says: bench_e2e_long.trl_vllm_setup). Same distributions, different draws.
-  - old log-probs: rlmill's default run takes them from the rollout engine
-    (recompute_old_logprobs=false), so the PPO ratio is exp(train logp - sampler logp) ~ 1;
-    TRL uses the detached current log-probs (ratio exactly 1) with one mini-batch, and an extra
-    no-grad forward pass when --mini-batches > 1.
+  - old log-probs: none (both sides): with one mini-batch rlmill's default
+    (actor.recompute_old_logprobs=true) takes them, detached, from the update's own forward, as
+    TRL does (ratio exactly 1); with --mini-batches > 1 both add a no-grad forward pass.
   - loss normalisation: TRL loss_type="bnpo" with gradient_accumulation_steps=1 is the token
     mean over the optimizer step's completions, as rlmill's token-mean (TRL's default "dapo" is
     the same with one mini-batch). rlmill also has a dual-clip bound (clip_ratio_c=3) that only

@@ -146,7 +146,9 @@ def seeds_lines(by_seed: dict[int, dict[str, dict]], before: dict[int, float]) -
     out = [f"over seeds {', '.join(map(str, by_seed))}: held-out score before {pct(b)} %",
            f"{'row':<14} {'acc at equal time':>19} {'range':>13} {'steps':>6} {'train s':>8}  per-step curve (mean over seeds)"]
     for row in rows:
-        runs = [results[row] for results in by_seed.values() if results.get(row, {}).get("acc_after") is not None]
+        own = {seed: results[row] for seed, results in by_seed.items()
+               if results.get(row, {}).get("acc_after") is not None}
+        runs = list(own.values())
         if not runs:
             out.append(f"{row:<14} {'-':>19}")
             continue
@@ -160,12 +162,10 @@ def seeds_lines(by_seed: dict[int, dict[str, dict]], before: dict[int, float]) -
         out.append(f"{row:<14} {pct(acc):>17} % {100 * min(acc):5.1f}..{100 * max(acc):5.1f} "
                    f"{statistics.mean(r['steps'] for r in runs):6.1f} {statistics.mean(r['train_seconds'] for r in runs):8.1f}"
                    f"  {points}")
-        for seed, results in by_seed.items():
-            r = results.get(row, {})
-            if r.get("acc_after") is not None:
-                own = "  ".join(f"{k}: {100 * v:.1f}" for k, v in sorted((int(k), v) for k, v in r.get("curve", {}).items()))
-                out.append(f"  seed {seed:<7} {100 * r['acc_after']:17.1f} % {'':>13} {r['steps']:6d} "
-                           f"{r['train_seconds']:8.1f}  {own}")
+        for seed, r in own.items():
+            seed_points = "  ".join(f"{k}: {100 * v:.1f}" for k, v in sorted((int(k), v) for k, v in r.get("curve", {}).items()))
+            out.append(f"  seed {seed:<7} {100 * r['acc_after']:17.1f} % {'':>13} {r['steps']:6d} "
+                       f"{r['train_seconds']:8.1f}  {seed_points}")
     out.append("  (curve: step -> held-out %; a count in brackets: only that many seeds reached the step)")
     return out
 

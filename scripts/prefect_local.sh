@@ -6,7 +6,8 @@
 #   scripts/prefect_local.sh worker    # process worker on pool ${RLMILL_WORK_POOL:-local} (make worker)
 #   scripts/prefect_local.sh deploy    # pool if missing + deployments/prefect.yaml (make deploy)
 #
-# Environment: PORT (4200), PREFECT_API_URL (http://127.0.0.1:$PORT/api, for worker and deploy),
+# Environment: PORT (4200), RLMILL_SERVER_HOST (127.0.0.1: the address the server listens on; 0.0.0.0 serves
+# other machines, as the api host of `make cluster` does), PREFECT_API_URL (http://127.0.0.1:$PORT/api, for worker and deploy),
 # RLMILL_WORK_POOL (local), RLMILL_NIGHTLY_TZ (UTC; the nightly 02:00 schedule's time zone),
 # PREFECT_HOME (~/.prefect: the server's SQLite database lives there), RLMILL_SERVER_WAIT_S (30:
 # seconds worker/deploy wait for the server to answer), RLMILL_PREFECT_DB (sqlite: the server's
@@ -73,13 +74,13 @@ case "${1:-}" in
     use_database
     # The bundled UI is told where the API is through PREFECT_UI_API_URL; without it, it asks
     # the default port 4200 even when the server listens elsewhere.
-    export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-http://127.0.0.1:$PORT/api}"
+    export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-http://${RLMILL_SERVER_HOST:-127.0.0.1}:$PORT/api}"
     # `prefect deployment run --watch` prints a run's log lines only when the server streams
     # logs out (off by default): with it, a failed run's `rlmill:` line (the reason and the fix)
     # shows right above "Flow run finished in state 'Failed'".
     export PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED="${PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED:-true}"
     export PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED="${PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED:-true}"
-    exec prefect server start --host 127.0.0.1 --port "$PORT"
+    exec prefect server start --host "${RLMILL_SERVER_HOST:-127.0.0.1}" --port "$PORT"
     ;;
   worker)
     need_server

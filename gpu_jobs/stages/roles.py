@@ -82,7 +82,7 @@ class Roles:
             from gpu_jobs.train.ranks.trainer import GroupTrainer
 
             self.trainer = GroupTrainer(self.model_path, actor, n_ranks=ranks, tokenizer=tok, storage=cfg.storage,
-                                        **self._rendezvous(cfg.trainer))
+                                        model_source=cfg.model.path, **self._rendezvous(cfg.trainer))
         else:
             from gpu_jobs.models.lora import lora_spec_of
 

@@ -60,7 +60,7 @@ class GroupTrainer:
     def __init__(self, model_path: str, config: Any = None, *, n_ranks: int, tokenizer: Any = None,
                  storage: Any = None, call_timeout: float | None = None, start_timeout: float = 600.0,
                  workdir_root: str | None = None, env: dict[str, str] | None = None, nnodes: int = 1,
-                 master_addr: str = "", master_port: int = 0):
+                 master_addr: str = "", master_port: int = 0, model_source: str | None = None):
         from transformers import AutoConfig
 
         from gpu_jobs.models import resolve_model_path
@@ -72,6 +72,8 @@ class GroupTrainer:
         if n_ranks % pp:
             raise ValueError(f"pipeline_parallel_size={pp} must divide the {n_ranks} ranks of the group")
         self.storage = storage
+        # What a rank of another node loads when node 0's folder is not there (a storage URL).
+        self.model_source = model_source if model_source is not None else os.fspath(model_path)
         self.model_path = resolve_model_path(model_path, storage)
         self.model_config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = tokenizer
@@ -138,7 +140,8 @@ class GroupTrainer:
         t0 = time.monotonic()
         g.start()
         self.groups_started += 1
-        info = g.call("init", timeout=self.start_timeout, model_path=self.model_path, config=self.config,
+        info = g.call("init", timeout=self.start_timeout, model_path=self.model_path,
+                      model_source=self.model_source, config=self.config,
                       tokenizer=self.tokenizer, storage=self.storage)
         self.step = info["step"]
         if restore and self._restore_url is not None and not self.state_lost:

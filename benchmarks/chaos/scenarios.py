@@ -557,6 +557,7 @@ def bad_config(chaos: Chaos) -> Outcome:
 importlib.import_module(f"{__package__}.orchestrator")
 importlib.import_module(f"{__package__}.async_runs")
 importlib.import_module(f"{__package__}.rank_runs")
+importlib.import_module(f"{__package__}.cluster_runs")  # faults between hosts (deployments/cluster)
 
 # Serving (rlmill serve, the broker, the feedback consumer) under faults: benchmarks/chaos/serve_runs.py.
 from .serve_runs import ROWS as _SERVE_ROWS  # noqa: E402 - it needs Outcome and Chaos only, not this module

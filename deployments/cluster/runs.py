@@ -7,10 +7,11 @@ what it moved through storage counted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
-from deployments.cluster.control import BUCKET, MODEL_URL, _cli, operator_env
+from deployments.cluster.control import BUCKET, KEY, MODEL_URL, SECRET, _cli, api_url, s3_endpoint
 from deployments.cluster.hosts import REPO, Cluster, ClusterError
 from deployments.cluster.services import API_PORT, RANK_PORT
 
@@ -20,53 +21,108 @@ ROOT = f"s3://{BUCKET}/runs"
 # launcher and gloo's pairs over a bridge in place of loopback; the reductions may be ordered
 # differently. tests/train/test_group.py bounds the same comparison by REORDER_REL.
 WEIGHTS_REL = 1e-5
+# A run small enough that an iteration takes seconds (the size of tests/tiny.py's).
+SMALL = ["data.train_batch_size=8", "rollout.n=4", "data.val_size=32", "data.train_size=600",
+         "actor.ppo_mini_batch_size=4", "trainer.tensorboard=false", "trainer.samples_in_artifact=2"]
 
 
 def run_overrides(cluster: Cluster, run_id: str, iterations: int, extra: list[str]) -> list[str]:
     """The tiny run on the cluster's S3, remote placement, one rank group of two nodes x one rank
     (node 0 on train0, node 1 joining from train1)."""
-    from tests.tiny import TINY
-
-    return [f"root={ROOT}", f"run_id={run_id}", f"model.path={MODEL_URL}", *TINY, "trainer.placement=remote",
+    return [f"root={ROOT}", f"run_id={run_id}", f"model.path={MODEL_URL}", *SMALL, "trainer.placement=remote",
             "trainer.checkpoint_every=1", "trainer.rollout_deployment=rl-stage/rollout", "trainer.nnodes=2",
             "trainer.n_gpus_per_node=1", f"trainer.master_addr={cluster.addr('train0')}",
             f"trainer.master_port={RANK_PORT}", f"trainer.total_iterations={iterations}", *extra]
 
 
-def _use_cluster(cluster: Cluster) -> None:
-    """This process talks to the cluster's API and S3 (the operator's shell)."""
-    os.environ.update({k: v for k, v in operator_env(cluster).items() if k.startswith(("PREFECT_", "AWS_"))})
+@contextlib.contextmanager
+def s3_of(cluster: Cluster):
+    """This process reaches the cluster's S3 through the AWS_* environment, as every host does
+    (credentials never go into a run's config), for the `with` block."""
+    env = {"AWS_ENDPOINT_URL": s3_endpoint(cluster), "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
-def trigger_and_wait(cluster: Cluster, overrides: list[str], iterations: int, timeout: float) -> tuple[str, float]:
-    """A run of rl-training/manual (what `prefect deployment run 'rl-training/manual' -p ...` makes,
-    with an idempotency key against a create sent twice); returns its final state's name and the
-    flow run's seconds from start to end."""
+async def _client_call(cluster: Cluster, fn):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url(cluster)}):  # whatever this process's API is
+        async with get_client() as client:
+            return await fn(client)
+
+
+def api(cluster: Cluster, fn):
+    """`await fn(client)` with a client of the cluster's Prefect API."""
     import asyncio
+
+    return asyncio.run(_client_call(cluster, fn))
+
+
+def trigger(cluster: Cluster, overrides: list[str], iterations: int) -> str:
+    """A run of rl-training/manual (what `prefect deployment run 'rl-training/manual' -p ...` makes,
+    with an idempotency key against a create sent twice); returns the flow run's id."""
     import uuid
 
-    _use_cluster(cluster)
-    from prefect.client.orchestration import get_client
+    async def create(client):
+        deployment = await client.read_deployment_by_name("rl-training/manual")
+        run = await client.create_flow_run_from_deployment(
+            deployment.id, parameters={"iterations": iterations, "overrides": overrides},
+            idempotency_key=uuid.uuid4().hex)
+        print(f"flow run {run.name}: http://{cluster.addr('api')}:{API_PORT}/runs/flow-run/{run.id}", flush=True)
+        return str(run.id)
 
-    async def go() -> tuple[str, float]:
-        async with get_client() as client:
-            deployment = await client.read_deployment_by_name("rl-training/manual")
-            run = await client.create_flow_run_from_deployment(
-                deployment.id, parameters={"iterations": iterations, "overrides": overrides},
-                idempotency_key=uuid.uuid4().hex)
-            print(f"flow run {run.name}: http://{cluster.addr('api')}:{API_PORT}/runs/flow-run/{run.id}", flush=True)
-            deadline = time.monotonic() + timeout
-            while True:
-                run = await client.read_flow_run(run.id)
-                if run.state and run.state.is_final():
-                    took = (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0
-                    return run.state.name, took
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"flow run {run.id} is still {run.state.name if run.state else '?'} after "
-                                       f"{timeout:.0f} s")
-                await asyncio.sleep(2)
+    return api(cluster, create)
 
-    return asyncio.run(go())
+
+def wait_final(cluster: Cluster, flow_run_id: str, timeout: float) -> tuple[str, float]:
+    """The flow run's final state's name and its seconds from start to end. The API may be away
+    for a while (the api host restarted): that is waited out within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            run = api(cluster, lambda c: c.read_flow_run(flow_run_id))
+        except Exception as exc:  # noqa: BLE001 - the API down or restarting: ask again
+            run, last = None, exc
+        if run is not None and run.state and run.state.is_final():
+            took = (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0
+            return run.state.name, took
+        if time.monotonic() > deadline:
+            now = run.state.name if run is not None and run.state else f"unknown ({last})"
+            raise ClusterError(f"flow run {flow_run_id} is still {now} after {timeout:.0f} s")
+        time.sleep(2)
+
+
+def _stage_runs(cluster: Cluster, run_id: str, name: str) -> list:
+    from prefect.client.schemas import filters as F
+
+    flt = F.FlowRunFilter(tags=F.FlowRunFilterTags(all_=[f"run:{run_id}"]), name=F.FlowRunFilterName(any_=[name]))
+    return api(cluster, lambda c: c.read_flow_runs(flow_run_filter=flt))
+
+
+def stage_attempts(cluster: Cluster, run_id: str, name: str) -> list[str]:
+    """The final states of every flow run of stage `name` (e.g. update-0001) of rlmill run `run_id`."""
+    return [r.state_name for r in sorted(_stage_runs(cluster, run_id, name), key=lambda r: r.created)]
+
+
+def stage_running(cluster: Cluster, run_id: str, name: str, timeout: float) -> None:
+    """Wait until the stage flow run `name` (e.g. update-0001) of rlmill run `run_id` is Running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r.state_name == "Running" for r in _stage_runs(cluster, run_id, name)):
+            return
+        time.sleep(0.5)
+    raise ClusterError(f"stage {name} of run {run_id} did not start running within {timeout:.0f} s")
 
 
 def one_box_policy(overrides: list[str], iterations: int, root: str) -> str:
@@ -89,13 +145,35 @@ def one_box_policy(overrides: list[str], iterations: int, root: str) -> str:
         roles.close()
 
 
-def weights_gap(a_url: str, b_url: str) -> float:
-    """max over tensors of |a - b|_max / |b|_max (0.0: bitwise equal)."""
+def one_box_reference(cluster: Cluster, overrides: list[str], iterations: int) -> str:
+    """The final policy of the cluster run's config trained on this machine alone (made once per
+    cluster state: the same config gives the same weights)."""
+    from storage import committed
+
+    root = str(cluster.state / "operator" / "one-box")
+    cfg_key = [o for o in overrides if not o.startswith("run_id=")]
+    marker = cluster.state / "operator" / "one-box.key"
+    policy = None
+    if marker.exists() and marker.read_text() == repr(cfg_key):
+        policy = marker.with_suffix(".policy").read_text()
+    if policy is None or not committed(policy, name="model.safetensors.index.json"):
+        with s3_of(cluster):
+            policy = one_box_policy([*cfg_key, f"run_id=one-box-{time.strftime('%H%M%S')}"], iterations, root)
+        marker.with_suffix(".policy").write_text(policy)
+        marker.write_text(repr(cfg_key))
+    return policy
+
+
+def weights_gap(cluster: Cluster, run_id: str, iterations: int, reference: str) -> float:
+    """max over tensors of |a - b|_max / |b|_max between run `run_id`'s final policy and
+    `reference` (0.0: bitwise equal)."""
     import torch
 
-    from storage import load_state_dict
+    from storage import RunLayout, load_state_dict
 
-    a, b = load_state_dict(a_url), load_state_dict(b_url)
+    with s3_of(cluster):
+        a = load_state_dict(RunLayout(ROOT, run_id).policy(iterations))
+        b = load_state_dict(reference)
     if a.keys() != b.keys():
         raise ClusterError(f"the two policies hold different tensors: {sorted(a.keys() ^ b.keys())[:5]}")
     gap = 0.0
@@ -129,18 +207,16 @@ def stored_bytes(root: str, run_id: str, iterations: int) -> dict[str, int]:
 def cluster_run(cluster: Cluster, run_id: str, iterations: int, extra: list[str], timeout: float,
                 compare: bool = False) -> int:
     overrides = run_overrides(cluster, run_id, iterations, extra)
-    state, seconds = trigger_and_wait(cluster, overrides, iterations, timeout)
+    state, seconds = wait_final(cluster, trigger(cluster, overrides, iterations), timeout)
     print(f"run {run_id}: {state} in {seconds:.0f} s")
     if state != "Completed":
         return 1
     print(_cli(cluster, "rlmill", "verify", "--config", str(EXAMPLE), f"root={ROOT}", f"run_id={run_id}").strip())
-    for stage, size in sorted(stored_bytes(ROOT, run_id, iterations).items()):
-        print(f"  {stage:14} {size / 1e6:8.2f} MB committed over {iterations} iterations")
+    with s3_of(cluster):
+        for stage, size in sorted(stored_bytes(ROOT, run_id, iterations).items()):
+            print(f"  {stage:14} {size / 1e6:8.2f} MB committed over {iterations} iterations")
     if compare:
-        from storage import RunLayout
-
-        local = one_box_policy(overrides, iterations, str(cluster.state / "operator" / "one-box"))
-        gap = weights_gap(RunLayout(ROOT, run_id).policy(iterations), local)
+        gap = weights_gap(cluster, run_id, iterations, one_box_reference(cluster, overrides, iterations))
         print(f"final weights against one box (1 node x 2 ranks): max relative gap {gap:.2e} "
               f"({'bitwise equal' if gap == 0 else f'bound {WEIGHTS_REL:.0e}'})")
         if gap > WEIGHTS_REL:

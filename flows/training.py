@@ -65,7 +65,8 @@ class PrefectCalls:
 
     def __call__(self, stage: StageSpec, k: int, *inputs: Any) -> Any:
         if self.remote and stage.where in REMOTE_POOLS:
-            return run_remote(self.run, k, stage, list(inputs))
+            with _untagged_tasks():
+                return self._remote_task(stage)(self.run, k, stage, list(inputs))
         if self.remote and stage.where == "colocated":
             return 0.0  # seconds of hand-off: the next remote stage loads the weights the remote update published
         with _untagged_tasks():
@@ -75,8 +76,14 @@ class PrefectCalls:
         """Start a stage on Prefect's task runner (a thread here) and return its `.result`."""
         with _untagged_tasks():
             if self.remote and stage.where in REMOTE_POOLS:
-                return _remote_stage.submit(self.run, k, stage, list(inputs)).result
+                return self._remote_task(stage).submit(self.run, k, stage, list(inputs)).result
             return self._task(stage, k).submit(self.run, self.roles, k, *inputs).result
+
+    def _remote_task(self, stage: StageSpec):
+        """The task that starts a remote stage's deployment run, retried like a colocated stage's
+        task: a run on another host can fail for a reason of that host (its storage or API
+        unreachable for longer than its budget, the host lost); each retry is a new deployment run."""
+        return _remote_stage.with_options(name=f"{stage.name}-remote", **self.task_options)
 
     def _task(self, stage: StageSpec, k: int):
         if stage not in self.tasks:

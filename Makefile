@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle gpu-lock bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async bench-canary chaos server worker deploy docs docs-serve clean
+.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle gpu-lock bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async bench-canary chaos cluster cluster-down bench-cluster server worker deploy docs docs-serve clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -28,6 +28,9 @@ help:
 	@echo 'make worker        a process worker on the pool (same PORT, or PREFECT_API_URL)'
 	@echo '                   other settings: RLMILL_WORK_POOL=local RLMILL_NIGHTLY_TZ=UTC (read by deploy/worker)'
 	@echo 'make chaos         inject faults into real runs and print the recovery table'
+	@echo 'make cluster       five hosts on this machine sharing no disk (root): Prefect on PostgreSQL, S3, a rollout worker,'
+	@echo '                   a rank group over two training hosts; one run across them, checked (docs/guide/cluster.md)'
+	@echo 'make cluster-down  stop every host of make cluster, remove its network and disks'
 	@echo 'make bench-storage|bench-rollout|bench-update|bench-overhead|bench-e2e|bench-scale|bench-async   benchmarks'
 	@echo '                   (make bench-async ARGS="--disaggregated --per-sample": two work pools, learning per sample)'
 	@echo 'make bench-memory  resident memory before/peak/after each policy update (ARGS="--model smollm2 --prompts 8 --tokens 128")'
@@ -155,6 +158,19 @@ bench-async: venv
 # a reduced set (tests/chaos).
 chaos: venv
 	$(PY) -m benchmarks.chaos
+
+# A cluster on one machine (docs/guide/cluster.md): hosts made of Linux namespaces that share no
+# disk, only a bridge; `up` boots them, deploys and puts the model in their S3; `run --compare`
+# trains across them and compares the weights with the same run on this machine alone. Root.
+cluster: venv
+	$(PY) -m deployments.cluster up
+	$(PY) -m deployments.cluster run --compare
+
+cluster-down: venv
+	$(PY) -m deployments.cluster down
+
+bench-cluster: venv
+	$(PY) -m benchmarks.bench_cluster $(ARGS)
 
 # Running it for real: a Prefect server, a process worker, and the deployments (docs/guide/prefect.md).
 # PORT (default 4200) picks the server's port; worker and deploy find the server through it (or

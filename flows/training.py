@@ -80,9 +80,7 @@ class PrefectCalls:
             return self._task(stage, k).submit(self.run, self.roles, k, *inputs).result
 
     def _remote_task(self, stage: StageSpec):
-        """The task that starts a remote stage's deployment run, retried like a colocated stage's
-        task: a run on another host can fail for a reason of that host (its storage or API
-        unreachable for longer than its budget, the host lost); each retry is a new deployment run."""
+        """A remote stage's task, retried like a colocated stage's (each retry a new deployment run)."""
         return _remote_stage.with_options(name=f"{stage.name}-remote", **self.task_options)
 
     def _task(self, stage: StageSpec, k: int):
@@ -123,9 +121,8 @@ class SubflowSettings:
 
 @task(name="remote-stage", cache_policy=NO_CACHE)  # the stage itself is idempotent; a Run cannot be hashed
 def _remote_stage(run: Run, k: int, stage: StageSpec, inputs: list[str]) -> str:
-    """A deployment run of a remote stage, started from a task so Prefect's task runner can
-    overlap it with another (async: a rollout on the rollout pool while the update runs on the
-    stage pool)."""
+    """A deployment run of a remote stage, from a task: retried, and overlapped with another by
+    Prefect's task runner (async: a rollout on the rollout pool while the update runs)."""
     return run_remote(run, k, stage, inputs)
 
 

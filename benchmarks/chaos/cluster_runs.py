@@ -46,7 +46,7 @@ def _row(name: str, fault: str, stage: str | None, inject: Callable[..., str]) -
     from deployments.cluster import runs
 
     cluster = _cluster()
-    overrides = runs.run_overrides(cluster, name, ITERATIONS, [])
+    overrides = runs.run_overrides(cluster.addr("train0"), name, ITERATIONS, [])
     reference = runs.one_box_reference(cluster, overrides, ITERATIONS)
     flow_run = runs.trigger(cluster, overrides, ITERATIONS)
     before, did = {}, "no fault"

@@ -103,19 +103,19 @@ def _cli_ok(cluster: Cluster, *argv: str) -> bool:
         return False
 
 
-def upload_model(cluster: Cluster) -> str:
-    """The built-in model, from this machine's cache, to the cluster's S3: the hosts' caches are
-    empty, so every host loads it from storage."""
+def upload_model(endpoint: str) -> str:
+    """The built-in model, from this machine's cache, to the S3 at `endpoint` (bucket `rlmill`):
+    the hosts' caches are empty, so every host loads it from storage."""
     import boto3
 
     from gpu_jobs.models import load_model
     from storage import StorageConfig, committed, save_checkpoint
 
-    client = boto3.client("s3", endpoint_url=s3_endpoint(cluster), aws_access_key_id=KEY,
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=KEY,
                           aws_secret_access_key=SECRET, region_name="us-east-1")
     if BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
         client.create_bucket(Bucket=BUCKET)
-    storage = StorageConfig(endpoint_url=s3_endpoint(cluster), key=KEY, secret=SECRET)
+    storage = StorageConfig(endpoint_url=endpoint, key=KEY, secret=SECRET)
     if not committed(MODEL_URL, storage, name="model.safetensors.index.json"):
         model, tokenizer = load_model("builtin")
         save_checkpoint(MODEL_URL, model.state_dict(), config=model.config, tokenizer=tokenizer, storage=storage)
@@ -132,7 +132,7 @@ def up(cluster: Cluster, timeout: float = BOOT_TIMEOUT_S) -> None:
     wait_http(s3_endpoint(cluster), "the S3 server", timeout, cluster, "s3")
     wait_http(api_url(cluster) + "/health", "the Prefect API", timeout, cluster, "api")
     deploy(cluster)
-    upload_model(cluster)
+    upload_model(s3_endpoint(cluster))
     print(f"rlmill cluster up: UI http://{cluster.addr('api')}:{API_PORT}, S3 {s3_endpoint(cluster)}")
     status(cluster)
 

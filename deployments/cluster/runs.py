@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 
-from deployments.cluster.control import BUCKET, KEY, MODEL_URL, SECRET, _cli, api_url, s3_endpoint
+from deployments.cluster.control import BUCKET, KEY, SECRET, _cli, api_url, s3_endpoint
 from deployments.cluster.hosts import REPO, Cluster, ClusterError
 from deployments.cluster.services import API_PORT, RANK_PORT
 
@@ -26,13 +26,14 @@ SMALL = ["data.train_batch_size=8", "rollout.n=4", "data.val_size=32", "data.tra
          "actor.ppo_mini_batch_size=4", "trainer.tensorboard=false", "trainer.samples_in_artifact=2"]
 
 
-def run_overrides(cluster: Cluster, run_id: str, iterations: int, extra: list[str]) -> list[str]:
-    """The tiny run on the cluster's S3, remote placement, one rank group of two nodes x one rank
-    (node 0 on train0, node 1 joining from train1)."""
-    return [f"root={ROOT}", f"run_id={run_id}", f"model.path={MODEL_URL}", *SMALL, "trainer.placement=remote",
-            "trainer.checkpoint_every=1", "trainer.rollout_deployment=rl-stage/rollout", "trainer.nnodes=2",
-            "trainer.n_gpus_per_node=1", f"trainer.master_addr={cluster.addr('train0')}",
-            f"trainer.master_port={RANK_PORT}", f"trainer.total_iterations={iterations}", *extra]
+def run_overrides(master_addr: str, run_id: str, iterations: int, extra: list[str], master_port: int = RANK_PORT,
+                  bucket: str = BUCKET) -> list[str]:
+    """The small run on S3 (bucket `bucket`), remote placement, one rank group of two nodes x one
+    rank (node 0 where the update runs, listening at master_addr:master_port; node 1 joining)."""
+    return [f"root=s3://{bucket}/runs", f"run_id={run_id}", f"model.path=s3://{bucket}/models/builtin", *SMALL,
+            "trainer.placement=remote", "trainer.checkpoint_every=1", "trainer.rollout_deployment=rl-stage/rollout",
+            "trainer.nnodes=2", "trainer.n_gpus_per_node=1", f"trainer.master_addr={master_addr}",
+            f"trainer.master_port={master_port}", f"trainer.total_iterations={iterations}", *extra]
 
 
 @contextlib.contextmanager
@@ -53,20 +54,20 @@ def s3_of(cluster: Cluster):
                 os.environ[k] = v
 
 
-async def _client_call(cluster: Cluster, fn):
+async def _client_call(url: str, fn):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: api_url(cluster)}):  # whatever this process's API is
+    with temporary_settings(updates={PREFECT_API_URL: url}):  # whatever this process's API is
         async with get_client() as client:
             return await fn(client)
 
 
-def api(cluster: Cluster, fn):
-    """`await fn(client)` with a client of the cluster's Prefect API."""
+def api(where: Cluster | str, fn):
+    """`await fn(client)` with a client of the cluster's Prefect API (or the API at URL `where`)."""
     import asyncio
 
-    return asyncio.run(_client_call(cluster, fn))
+    return asyncio.run(_client_call(where if isinstance(where, str) else api_url(where), fn))
 
 
 def trigger(cluster: Cluster, overrides: list[str], iterations: int) -> str:
@@ -85,7 +86,7 @@ def trigger(cluster: Cluster, overrides: list[str], iterations: int) -> str:
     return api(cluster, create)
 
 
-def wait_final(cluster: Cluster, flow_run_id: str, timeout: float) -> tuple[str, float]:
+def wait_final(cluster: Cluster | str, flow_run_id: str, timeout: float) -> tuple[str, float]:
     """The flow run's final state's name and its seconds from start to end. The API may be away
     for a while (the api host restarted): that is waited out within `timeout`."""
     deadline = time.monotonic() + timeout
@@ -183,6 +184,18 @@ def weights_gap(cluster: Cluster, run_id: str, iterations: int, reference: str) 
     return gap if not all(torch.equal(a[n], b[n]) for n in a) else 0.0
 
 
+def iteration_seconds(where: Cluster | str, run_id: str) -> dict[int, float]:
+    """k -> seconds of iteration k's subflow run (iter-000k) of rlmill run `run_id`."""
+    from prefect.client.schemas import filters as F
+
+    flt = F.FlowRunFilter(name=F.FlowRunFilterName(like_="iter-"))
+    out = {}
+    for r in api(where, lambda c: c.read_flow_runs(flow_run_filter=flt, limit=200)):
+        if r.parameters.get("run_id") == run_id and r.start_time and r.end_time and r.state_name == "Completed":
+            out[int(r.name.split("-")[1])] = (r.end_time - r.start_time).total_seconds()
+    return dict(sorted(out.items()))
+
+
 def stored_bytes(root: str, run_id: str, iterations: int) -> dict[str, int]:
     """Bytes each stage committed to storage over the run's iterations (its manifest's files),
     and the checkpoints (what each pool stage reads back from the stage before it)."""
@@ -206,7 +219,7 @@ def stored_bytes(root: str, run_id: str, iterations: int) -> dict[str, int]:
 
 def cluster_run(cluster: Cluster, run_id: str, iterations: int, extra: list[str], timeout: float,
                 compare: bool = False) -> int:
-    overrides = run_overrides(cluster, run_id, iterations, extra)
+    overrides = run_overrides(cluster.addr("train0"), run_id, iterations, extra)
     state, seconds = wait_final(cluster, trigger(cluster, overrides, iterations), timeout)
     print(f"run {run_id}: {state} in {seconds:.0f} s")
     if state != "Completed":

@@ -141,17 +141,7 @@ class Server:
     # ---- commands -------------------------------------------------------------------------
     def cmd_init(self, model_path: str, config: Any, tokenizer: Any = None, storage: Any = None,
                  model_source: str | None = None) -> dict:
-        """`model_path` is the folder node 0 resolved; a rank of another node, where that folder
-        does not exist, loads `model_source` (the run's model.path) into its own cache: a storage
-        URL, which every node reaches."""
-        if not os.path.isdir(model_path):
-            from gpu_jobs.models.loading import is_remote, resolve_model_path
-
-            if not (model_source and is_remote(model_source)):
-                raise FileNotFoundError(
-                    f"the model folder {model_path} (resolved on node 0 from {model_source!r}) is not on this node: "
-                    f"give model.path as a storage URL every node reaches (s3://...), or the same folder on every node")
-            model_path = resolve_model_path(model_source, storage)
+        model_path = model_folder(model_path, model_source, storage)
         if getattr(config, "pipeline_parallel_size", 1) > 1:  # DeepSpeed pipeline stages, ZeRO 0/1
             from ..pipeline import PipelinePolicyTrainer
 
@@ -339,6 +329,21 @@ class Server:
         """Diagnostics and tests: raise on ``rank`` (a stand-in for any rank-local failure)."""
         if self.rank == rank:
             raise RuntimeError(message)
+
+
+def model_folder(model_path: str, model_source: str | None, storage: Any = None) -> str:
+    """The model folder a rank loads: `model_path`, the folder node 0 resolved; on another node,
+    where that folder does not exist, `model_source` (the run's model.path) downloaded into this
+    node's own cache, which needs a storage URL every node reaches."""
+    if os.path.isdir(model_path):
+        return model_path
+    from gpu_jobs.models.loading import is_remote, resolve_model_path
+
+    if not (model_source and is_remote(model_source)):
+        raise FileNotFoundError(
+            f"the model folder {model_path} (resolved on node 0 from {model_source!r}) is not on this node: give "
+            f"model.path as a storage URL every node reaches (s3://...), or put the same folder on every node")
+    return resolve_model_path(model_source, storage)
 
 
 def _read_table(path: str) -> Any:

@@ -44,7 +44,12 @@ def _row(name: str, fault: str, stage: str | None, inject: Callable[..., str]) -
     """Run `name` across the cluster; `inject(cluster)` (the fault; returns what it did) once
     stage flow run `stage` is running."""
     from deployments.cluster import runs
+    from deployments.cluster.hosts import ClusterError, preflight
 
+    try:
+        preflight()
+    except ClusterError as exc:  # not root, not Linux: the row cannot run here, and says why
+        return Outcome(fault, f"not run: {exc}", None, 0)
     cluster = _cluster()
     overrides = runs.run_overrides(cluster.addr("train0"), name, ITERATIONS, [])
     reference = runs.one_box_reference(cluster, overrides, ITERATIONS)

@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle gpu-lock bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async bench-canary chaos cluster cluster-down bench-cluster server worker deploy docs docs-serve clean
+.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle gpu-lock bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async bench-canary chaos cluster cluster-down bench-cluster docker-pool docker-worker docker-pool-down server worker deploy docs docs-serve clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -31,6 +31,7 @@ help:
 	@echo 'make cluster       five hosts on this machine sharing no disk (root): Prefect on PostgreSQL, S3, a rollout worker,'
 	@echo '                   a rank group over two training hosts; one run across them, checked (docs/guide/cluster.md)'
 	@echo 'make cluster-down  stop every host of make cluster, remove its network and disks'
+	@echo 'make docker-pool   a Prefect work pool of type docker through podman (root; make image, make server first); make docker-worker polls it'
 	@echo 'make bench-storage|bench-rollout|bench-update|bench-overhead|bench-e2e|bench-scale|bench-async   benchmarks'
 	@echo '                   (make bench-async ARGS="--disaggregated --per-sample": two work pools, learning per sample)'
 	@echo 'make bench-memory  resident memory before/peak/after each policy update (ARGS="--model smollm2 --prompts 8 --tokens 128")'
@@ -171,6 +172,20 @@ cluster-down: venv
 
 bench-cluster: venv
 	$(PY) -m benchmarks.bench_cluster $(ARGS)
+
+# Prefect's Docker work pool (docs/guide/docker-pool.md): podman's Docker API service (root), a pool
+# of type docker and rl-training/docker (each flow run a container of `make image`'s image); then
+# `make docker-worker` polls it. Needs `make server` (PREFECT_API_URL).
+docker-pool:
+	@bash scripts/ensure_venv.sh docker
+	$(PY) -m deployments.docker_pool up
+
+docker-worker:
+	@bash scripts/ensure_venv.sh docker
+	$(PY) -m deployments.docker_pool worker
+
+docker-pool-down: venv
+	$(PY) -m deployments.docker_pool down
 
 # Running it for real: a Prefect server, a process worker, and the deployments (docs/guide/prefect.md).
 # PORT (default 4200) picks the server's port; worker and deploy find the server through it (or

@@ -16,7 +16,7 @@ if [ "$tier" = e2e ]; then marker="e2e"; minutes=20; else marker="not e2e"; minu
 # `bench`: TRL, which the bench tests run for real (tests/bench/test_bench_e2e*.py); `docs`: mkdocs,
 # which tests/test_docs_site.py builds the site with. Each only adds packages to the shared
 # environment (seconds once the wheels are local).
-bash scripts/ensure_venv.sh test bench docs || exit $?
+bash scripts/ensure_venv.sh test bench docs docker || exit $?
 bash scripts/ensure_test_tools.sh || exit $?
 workers=${RLMILL_TEST_WORKERS:-$(nproc)}
 # The real model (tests/flows/test_real_model.py, the SmolLM2 examples, the GGUF conversion test):

@@ -120,7 +120,11 @@ def cluster_cut_rollout(chaos: Chaos) -> Outcome:
 
 @scenario("cluster-cut-s3", "s3 host off the network for 30 s during update 1 (its checkpoint upload)")
 def cluster_cut_s3(chaos: Chaos) -> Outcome:
-    # A restart of the s3 host is not a row: moto, the S3 server installable here, keeps objects in
-    # memory, so restarting it loses the bucket (a disk loss no pipeline survives, not a restart).
     return _row("cluster-cut-s3", "s3 host off the network for 30 s during update 1 (its checkpoint upload)",
                 "update-0001", _cut("s3", 30))
+
+
+@scenario("cluster-restart-s3", "s3 host SIGKILLed during update 1 and rebooted 5 s later (its objects kept on its disk)")
+def cluster_restart_s3(chaos: Chaos) -> Outcome:
+    return _row("cluster-restart-s3", "s3 host SIGKILLed during update 1 and rebooted 5 s later (its objects kept on its disk)",
+                "update-0001", _kill_and_boot("s3", 5))

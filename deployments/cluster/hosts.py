@@ -46,7 +46,7 @@ class Host:
 
 HOSTS = {h.name: h for h in (
     Host("api", 10, "PostgreSQL and the Prefect server (API + UI) on it, port 4200"),
-    Host("s3", 11, "the S3 server (moto_server), port 5000"),
+    Host("s3", 11, "the S3 server (moto, its objects journaled to its disk: cluster/s3_store.py), port 5000"),
     Host("rollout", 12, "a Prefect process worker on pool `rollout` (rl-stage/rollout: rollout, validation)"),
     Host("train0", 13, "a Prefect process worker on pool `update` (rl-training flow runs, rl-stage/gpu: the "
                        "update, node 0 of its rank group)"),

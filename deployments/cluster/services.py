@@ -34,7 +34,10 @@ def _server(env: dict[str, str]) -> dict[str, list[str]]:
 
 
 def _s3(env: dict[str, str]) -> dict[str, list[str]]:
-    return {"moto": [os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "0.0.0.0", "-p", str(S3_PORT)]}
+    # moto with a journal on the host's disk (deployments/cluster/s3_store.py): a rebooted s3 host
+    # serves what it had stored, as a persistent S3 would.
+    return {"s3": [sys.executable, "-m", "deployments.cluster.s3_store", "--host", "0.0.0.0", "--port", str(S3_PORT),
+                   "--journal", "/tmp/s3/journal.jsonl"]}
 
 
 def _worker(pool: str):

@@ -188,12 +188,16 @@ def _prefect(pool: DockerPool, *args: str, base: dict[str, str] | None = None, t
     return done.stdout
 
 
-def deploy(pool: DockerPool, base: dict[str, str] | None = None) -> None:
-    """The `docker` work pool (if missing) and rl-training/docker on it (deployments/docker.yaml),
-    on the server `base`'s (default this process's) PREFECT_API_URL names."""
+def need_api(base: dict[str, str] | None = None) -> None:
     if not (os.environ if base is None else base).get("PREFECT_API_URL"):
         raise DockerPoolError("PREFECT_API_URL is not set: start a server (make server) and export "
                               "PREFECT_API_URL=http://127.0.0.1:4200/api")
+
+
+def deploy(pool: DockerPool, base: dict[str, str] | None = None) -> None:
+    """The `docker` work pool (if missing) and rl-training/docker on it (deployments/docker.yaml),
+    on the server `base`'s (default this process's) PREFECT_API_URL names."""
+    need_api(base)
     try:
         _prefect(pool, "work-pool", "inspect", pool.pool, base=base)
     except DockerPoolError:  # missing: its base job template comes from prefect-docker's worker
@@ -202,6 +206,7 @@ def deploy(pool: DockerPool, base: dict[str, str] | None = None) -> None:
 
 
 def up(pool: DockerPool) -> None:
+    need_api()  # before the service starts: nothing to undo
     if "DOCKER_HOST" not in os.environ:
         pid = start_service(pool)
         print(f"podman API service (PID {pid}) on {pool.docker_host}")

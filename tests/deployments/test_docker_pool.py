@@ -41,7 +41,9 @@ def test_deploy_without_a_server_says_how_to_start_one(tmp_path):
 def test_cli_mistakes_and_a_missing_service_end_in_one_line(tmp_path):
     env = {**os.environ, "RLMILL_PODMAN_DIR": str(tmp_path / "podman")}
     env.pop("DOCKER_HOST", None)
+    env.pop("PREFECT_API_URL", None)
     for args, rc, says in ((["frobnicate"], 2, "invalid choice"), (["status"], 1, "service   down"),
+                           (["up"], 2, "rlmill: PREFECT_API_URL is not set: start a server"),
                            (["worker"], 2, "rlmill: nothing answers on unix://"), (["down"], 0, "no podman API service")):
         done = subprocess.run([".venv/bin/python", "-m", "deployments.docker_pool", *args], env=env, capture_output=True,
                               text=True, timeout=120)

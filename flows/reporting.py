@@ -265,12 +265,20 @@ class _OneTraceback(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and record.name == "prefect.task_runs" and getattr(record, "flow_name", None) in STAGE_FLOWS:
+            # A stage task failed for good ("Task run failed ... Retries are exhausted"): the error
+            # goes up to rl-training, which reports it once. Its one line stays; its traceback goes.
+            record.exc_info, record.exc_text = None, None
+            return True
         return exc is None or not (getattr(exc, "rlmill_line", None) or getattr(exc, "rlmill_reported", False))
+
+
+STAGE_FLOWS = ("rl-training", "rl-iteration")  # the flows whose tasks are stages
 
 
 def one_traceback_per_error() -> None:
     """Install _OneTraceback on the loggers Prefect's engines report failures on (idempotent)."""
-    for name in ("prefect.flow_runs", "prefect.engine"):
+    for name in ("prefect.flow_runs", "prefect.engine", "prefect.task_runs"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _OneTraceback) for f in logger.filters):
             logger.addFilter(_OneTraceback())

@@ -75,7 +75,7 @@ def test_an_unexpected_error_in_a_deployment_run_shows_one_traceback(prefect_wor
     first time possibly after `--watch` stopped listening."""
     flow_run_id = tools.trigger("rl-training/manual", {"iterations": 1, "overrides": [
         f"root={tmp_path / 'root'}", *tools.tiny, "trainer.placement=remote", "trainer.checkpoint_every=1",
-        "trainer.stage_deployment=rl-stage/no-such-deployment",
+        "trainer.stage_deployment=rl-stage/no-such-deployment", "tasks.retries=0",  # retried, it fails the same
         "tasks.auto_resumes=0"]})  # resuming it would only fail again, on the session's worker
     state, logs = _failed_run(tools, api, prefect_worker, flow_run_id)
     assert state.is_failed() and state.message.startswith("Flow run encountered an exception:"), state.message

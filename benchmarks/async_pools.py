@@ -32,8 +32,8 @@ class TwoPools(LocalPrefect):
     """A local Prefect (tests.servers.LocalPrefect) with every deployment on pool `update_pool`,
     rl-stage/rollout moved to `rollout_pool`, and one worker per pool."""
 
-    def __init__(self, work: Path, update_pool: str = "update", rollout_pool: str = "rollout"):
-        super().__init__(work, update_pool)
+    def __init__(self, work: Path, update_pool: str = "update", rollout_pool: str = "rollout", db: str | None = None):
+        super().__init__(work, update_pool, db=db)
         self.rollout_pool = rollout_pool
 
     def __enter__(self) -> "TwoPools":

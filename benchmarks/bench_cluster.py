@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from deployments.cluster import runs
-from deployments.cluster.control import KEY, SECRET, down, up, upload_model
+from deployments.cluster.control import down, s3_env, up, upload_model
 from deployments.cluster.hosts import Cluster
 
 
@@ -43,14 +43,12 @@ def one_box(work: Path, run_id: str, iterations: int) -> dict[int, float]:
     from benchmarks.async_pools import TwoPools
     from tests.servers import MotoServer, free_port, stop_group
 
-    os.environ["RLMILL_TEST_PREFECT_DB"] = "postgres"  # the server's database as on the cluster's api host
     with MotoServer() as s3:
         s3.new_bucket("rlmill")
-        os.environ.update({"AWS_ENDPOINT_URL": s3.endpoint_url, "AWS_ACCESS_KEY_ID": KEY,
-                           "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"})
+        os.environ.update(s3_env(s3.endpoint_url))
         upload_model(s3.endpoint_url)
         port = free_port()
-        with TwoPools(work / "prefect") as pools:
+        with TwoPools(work / "prefect", db="postgres") as pools:  # the server's database as on the api host
             node1 = _node1_loop(port, pools.env, work / "node1")
             try:
                 overrides = runs.run_overrides("127.0.0.1", run_id, iterations, [], master_port=port)

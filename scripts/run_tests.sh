@@ -14,7 +14,8 @@ tier=test
 case "${1:-}" in test|e2e) tier=$1; shift ;; esac
 if [ "$tier" = e2e ]; then marker="e2e"; minutes=20; else marker="not e2e"; minutes=12; fi
 # `bench`: TRL, which the bench tests run for real (tests/bench/test_bench_e2e*.py); `docs`: mkdocs,
-# which tests/test_docs_site.py builds the site with. Each only adds packages to the shared
+# which tests/test_docs_site.py builds the site with; `docker`: prefect-docker, the worker of
+# tests/deployments/test_docker_pool.py. Each only adds packages to the shared
 # environment (seconds once the wheels are local).
 bash scripts/ensure_venv.sh test bench docs docker || exit $?
 bash scripts/ensure_test_tools.sh || exit $?

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .audit import audit, snapshot
-from .harness import Chaos, Outcome, layout
+from .harness import Outcome, layout
 from .scenarios import _result, scenario
 
 ITERATIONS = 2
@@ -95,36 +95,25 @@ def _cut(host: str, seconds: float) -> Callable[..., str]:
     return inject
 
 
-@scenario("cluster-run", "none: a run across 5 hosts sharing no disk (2 nodes x 1 rank)")
-def cluster_run(chaos: Chaos) -> Outcome:
-    return _row("cluster-run", "none: a run across 5 hosts sharing no disk (2 nodes x 1 rank)", None, str)
+# name, fault (the table's first column), the stage flow run the fault waits for, the fault.
+ROWS = (
+    ("cluster-run", "none: a run across 5 hosts sharing no disk (2 nodes x 1 rank)", None, str),
+    ("cluster-kill-train1", "train1 (rank group node 1) SIGKILLed during update 1", "update-0001",
+     _kill_and_boot("train1", 5)),
+    ("cluster-restart-api", "api host (Prefect server + PostgreSQL) SIGKILLed and rebooted during update 1",
+     "update-0001", _kill_and_boot("api", 1)),
+    ("cluster-cut-rollout", "rollout host off the network for 30 s during rollout 1", "rollout-0001",
+     _cut("rollout", 30)),
+    ("cluster-cut-s3", "s3 host off the network for 30 s during update 1 (its checkpoint upload)", "update-0001",
+     _cut("s3", 30)),
+    ("cluster-restart-s3", "s3 host SIGKILLed during update 1 and rebooted 5 s later (its objects kept on its disk)",
+     "update-0001", _kill_and_boot("s3", 5)),
+)
 
 
-@scenario("cluster-kill-train1", "train1 (rank group node 1) SIGKILLed during update 1")
-def cluster_kill_train1(chaos: Chaos) -> Outcome:
-    return _row("cluster-kill-train1", "train1 (rank group node 1) SIGKILLed during update 1", "update-0001",
-                _kill_and_boot("train1", 5))
+def _register(name: str, fault: str, stage: str | None, inject: Callable[..., str]) -> None:
+    scenario(name, fault)(lambda chaos: _row(name, fault, stage, inject))
 
 
-@scenario("cluster-restart-api", "api host (Prefect server + PostgreSQL) SIGKILLed and rebooted during update 1")
-def cluster_restart_api(chaos: Chaos) -> Outcome:
-    return _row("cluster-restart-api", "api host (Prefect server + PostgreSQL) SIGKILLed and rebooted during update 1",
-                "update-0001", _kill_and_boot("api", 1))
-
-
-@scenario("cluster-cut-rollout", "rollout host off the network for 30 s during rollout 1")
-def cluster_cut_rollout(chaos: Chaos) -> Outcome:
-    return _row("cluster-cut-rollout", "rollout host off the network for 30 s during rollout 1", "rollout-0001",
-                _cut("rollout", 30))
-
-
-@scenario("cluster-cut-s3", "s3 host off the network for 30 s during update 1 (its checkpoint upload)")
-def cluster_cut_s3(chaos: Chaos) -> Outcome:
-    return _row("cluster-cut-s3", "s3 host off the network for 30 s during update 1 (its checkpoint upload)",
-                "update-0001", _cut("s3", 30))
-
-
-@scenario("cluster-restart-s3", "s3 host SIGKILLed during update 1 and rebooted 5 s later (its objects kept on its disk)")
-def cluster_restart_s3(chaos: Chaos) -> Outcome:
-    return _row("cluster-restart-s3", "s3 host SIGKILLed during update 1 and rebooted 5 s later (its objects kept on its disk)",
-                "update-0001", _kill_and_boot("s3", 5))
+for _args in ROWS:
+    _register(*_args)

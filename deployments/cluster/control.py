@@ -5,13 +5,10 @@ logs. The commands are in deployments/cluster/__main__.py."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 from deployments.cluster.hosts import HOSTS, REPO, Cluster, ClusterError, preflight
 from deployments.cluster.services import API_PORT, S3_PORT
@@ -31,6 +28,13 @@ def s3_endpoint(cluster: Cluster) -> str:
     return f"http://{cluster.addr('s3')}:{S3_PORT}"
 
 
+def s3_env(endpoint: str) -> dict[str, str]:
+    """The AWS_* variables that point a process at the S3 server at `endpoint` (credentials never go
+    into a run's config)."""
+    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1"}
+
+
 def host_env(cluster: Cluster) -> dict[str, str]:
     """The environment every host boots with: where the API and S3 are, the image's tools first,
     every writable place on the host's own disk (/tmp)."""
@@ -42,8 +46,7 @@ def host_env(cluster: Cluster) -> dict[str, str]:
         "PREFECT_API_URL": api_url(cluster), "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "GX_ANALYTICS_ENABLED": "false",
         "RLMILL_NIGHTLY_TZ": "UTC",
-        "AWS_ENDPOINT_URL": s3_endpoint(cluster), "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
+        **s3_env(s3_endpoint(cluster)),
         # Each host's name resolves to 127.0.0.1 (the machine's /etc/hosts): gloo would advertise
         # that to the other node. Name the interface, as on any multi-node cluster with several.
         "GLOO_SOCKET_IFNAME": "eth0",

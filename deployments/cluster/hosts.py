@@ -53,9 +53,6 @@ HOSTS = {h.name: h for h in (
     Host("train1", 14, "node 1 of every update's rank group: the join command, run again after each group"),
 )}
 
-# The hidden paths: the machine's model cache, its shared memory.
-_HIDDEN = ("/root/.cache", "/dev/shm")
-
 _MOUNTS = r"""
 set -eu
 state="$1"; host="$2"; n="$3"; shift 3

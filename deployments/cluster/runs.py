@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 
-from deployments.cluster.control import BUCKET, KEY, SECRET, _cli, api_url, s3_endpoint
+from deployments.cluster.control import BUCKET, _cli, api_url, s3_endpoint, s3_env
 from deployments.cluster.hosts import REPO, Cluster, ClusterError
 from deployments.cluster.services import API_PORT, RANK_PORT
 
@@ -40,8 +40,7 @@ def run_overrides(master_addr: str, run_id: str, iterations: int, extra: list[st
 def s3_of(cluster: Cluster):
     """This process reaches the cluster's S3 through the AWS_* environment, as every host does
     (credentials never go into a run's config), for the `with` block."""
-    env = {"AWS_ENDPOINT_URL": s3_endpoint(cluster), "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
-           "AWS_DEFAULT_REGION": "us-east-1"}
+    env = s3_env(s3_endpoint(cluster))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -168,8 +167,6 @@ def one_box_reference(cluster: Cluster, overrides: list[str], iterations: int) -
 def weights_gap(cluster: Cluster, run_id: str, iterations: int, reference: str) -> float:
     """max over tensors of |a - b|_max / |b|_max between run `run_id`'s final policy and
     `reference` (0.0: bitwise equal)."""
-    import torch
-
     from storage import RunLayout, load_state_dict
 
     with s3_of(cluster):
@@ -181,7 +178,7 @@ def weights_gap(cluster: Cluster, run_id: str, iterations: int, reference: str) 
     for name in a:
         diff = (a[name].float() - b[name].float()).abs().max().item()
         gap = max(gap, diff / max(b[name].float().abs().max().item(), 1e-12))
-    return gap if not all(torch.equal(a[n], b[n]) for n in a) else 0.0
+    return gap
 
 
 def iteration_seconds(where: Cluster | str, run_id: str) -> dict[int, float]:
@@ -211,7 +208,6 @@ def stored_bytes(root: str, run_id: str, iterations: int) -> dict[str, int]:
             url = layout.stage(k, name)
             if committed(url):
                 out[name] = out.get(name, 0) + sum(f.size for f in read_manifest(url).files)
-    for k in range(1, iterations + 1):
         fs, path = url_to_fs(layout.checkpoint(k))
         out["checkpoints"] = out.get("checkpoints", 0) + fs.du(path)
     return out

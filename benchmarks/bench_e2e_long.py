@@ -101,7 +101,8 @@ GOALS = {("arith", "builtin"): {"rlmill-flow": 1.0, "rlmill-vllm": 1.0, "rlmill-
          # issue 24: the flow at 1.5x TRL's faster row on the real model
          ("times", "smollm2"): {"rlmill-flow": 1.5, "rlmill-vllm": 1.5, "rlmill-async": 1.5},
          # issue 45: 2x TRL's fastest row
-         ("times25", "smollm2"): {"rlmill-vllm": 2.0, "rlmill-async": 2.0}}
+         ("times25", "smollm2"): {row: 2.0 for row in ("rlmill-vllm", "rlmill-vllm-bf16", "rlmill-async",
+                                                        "rlmill-vllm-async")}}
 
 
 # A flag left out pairs each named workload/model with these partners: times is SmolLM2's task (the

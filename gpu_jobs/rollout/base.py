@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpu_jobs.registry import Registry
 
@@ -51,7 +51,9 @@ class RolloutEngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights/activations dtype of the rollout model.")
+        "float32", description="Weights/activations dtype of the rollout model. 'auto': bfloat16 where the machine "
+        "computes bf16 natively (a CUDA GPU with bf16; a CPU with AVX512_BF16, AMX or Arm BF16), else float32 "
+        "(gpu_jobs/models/precision.py), resolved when the config is read.")
     max_batch_size: int = Field(
         256, ge=1, description="hf: most sequences decoded together (prompts x n); vllm: max_num_seqs.")
     compact_fraction: float = Field(
@@ -71,6 +73,13 @@ class RolloutEngineConfig(BaseModel):
     tensor_parallel_size: int = Field(
         1, ge=1, description="vllm on CUDA only: GPUs one replica's model is split across (vLLM tensor "
         "parallelism, verl rollout.tensor_model_parallel_size).")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _resolve_auto(cls, value: Any) -> Any:
+        from gpu_jobs.models.precision import resolve_dtype
+
+        return resolve_dtype(value, "rollout") if isinstance(value, str) else value
 
 
 Row = dict[str, Any]  # prompt_index, sample_index, prompt_ids, response_ids, rollout_logprobs, finish_reason

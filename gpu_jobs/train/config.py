@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpu_jobs.algos import KLConfig, PolicyLossConfig
 
@@ -131,8 +131,19 @@ class _UpdateConfig(BaseModel):
     pipeline_parallel_size: int = Field(
         1, ge=1, description="Pipeline stages; >1 needs zero_stage 0 or 1 (DeepSpeed limitation)."
     )
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Training precision.")
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Training precision. bf16: bf16 weights and activations over fp32 master weights and "
+        "Adam state (DeepSpeed bf16, ZeRO-1 or more). 'auto': bf16 where the machine computes bf16 natively (a "
+        "CUDA GPU with bf16; a CPU with AVX512_BF16, AMX or Arm BF16), else fp32 (gpu_jobs/models/precision.py); "
+        "resolved when the config is read, so `rlmill config show` prints what runs.")
     seed: int = Field(1, description="Seeds the shuffle generator and any freshly initialised head.")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _resolve_auto(cls, value: Any) -> Any:
+        from gpu_jobs.models.precision import resolve_dtype
+
+        return resolve_dtype(value, "trainer") if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check(self) -> "_UpdateConfig":

@@ -335,6 +335,16 @@ def test_a_seed_reaches_rlmills_data_and_sampling_and_trls_seed(tmp_path):
     w = be.replace(be.case_workload("times25", "smollm2", be.parse_args(["--workload", "times25"])), seed=3)
     cfg = be.rlmill_config(w, str(tmp_path / "run"), "r")
     assert (cfg.data.generate, cfg.data.val_size, cfg.data.seed) == ("times25", 200, 3)
+    # fp32 on both engines as on TRL's side, whatever the example's `auto` picks on this machine;
+    # the bf16 row sets its precision after those.
+    assert (cfg.actor.dtype, cfg.rollout.engine_options.dtype) == ("fp32", "float32")
+    from flows.config import load_run_config
+
+    bf16 = load_run_config(w.example, be.rlmill_overrides(w, str(tmp_path / "bf16"), "r", iterations=2,
+                                                          checkpoint_every=2, engine=be.ROW_ENGINES["rlmill-vllm-bf16"])
+                           + be.ROW_OVERRIDES["rlmill-vllm-bf16"])
+    assert (bf16.actor.dtype, bf16.rollout.engine_options.dtype, bf16.rollout.engine) == ("bf16", "bfloat16", "vllm")
+    assert bf16.actor.resolved_zero_stage(1) == 1
     assert be.trl_args(w, cfg, max_steps=2, output_dir=str(tmp_path), seed=w.seed)["seed"] == 3
     train, test = be.task_splits(cfg, str(tmp_path / "data"))
     held = {frozenset((x["a"], x["b"])) for x in test["extra_info"]}

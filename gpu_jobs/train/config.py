@@ -123,8 +123,7 @@ class _UpdateConfig(BaseModel):
         "auto",
         description="DeepSpeed ZeRO stage. 3 shards weights, gradients and optimizer state over "
         "the data-parallel ranks; 0 keeps everything whole. 'auto': on one data-parallel rank 0 "
-        "(ZeRO-3 there only adds weight gathers) in fp32, 1 in bf16 (DeepSpeed's stage-0 bf16 "
-        "path accumulates gradients in bf16 and hides its fp32 master weights); on more ranks 3, "
+        "(ZeRO-3 there only adds weight gathers); on more ranks 3, "
         "or 1 with pipeline_parallel_size > 1 (which cannot use 2/3). Checkpoints record the "
         "resolved stage.",
     )
@@ -132,8 +131,10 @@ class _UpdateConfig(BaseModel):
         1, ge=1, description="Pipeline stages; >1 needs zero_stage 0 or 1 (DeepSpeed limitation)."
     )
     dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="Training precision. bf16: bf16 weights and activations over fp32 master weights and "
-        "Adam state (DeepSpeed bf16, ZeRO-1 or more). 'auto': bf16 where the machine computes bf16 natively (a "
+        "fp32", description="Training precision. bf16: the forwards and backwards compute in bf16 (torch.autocast: "
+        "matmuls and their activations) over fp32 weights, gradients and Adam state, as TRL's bf16=True and "
+        "verl's FSDP mixed precision; log-probs, losses and norms stay fp32. Under a pipeline "
+        "(pipeline_parallel_size > 1): DeepSpeed's bf16 (bf16 weights over fp32 master weights). 'auto': bf16 where the machine computes bf16 natively (a "
         "CUDA GPU with bf16; a CPU with AVX512_BF16, AMX or Arm BF16), else fp32 (gpu_jobs/models/precision.py); "
         "resolved when the config is read, so `rlmill config show` prints what runs.")
     seed: int = Field(1, description="Seeds the shuffle generator and any freshly initialised head.")
@@ -181,24 +182,25 @@ class _UpdateConfig(BaseModel):
 
     def resolved_zero_stage(self, world_size: int) -> int:
         """The ZeRO stage a DeepSpeed group of ``world_size`` data-parallel ranks runs: zero_stage,
-        with 'auto' resolved (one rank: 0 in fp32, 1 in bf16; more: 3, or 1 under a pipeline)."""
+        with 'auto' resolved (one rank: 0; more: 3, or 1 under a pipeline)."""
         if self.zero_stage != "auto":
             return self.zero_stage
         if world_size == 1:
-            return 0 if self.dtype == "fp32" else 1
+            return 0
         return 1 if self.pipeline_parallel_size > 1 else 3
 
     def deepspeed_config(self, world_size: int, train: bool = True) -> dict[str, Any]:
         """The DeepSpeed config dict for ``world_size`` data-parallel ranks. Micro-batching is
         ours: DeepSpeed sees gas=1 and we mark the accumulation boundary ourselves, so
-        token-budget micro-batches can vary in number."""
+        token-budget micro-batches can vary in number. DeepSpeed runs fp32 whatever ``dtype``: bf16
+        is the trainer's autocast (ZeroModule), except under a pipeline (PipelinePolicyTrainer
+        turns on DeepSpeed's bf16 itself)."""
         cfg: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "train_batch_size": world_size,
             "gradient_clipping": self.grad_clip,
             "zero_optimization": {"stage": self.resolved_zero_stage(world_size)},
-            "bf16": {"enabled": self.dtype == "bf16"},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 1 << 30,
             "wall_clock_breakdown": False,

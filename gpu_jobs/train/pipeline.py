@@ -160,6 +160,9 @@ class PipelinePolicyTrainer(Resumable, InProcessTrainer):
         self.pipe = PipelineModule(layers=_layers(hf), num_stages=pp, loss_fn=self._loss_fn,
                                    partition_method="uniform", dynamic_shape=True)
         ds = config.deepspeed_config(dist.world_size() // pp)
+        # DeepSpeed's PipelineEngine runs the stages' forwards itself: no autocast around them
+        # (ZeroModule's bf16); its own bf16 keeps bf16 weights over fp32 master weights instead.
+        ds["bf16"] = {"enabled": config.dtype == "bf16"}
         optimizer = adamw(config, [p for p in self.pipe.parameters() if p.requires_grad])
         self.engine, *_ = deepspeed.initialize(model=self.pipe, optimizer=optimizer, config=ds)
         self.optimizer = optimizer

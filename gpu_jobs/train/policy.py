@@ -110,10 +110,12 @@ class _CausalLM(ZeroModule):
         """Logits ``(m, V)`` (fp32, over the temperature) predicting the micro-batch's response
         tokens in ``_flat`` order; HF computes only these rows (padded: the last R+1)."""
         if mb["packed"]:
-            logits = self.engine(**self._model_inputs(mb), logits_to_keep=mb["token_index"]).logits[0]
+            with self.compute_precision():
+                logits = self.engine(**self._model_inputs(mb), logits_to_keep=mb["token_index"]).logits[0]
         else:
             R = mb["response_width"]
-            logits = self.engine(**self._model_inputs(mb), logits_to_keep=R + 1).logits[:, :R, :]
+            with self.compute_precision():
+                logits = self.engine(**self._model_inputs(mb), logits_to_keep=R + 1).logits[:, :R, :]
             logits = logits.reshape(-1, logits.shape[-1])
         logits = logits.float()  # not divided in place: a model's own last op may keep its output (tanh soft-capping)
         return logits / self.config.temperature if self.config.temperature != 1.0 else logits
@@ -124,7 +126,8 @@ class _CausalLM(ZeroModule):
         import torch
 
         none = torch.zeros(0, dtype=torch.long, device=self.device)
-        out = self.engine(**self._model_inputs(mb), logits_to_keep=none, output_hidden_states=True)
+        with self.compute_precision():
+            out = self.engine(**self._model_inputs(mb), logits_to_keep=none, output_hidden_states=True)
         h = out.hidden_states[-1]
         if mb["packed"]:
             return h[0, mb["token_index"]]
@@ -132,7 +135,9 @@ class _CausalLM(ZeroModule):
         return h[:, P - 1 : P + R - 1].reshape(-1, h.shape[-1])
 
     def _head_terms(self, head: Any, hidden: Any, labels: Any, with_entropy: bool):
-        logits = _over_temperature(head(hidden).float(), self.config.temperature)
+        with self.compute_precision():
+            logits = head(hidden)
+        logits = _over_temperature(logits.float(), self.config.temperature)
         return token_terms(logits, labels, self.config, with_entropy)
 
     def _response_terms(self, mb: dict[str, Any], with_entropy: bool = True):

@@ -39,6 +39,8 @@ def load_tokenizer_if_any(model_path: str) -> Any:
 
 
 def _torch_dtype(name: str):
+    """The weights' dtype of DeepSpeed's own bf16 (PipelinePolicyTrainer); ZeroModule keeps
+    fp32 weights in every precision (ZeroModule.compute_precision)."""
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
@@ -96,20 +98,10 @@ class ZeroModule(Resumable):
         }
         self.engine, self.optimizer = self._build_engine(model, train)
         self.device = self.engine.device
-        if train and self.config.dtype != "fp32":
-            # DeepSpeed builds the fp32 master from the bf16 module, i.e. from weights already
-            # rounded to bf16: every master weight then sits on the bf16 grid, and the bf16 copy
-            # the forward uses stays put until a weight has moved half a bf16 step (~1e-4 for a
-            # weight of 0.05: a dozen Adam steps at lr 1e-5). Measured on SmolLM2, 5 updates at
-            # lr 1e-5: the policy's log-probs moved 6x less than in fp32. The checkpoint's own
-            # fp32 values put the master where fp32 training has it (as TRL's bf16 autocast keeps
-            # fp32 weights); the forward's copy is their rounding, as before.
-            from gpu_jobs.models.loading import read_state_dict
-
-            self._set_fp32_master(read_state_dict(self.model_path, storage))
 
     # ---- construction --------------------------------------------------------------------
     def _build_model(self, auto_class: Any, overrides: dict[str, Any]) -> Any:
+        import torch
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(self.model_path)
@@ -118,7 +110,9 @@ class ZeroModule(Resumable):
         # leaving its value head's dropout at 0.1).
         for key, value in overrides.items():
             setattr(hf_config, key, value)
-        kwargs = {"config": hf_config, "dtype": _torch_dtype(self.config.dtype)}
+        # fp32 whatever config.dtype: bf16 computes under autocast (compute_precision), over fp32
+        # weights, gradients and Adam state.
+        kwargs = {"config": hf_config, "dtype": torch.float32}
         if self.config.use_remove_padding:
             kwargs["attn_implementation"] = attention_for_packing(hf_config)
         if self.zero_stage != 3:
@@ -157,6 +151,23 @@ class ZeroModule(Resumable):
             model=model, optimizer=optimizer, config=ds_config
         )
         return engine, optimizer
+
+    def compute_precision(self) -> Any:
+        """The context every forward runs in (its backward follows it): ``torch.autocast`` to
+        bf16 when ``config.dtype`` is bf16, else nothing.
+
+        Why autocast and not DeepSpeed's bf16: DeepSpeed keeps bf16 weights over an fp32 master
+        in a ZeRO-1+ optimizer, whose step cost 3x the fp32 one on CPU (1.04 s against 0.34 s on
+        SmolLM2, bench_update --compare-dtype), and whose gradients a failed agreement probe
+        cannot drop (ZeRO-0 only). Autocast keeps the weights, gradients and Adam state fp32 (a
+        ZeRO-0 fp32 engine, checkpoint and optimizer step) and runs the matmuls in bf16: the
+        forward and backward as fast as an all-bf16 module (measured: 2.2 + 4.6 s against
+        2.1 + 4.4 s for 32 rows of SmolLM2), as TRL's bf16=True does."""
+        import torch
+
+        if self.config.dtype != "bf16":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     # ---- the update loop -----------------------------------------------------------------
     def _run_update(self, rows: Rows, loss_of: LossOf, agg_mode: str, role: str,
@@ -313,19 +324,7 @@ class ZeroModule(Resumable):
 
             return merged_state_dict(module) if self.rank == 0 else {}
         out: dict[str, torch.Tensor] = {}
-        # bf16 training keeps fp32 master weights in the optimizer: hand those out, not the
-        # rounded bf16 copies (safe_get_full_fp32_param is collective under ZeRO-3).
-        master = self.optimizer is not None and self.config.dtype != "fp32"
         for name, p in module.named_parameters():
-            if master:
-                from deepspeed.utils import safe_get_full_fp32_param
-
-                full = safe_get_full_fp32_param(p)
-                if full is not None:
-                    if self.rank == 0:
-                        out[name] = full.detach().to(torch.float32, copy=True).cpu().reshape(
-                            self._param_shapes[name])
-                    continue
             with self._gather_params([p]):
                 if self.rank == 0:
                     out[name] = p.detach().to(torch.float32, copy=True).cpu()
@@ -377,20 +376,6 @@ class ZeroModule(Resumable):
                 if self.rank == 0 or self.zero_stage != 3:
                     with torch.no_grad():
                         p.data.copy_(state[name].to(p.dtype))
-        if self.optimizer is not None and self.config.dtype != "fp32":
-            self._set_fp32_master(state)  # the given values, not their bf16 rounding
-            return
         refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
         if self.optimizer is not None and refresh is not None:
             refresh()
-
-    def _set_fp32_master(self, state: dict[str, Any]) -> None:
-        """Set the optimizer's fp32 master weights of bf16 training to ``state``'s values (HF
-        names; every rank passes the same dict: collective under ZeRO-3). Trained parameters
-        that ``state`` lacks (a fresh value head, LoRA adapters) keep the master they have."""
-        import torch
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        for name, p in self.engine.module.named_parameters():
-            if p.requires_grad and name in state:
-                safe_set_full_fp32_param(p, state[name].to(torch.float32).reshape(self._param_shapes[name]))

@@ -269,23 +269,14 @@ class Server:
 
     def _gathered(self, names: list[str], dtype: Any):
         """(name, full tensor) on rank 0 for ``names``, one parameter gathered at a time; nothing
-        on the other ranks (they take part in each gather). bf16 training hands out the fp32
-        master weights, as ZeroModule.gathered_state_dict does."""
+        on the other ranks (they take part in each gather). The weights are fp32 in every
+        precision (ZeroModule.compute_precision): ``dtype`` is what is sent."""
         import torch
 
         t = self.trainer
         params = dict(t.engine.module.named_parameters())
-        master = t.optimizer is not None and t.config.dtype != "fp32"
         for name in names:
             p = params[name]
-            if master:
-                from deepspeed.utils import safe_get_full_fp32_param
-
-                full = safe_get_full_fp32_param(p)
-                if full is not None:
-                    if self.rank == 0:
-                        yield name, full.detach().reshape(t._param_shapes[name]).to(dtype, copy=True).cpu()
-                    continue
             with t._gather_params([p]):
                 if self.rank == 0:
                     with torch.no_grad():

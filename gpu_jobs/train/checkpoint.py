@@ -20,7 +20,8 @@ so gpu_jobs.train.reshard consolidates the fp32 weights and each parameter's Ada
 new engine's optimizer: the moments arrive exactly, the next steps match the old world size up to
 float reduction order. Still reset to fresh moments (with a warning): pipeline-parallel layouts
 (their states are per-layer files; the pipeline trainer refuses another layout anyway) and
-optimizer layouts reshard cannot read or write (ZeRO-0 bf16's FP16_UnfusedOptimizer).
+optimizer layouts reshard cannot read or write (DeepSpeed's stage-0 bf16 FP16_UnfusedOptimizer, which
+only a pipeline run can make now: ZeroModule's bf16 is autocast over an fp32 engine).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ AUTO = "auto"
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # The names each side spells its two precisions with.
 NAMES = {"trainer": ("bf16", "fp32"), "rollout": ("bfloat16", "float32")}
+CHOICES = {"trainer": ("fp32", "bf16"), "rollout": ("float32", "bfloat16", "float16")}  # the fields' Literals
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
@@ -53,6 +54,8 @@ def resolve_dtype(value: str, side: str) -> str:
     """`value` unless it is "auto": then bf16 or fp32 for this machine, spelled as `side`
     ("trainer": bf16/fp32, "rollout": bfloat16/float32) spells them."""
     if value != AUTO:
+        if value not in CHOICES[side]:  # pydantic's own message would not list "auto"
+            raise ValueError(f"{value!r} is not a precision: use {', '.join(map(repr, (AUTO, *CHOICES[side])))}")
         return value
     bf16, fp32 = NAMES[side]
     return bf16 if native_bf16() else fp32

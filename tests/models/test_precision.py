@@ -50,5 +50,8 @@ def test_a_wrong_precision_names_the_choices(tmp_path):
     from flows.config import ConfigError, load_run_config
     from tests.tiny import REPO
 
-    with pytest.raises(ConfigError, match="actor.dtype"):
+    with pytest.raises(ConfigError, match="actor.dtype: .*'bf32' is not a precision: use 'auto', 'fp32', 'bf16'"):
         load_run_config(REPO / "examples" / "grpo_times_smollm2.yaml", [f"root={tmp_path}", "actor.dtype=bf32"])
+    with pytest.raises(ConfigError, match="engine_options.dtype: .*use 'auto', 'float32', 'bfloat16', 'float16'"):
+        load_run_config(REPO / "examples" / "grpo_times_smollm2.yaml",
+                        [f"root={tmp_path}", "rollout.engine_options.dtype=fp16"])

@@ -8,7 +8,7 @@ AVX512_BF16 (docs/guide/real-model.md): the SmolLM2 example's 30 iterations took
 fp32 wall time in bf16, with the same held-out curve.
 
     native_bf16()            # True / False for this machine
-    resolve_dtype("auto", "trainer")   # "bf16" or "fp32"
+    resolve_dtype("auto", "trainer", ("fp32", "bf16"))   # "bf16" or "fp32"
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ AUTO = "auto"
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # The names each side spells its two precisions with.
 NAMES = {"trainer": ("bf16", "fp32"), "rollout": ("bfloat16", "float32")}
-CHOICES = {"trainer": ("fp32", "bf16"), "rollout": ("float32", "bfloat16", "float16")}  # the fields' Literals
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
@@ -50,12 +49,14 @@ def native_bf16() -> bool:
         return False
 
 
-def resolve_dtype(value: str, side: str) -> str:
+def resolve_dtype(value: str, side: str, choices: tuple[str, ...]) -> str:
     """`value` unless it is "auto": then bf16 or fp32 for this machine, spelled as `side`
-    ("trainer": bf16/fp32, "rollout": bfloat16/float32) spells them."""
+    ("trainer": bf16/fp32, "rollout": bfloat16/float32) spells them. A value neither "auto" nor
+    one of the field's ``choices`` is refused with all of them named (pydantic's own message
+    would not list "auto")."""
     if value != AUTO:
-        if value not in CHOICES[side]:  # pydantic's own message would not list "auto"
-            raise ValueError(f"{value!r} is not a precision: use {', '.join(map(repr, (AUTO, *CHOICES[side])))}")
+        if value not in choices:
+            raise ValueError(f"{value!r} is not a precision: use {', '.join(map(repr, (AUTO, *choices)))}")
         return value
     bf16, fp32 = NAMES[side]
     return bf16 if native_bf16() else fp32

@@ -19,7 +19,7 @@ A response includes its final EOS token when finish_reason is "stop".
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -79,7 +79,8 @@ class RolloutEngineConfig(BaseModel):
     def _resolve_auto(cls, value: Any) -> Any:
         from gpu_jobs.models.precision import resolve_dtype
 
-        return resolve_dtype(value, "rollout") if isinstance(value, str) else value
+        choices = get_args(cls.model_fields["dtype"].annotation)
+        return resolve_dtype(value, "rollout", choices) if isinstance(value, str) else value
 
 
 Row = dict[str, Any]  # prompt_index, sample_index, prompt_ids, response_ids, rollout_logprobs, finish_reason

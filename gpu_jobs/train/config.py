@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -144,7 +144,8 @@ class _UpdateConfig(BaseModel):
     def _resolve_auto(cls, value: Any) -> Any:
         from gpu_jobs.models.precision import resolve_dtype
 
-        return resolve_dtype(value, "trainer") if isinstance(value, str) else value
+        choices = get_args(cls.model_fields["dtype"].annotation)
+        return resolve_dtype(value, "trainer", choices) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check(self) -> "_UpdateConfig":

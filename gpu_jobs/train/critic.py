@@ -43,8 +43,7 @@ class Critic(ZeroModule):
         """Values ``(b, R)`` (fp32): the value of the state before each response token, i.e.
         the head's output at positions P-1 .. P+R-2 (verl's ``values[:, -R-1:-1]``); packed, at
         ``token_index``."""
-        with self.compute_precision():
-            out = self.engine(**self._model_inputs(mb)).logits
+        out = self._forward(mb).logits
         if mb["packed"]:
             return self._rows(out[0, mb["token_index"], 0].float(), mb)
         P, R = mb["prompt_width"], mb["response_width"]

@@ -34,7 +34,7 @@ from .checkpoint import Resumable
 from .config import ActorConfig
 from gpu_jobs.models import resolve_model_path
 
-from .zero_module import _torch_dtype, load_tokenizer_if_any
+from .zero_module import load_tokenizer_if_any
 from .errors import TrainInputError
 from .loop import MetricSums, PhaseTimer, adamw, optimizer_steps
 from .policy import policy_objective, required_columns
@@ -154,7 +154,9 @@ class PipelinePolicyTrainer(Resumable, InProcessTrainer):
         self.step, self.samples_seen = 0, 0
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_if_any(self.model_path)
-        hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_torch_dtype(config.dtype))
+        # bf16 weights in bf16: DeepSpeed's bf16 (below) keeps the fp32 master copy.
+        dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
+        hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
         self.model_config = hf.config
         self._param_shapes = {n: list(p.shape) for n, p in hf.named_parameters()}
         self.pipe = PipelineModule(layers=_layers(hf), num_stages=pp, loss_fn=self._loss_fn,

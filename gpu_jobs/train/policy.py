@@ -110,12 +110,10 @@ class _CausalLM(ZeroModule):
         """Logits ``(m, V)`` (fp32, over the temperature) predicting the micro-batch's response
         tokens in ``_flat`` order; HF computes only these rows (padded: the last R+1)."""
         if mb["packed"]:
-            with self.compute_precision():
-                logits = self.engine(**self._model_inputs(mb), logits_to_keep=mb["token_index"]).logits[0]
+            logits = self._forward(mb, logits_to_keep=mb["token_index"]).logits[0]
         else:
             R = mb["response_width"]
-            with self.compute_precision():
-                logits = self.engine(**self._model_inputs(mb), logits_to_keep=R + 1).logits[:, :R, :]
+            logits = self._forward(mb, logits_to_keep=R + 1).logits[:, :R, :]
             logits = logits.reshape(-1, logits.shape[-1])
         logits = logits.float()  # not divided in place: a model's own last op may keep its output (tanh soft-capping)
         return logits / self.config.temperature if self.config.temperature != 1.0 else logits
@@ -126,8 +124,7 @@ class _CausalLM(ZeroModule):
         import torch
 
         none = torch.zeros(0, dtype=torch.long, device=self.device)
-        with self.compute_precision():
-            out = self.engine(**self._model_inputs(mb), logits_to_keep=none, output_hidden_states=True)
+        out = self._forward(mb, logits_to_keep=none, output_hidden_states=True)
         h = out.hidden_states[-1]
         if mb["packed"]:
             return h[0, mb["token_index"]]

@@ -315,8 +315,8 @@ def place_full_state(module: Any, full: FullState) -> None:
     if missing:
         raise UnsupportedLayout(f"the checkpoint lacks trained parameters {missing[:3]}")
     layout = _layout(engine, params[0][1])
-    # Model weights first (load_weights also sets the fp32 master from them; the checkpoint's own
-    # master copy, placed below, is the exact one). Buffers are not parameters: load_weights refuses them.
+    # Model weights first (load_weights also refreshes a ZeRO-1/2 optimizer's flat fp32 copy from
+    # them). Buffers are not parameters: load_weights refuses them.
     module.load_weights({k: v for k, v in full.weights.items() if k in module._param_shapes or k in module._aliases})
     base = _base_optimizer(engine)
     _start_adam_state(engine, base, _one_step(full, [n for n, _ in params]))

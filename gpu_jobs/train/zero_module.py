@@ -38,14 +38,6 @@ def load_tokenizer_if_any(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def _torch_dtype(name: str):
-    """The weights' dtype of DeepSpeed's own bf16 (PipelinePolicyTrainer); ZeroModule keeps
-    fp32 weights in every precision (ZeroModule.compute_precision)."""
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
 class ZeroModule(Resumable):
     """An HF model wrapped in a DeepSpeed engine (``self.zero_stage``: the config's, with "auto"
     resolved for this world size).
@@ -253,6 +245,12 @@ class ZeroModule(Resumable):
                 for k, v in batch.items()}
 
     # ---- the two layouts -----------------------------------------------------------------
+    def _forward(self, mb: dict[str, Any], **kwargs: Any) -> Any:
+        """The HF model's output on a collated micro-batch (``kwargs`` to its forward), computed
+        in the configured precision (``compute_precision``)."""
+        with self.compute_precision():
+            return self.engine(**self._model_inputs(mb), **kwargs)
+
     @staticmethod
     def _model_inputs(mb: dict[str, Any]) -> dict[str, Any]:
         """Keyword arguments of the HF forward for a collated micro-batch, padded or packed."""

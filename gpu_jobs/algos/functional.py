@@ -22,6 +22,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "logprobs_from_logits",
+    "logprobs_and_entropy",
     "entropy_from_logits",
 ]
 
@@ -147,31 +148,40 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 
 class _LogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, chunk_size):
+    def forward(ctx, logits, labels, chunk_size, with_entropy):
         flat, flat_labels = _rows(logits), labels.reshape(-1)
         out = torch.empty(flat.shape[0], dtype=logits.dtype, device=logits.device)
         lse = torch.empty_like(out)
+        entropy = torch.empty_like(out) if with_entropy else None
         for s in range(0, flat.shape[0], chunk_size):
-            block = flat[s : s + chunk_size]
-            lse[s : s + chunk_size] = torch.logsumexp(block, dim=-1)
-            picked = block.gather(-1, flat_labels[s : s + chunk_size, None]).squeeze(-1)
-            out[s : s + chunk_size] = picked - lse[s : s + chunk_size]
+            block, e = flat[s : s + chunk_size], s + chunk_size
+            lse[s:e] = torch.logsumexp(block, dim=-1)
+            out[s:e] = block.gather(-1, flat_labels[s:e, None]).squeeze(-1) - lse[s:e]
+            if entropy is not None:
+                # H = lse - sum p * l from the lse just taken: one exp pass, not a softmax and a
+                # second logsumexp. nansum: a masked (-inf) logit has p = 0, and 0 * -inf is NaN.
+                p_l = torch.sub(block, lse[s:e, None]).exp_().mul_(block)
+                entropy[s:e] = lse[s:e] - torch.nansum(p_l, dim=-1)
         ctx.save_for_backward(logits, labels, lse)
         ctx.chunk_size = chunk_size
-        return out.reshape(labels.shape)
+        if entropy is None:
+            return out.reshape(labels.shape)
+        entropy = entropy.reshape(labels.shape)
+        ctx.mark_non_differentiable(entropy)  # the tensor returned, not a view's base
+        return out.reshape(labels.shape), entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_):
         logits, labels, lse = ctx.saved_tensors
         flat, flat_labels, g = _rows(logits), labels.reshape(-1), grad_out.reshape(-1)
         grad = torch.empty_like(flat)
         for s in range(0, flat.shape[0], ctx.chunk_size):
             e = s + ctx.chunk_size
-            # d/dl_k [l_y - logsumexp(l)] = 1[k=y] - softmax(l)_k
-            block = -torch.exp(flat[s:e] - lse[s:e, None]) * g[s:e, None]
+            # d/dl_k [l_y - logsumexp(l)] = 1[k=y] - softmax(l)_k, computed in place in the
+            # gradient's own rows: no (chunk, V) temporaries to allocate, fill and copy.
+            block = torch.sub(flat[s:e], lse[s:e, None], out=grad[s:e]).exp_().mul_(-g[s:e, None])
             block.scatter_add_(-1, flat_labels[s:e, None], g[s:e, None])
-            grad[s:e] = block
-        return grad.reshape(logits.shape), None, None
+        return grad.reshape(logits.shape), None, None, None
 
 
 def logprobs_from_logits(
@@ -186,7 +196,19 @@ def logprobs_from_logits(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _LogProbs.apply(logits, labels.long(), chunk_size)
+    return _LogProbs.apply(logits, labels.long(), chunk_size, False)
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = _DEFAULT_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logprobs_from_logits`` and, from the same pass over the logits, the entropy of each
+    position's categorical, without grad: for reporting it when it is not part of the loss
+    (``entropy_from_logits`` is the differentiable one). Shapes as ``logprobs_from_logits``;
+    both results ``(...)``."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _LogProbs.apply(logits, labels.long(), chunk_size, True)
 
 
 def _where_p(p: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:

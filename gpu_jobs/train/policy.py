@@ -44,13 +44,13 @@ def token_terms(logits: Any, labels: Any, config: ActorConfig, with_entropy: boo
     Entropy is always reported but joins the graph only when it is part of the loss; None
     without ``with_entropy``."""
     import torch
-    from gpu_jobs.algos import entropy_from_logits, logprobs_from_logits
+    from gpu_jobs.algos import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 
-    log_prob = logprobs_from_logits(logits, labels)
     if not with_entropy:
-        return log_prob, None
-    with torch.set_grad_enabled(config.entropy_coeff != 0 and torch.is_grad_enabled()):
-        return log_prob, entropy_from_logits(logits)
+        return logprobs_from_logits(logits, labels), None
+    if config.entropy_coeff != 0 and torch.is_grad_enabled():
+        return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+    return logprobs_and_entropy(logits, labels)  # entropy for the metrics only: one pass for both
 
 
 def policy_loss(log_prob: Any, entropy: Any, mb: dict[str, Any], loss_fn: Any, config: ActorConfig):

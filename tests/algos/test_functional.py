@@ -6,6 +6,7 @@ import torch
 from gpu_jobs.algos import (
     agg_loss,
     entropy_from_logits,
+    logprobs_and_entropy,
     logprobs_from_logits,
     masked_mean,
     masked_var,
@@ -82,6 +83,9 @@ def test_logprobs_and_entropy_match_reference(chunk):
     ref_ent = -(p * torch.log(p)).sum(-1)
     assert torch.allclose(logprobs_from_logits(logits, labels, chunk_size=chunk), ref_lp)
     assert torch.allclose(entropy_from_logits(logits, chunk_size=chunk), ref_ent)
+    lp, ent = logprobs_and_entropy(logits, labels, chunk_size=chunk)  # both from one pass
+    assert torch.equal(lp, logprobs_from_logits(logits, labels, chunk_size=chunk))
+    assert torch.allclose(ent, ref_ent)
 
 
 def test_entropy_hand():
@@ -99,7 +103,10 @@ def test_masked_logits_give_the_entropy_of_the_rest(chunk):
     logits = torch.cat([kept, torch.full((3, 2), float("-inf"), dtype=torch.float64)], -1).requires_grad_(True)
     ref = kept.clone().requires_grad_(True)
     labels = torch.tensor([0, 3, 1])
-    for fn in (lambda x: entropy_from_logits(x, chunk), lambda x: logprobs_from_logits(x, labels, chunk)):
+    ent, expected = logprobs_and_entropy(logits, labels, chunk)[1], logprobs_and_entropy(ref, labels, chunk)[1]
+    assert torch.allclose(ent, expected)
+    for fn in (lambda x: entropy_from_logits(x, chunk), lambda x: logprobs_from_logits(x, labels, chunk),
+               lambda x: logprobs_and_entropy(x, labels, chunk)[0]):
         out, expected = fn(logits), fn(ref)
         assert torch.allclose(out, expected)
         out.sum().backward(), expected.sum().backward()
@@ -114,6 +121,9 @@ def test_logprobs_and_entropy_gradcheck(chunk):
     labels = torch.randint(0, 5, (3, 2), generator=g)
     assert torch.autograd.gradcheck(lambda x: logprobs_from_logits(x, labels, chunk), (logits,))
     assert torch.autograd.gradcheck(lambda x: entropy_from_logits(x, chunk), (logits,))
+    assert torch.autograd.gradcheck(lambda x: logprobs_and_entropy(x, labels, chunk)[0], (logits,))
+    # The one-pass entropy is for reporting: it takes no part in the graph.
+    assert not logprobs_and_entropy(logits, labels, chunk)[1].requires_grad
 
 
 def test_noncontiguous_logits_and_bad_chunk():

@@ -237,8 +237,10 @@ class ActorConfig(_UpdateConfig):
     )
     entropy_from_logits_with_chunking: bool | Literal["auto"] = Field(
         "auto",
-        description="verl's name (default off there); 'auto' (on; off under a pipeline, which "
-        "does not implement it) or true/false. Compute log-probs and entropy from the "
+        description="verl's name (default off there); 'auto' (on, re-running the LM head only for a "
+        "micro-batch of more than entropy_chunk_size response tokens: one chunk's backward holds its "
+        "logits either way; off under a pipeline, which does not implement it) or true/false. "
+        "Compute log-probs and entropy from the "
         "final hidden states in chunks of entropy_chunk_size response tokens, re-running the LM "
         "head per chunk in the backward, so the full (response tokens, vocab) logits never exist "
         "(fp32 logits of an 8192-token micro-batch of SmolLM2, vocabulary 49152, are 1.6 GB, and "

@@ -182,6 +182,20 @@ def test_logits_never_exceed_one_chunk(model, packed):
     assert 0 < mode.most <= CHUNK * VOCAB
 
 
+@pytest.mark.parametrize("entropy_coeff", [0.0, 0.01])
+def test_auto_reruns_the_head_only_past_one_chunk(model, entropy_coeff):
+    # Micro-batches of 4 rows x 24 tokens = one chunk of 96: its backward holds its logits whether
+    # they were kept or re-run, so "auto" keeps them (no second LM-head forward) where true re-runs
+    # them; the two updates are the same to the bit.
+    batch, cfg = _batch(), dict(entropy_chunk_size=96, entropy_coeff=entropy_coeff)
+    auto = PolicyTrainer(model, _cfg(**cfg))
+    rerun = PolicyTrainer(model, _cfg(**cfg, entropy_from_logits_with_chunking=True))
+    assert _saved_logits(auto, lambda: auto.update(batch)) == 96 * VOCAB
+    assert _saved_logits(rerun, lambda: rerun.update(batch)) == 0
+    for (name, a), b in zip(auto.engine.module.named_parameters(), rerun.engine.module.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_chunked_update_equals_full_logits_in_float64(model):
     """The chunked head gives the gradient of the full-logits computation: both are compared
     against the same update computed in float64, and must each be as close to it as float32

@@ -143,7 +143,7 @@ def run(args) -> dict:
     if args.no_trim:  # the trainer before it gave freed pages back (gpu_jobs/train/memory.py)
         import gpu_jobs.train.memory as memory
 
-        memory._malloc_trim = lambda: None
+        memory._glibc = lambda: None
     with Phase("import+build", log):
         from gpu_jobs.train import PolicyTrainer, RefModel
 

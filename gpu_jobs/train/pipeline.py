@@ -37,6 +37,7 @@ from gpu_jobs.models import resolve_model_path
 from .zero_module import load_tokenizer_if_any
 from .errors import TrainInputError
 from .loop import MetricSums, PhaseTimer, adamw, optimizer_steps
+from .memory import set_host_memory
 from .policy import policy_objective, required_columns
 from .protocol import InProcessTrainer, Probe
 
@@ -143,6 +144,7 @@ class PipelinePolicyTrainer(Resumable, InProcessTrainer):
         from deepspeed.pipe import PipelineModule
         from transformers import AutoModelForCausalLM
 
+        set_host_memory(config.host_memory)  # the process's (memory.py)
         dist.init_distributed()
         pp = config.pipeline_parallel_size
         if pp < 2 or dist.world_size() % pp:

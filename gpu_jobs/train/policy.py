@@ -21,7 +21,7 @@ from .batch import Rows, read_rows
 from .config import ActorConfig
 from .errors import TrainInputError
 from .loop import PhaseTimer, optimizer_step, update_steps
-from .memory import trim_heap
+from .memory import set_host_memory, trim_heap
 from .zero_module import ZeroModule
 from .protocol import InProcessTrainer
 
@@ -207,7 +207,9 @@ class PolicyTrainer(_CausalLM, InProcessTrainer):
         lora: Any = None,
     ) -> None:
         """``lora``: a gpu_jobs.models.lora.LoraSpec to train adapters on a frozen base."""
-        super().__init__(model_path, config or ActorConfig(), train=True, tokenizer=tokenizer, storage=storage,
+        config = config or ActorConfig()
+        set_host_memory(config.host_memory)  # the process's, before the model is built (memory.py)
+        super().__init__(model_path, config, train=True, tokenizer=tokenizer, storage=storage,
                          lora=lora)
         self.kl_controller = kl_controller  # its state travels with save()/load()
         # A training-mode forward equals the eval-mode one only without active dropout.

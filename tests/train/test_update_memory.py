@@ -127,6 +127,47 @@ def test_an_update_leaves_no_freed_pages_resident(model):
     assert rest[2] - rest[0] <= transient / 10, f"at rest {rest[0] >> 20} -> {rest[2] >> 20} MB"
 
 
+def _minor_faults(fn) -> int:
+    """Pages the kernel faulted into this process (first touches of memory) while ``fn`` ran."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_host_memory_keep_reuses_the_pages_of_the_last_update(model):
+    # host_memory="keep": an update after the first ones faults in (next to) nothing, where
+    # "release" hands its pages back after every update and faults them in again; and a block
+    # above glibc's mmap ceiling (a logits chunk, 64 MiB here) is reused from the heap instead of
+    # being mapped and faulted in at each use. The kernel counts the faults: no timing involved.
+    from gpu_jobs.train.memory import host_memory, set_host_memory, trim_heap
+
+    if not set_host_memory("release"):
+        pytest.skip("not glibc: host_memory changes nothing here")
+
+    def chunks():
+        for _ in range(4):
+            torch.empty(16 << 20).fill_(1.0)  # 64 MiB, made, written and freed
+
+    batch = _batch(response=150)
+    faults = {}
+    try:
+        for policy in ("release", "keep"):
+            trainer = PolicyTrainer(model, _cfg(host_memory=policy, gradient_checkpointing=False))
+            assert host_memory() == policy  # the trainer set the process's policy
+            for _ in range(3):  # the first updates grow the heap to the sizes an update asks for
+                trainer.update(batch)
+            chunks()
+            faults[policy] = (_minor_faults(lambda: trainer.update(batch)), _minor_faults(chunks))
+            assert trim_heap() is (policy == "release")
+    finally:
+        set_host_memory("release")
+    (update_release, chunks_release), (update_keep, chunks_keep) = faults["release"], faults["keep"]
+    assert update_keep * 10 < update_release, faults
+    assert chunks_keep * 10 < chunks_release, faults
+
+
 class _LargestLogits(TorchDispatchMode):
     """The most elements of any tensor with a vocabulary-sized last dimension that an op
     creates, views of the weights aside (the tied embedding transposed is (H, V))."""

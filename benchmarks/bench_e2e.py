@@ -97,6 +97,9 @@ Differences that remain (they favour neither side on purpose, but they exist):
     mean over the optimizer step's completions, as rlmill's token-mean (TRL's default "dapo" is
     the same with one mini-batch). rlmill also has a dual-clip bound (clip_ratio_c=3) that only
     matters off-policy.
+  - host memory: rlmill runs with actor.host_memory=keep (freed C-heap memory kept for the next
+    update, never trimmed), TRL's process with glibc's defaults (nothing trimmed either; blocks over
+    glibc's mmap threshold mapped and unmapped at each use).
   - mini-batches (> 1 only): both shuffle responses into mini-batches, each with its own RNG.
   - generation: rlmill's hf engine (its own KV-cache decode loop) or vLLM; TRL calls
     `model.generate`. rlmill trains through DeepSpeed on one rank, ZeRO stage --zero-stage
@@ -219,6 +222,9 @@ def rlmill_overrides(w: Workload, root: str, run_id: str, *, iterations: int, ch
             # fp32 on both engines, as the TRL rows (the example says dtype auto: bf16 on a bf16 CPU);
             # the rlmill-vllm-bf16 row sets bf16 after these.
             "actor.dtype=fp32", "rollout.engine_options.dtype=float32",
+            # The update's freed memory stays in the process, as in TRL's (which never trims): no page
+            # faults after the first updates (gpu_jobs/train/memory.py; the fp32 update 0.84x, +0.2 GB).
+            "actor.host_memory=keep",
             f"trainer.total_iterations={iterations}", "trainer.val_every=0", f"data.seed={w.seed}",
             *([f"data.generate={TASKS[w.task].generate}"] if TASKS[w.task].generate else []),
             f"trainer.checkpoint_every={checkpoint_every}", "trainer.tensorboard=false",

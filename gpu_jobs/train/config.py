@@ -267,8 +267,10 @@ class ActorConfig(_UpdateConfig):
         "live tensors; each update faults its memory in again (~0.85M page faults per SmolLM2 update of "
         "1.5k tokens). 'keep': large tensors come from the heap (no mmap) and nothing is trimmed, so an "
         "update reuses the pages of the last one: no page faults from the third update on; a SmolLM2 "
-        "update beside an in-process vLLM engine took 0.79x the time on 2 CPU cores (0.93x without "
-        "one), and the process rests at its update peak (+0.1-0.3 GB of peak). Set for the whole "
+        "update beside an in-process vLLM engine took 0.79-0.84x the time on 2 CPU cores (0.93x "
+        "without one). The process rests at its peak, and what every phase freed (validation, "
+        "checkpoints) stays too: the peak rose 0.2 GB in bench_e2e's run, 1.7-2.8 GB in a whole "
+        "make run-smollm2 (8.8-10.0 GB against 7.1-7.2). Set for the whole "
         "process (glibc's settings are per process): the last trainer built decides. No effect on a "
         "GPU's memory or on another C library."
     )

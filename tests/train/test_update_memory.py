@@ -141,6 +141,7 @@ def test_host_memory_keep_reuses_the_pages_of_the_last_update(model):
     # "release" hands its pages back after every update and faults them in again; and a block
     # above glibc's mmap ceiling (a logits chunk, 64 MiB here) is reused from the heap instead of
     # being mapped and faulted in at each use. The kernel counts the faults: no timing involved.
+    # Where memory comes from changes no arithmetic: the four updates end on the same weights.
     from gpu_jobs.train.memory import host_memory, set_host_memory, trim_heap
 
     if not set_host_memory("release"):
@@ -151,7 +152,7 @@ def test_host_memory_keep_reuses_the_pages_of_the_last_update(model):
             torch.empty(16 << 20).fill_(1.0)  # 64 MiB, made, written and freed
 
     batch = _batch(response=150)
-    faults = {}
+    faults, weights = {}, {}
     try:
         for policy in ("release", "keep"):
             trainer = PolicyTrainer(model, _cfg(host_memory=policy, gradient_checkpointing=False))
@@ -161,11 +162,13 @@ def test_host_memory_keep_reuses_the_pages_of_the_last_update(model):
             chunks()
             faults[policy] = (_minor_faults(lambda: trainer.update(batch)), _minor_faults(chunks))
             assert trim_heap() is (policy == "release")
+            weights[policy] = [p.detach().clone() for p in trainer.engine.module.parameters()]
     finally:
         set_host_memory("release")
     (update_release, chunks_release), (update_keep, chunks_keep) = faults["release"], faults["keep"]
     assert update_keep * 10 < update_release, faults
     assert chunks_keep * 10 < chunks_release, faults
+    assert all(torch.equal(a, b) for a, b in zip(weights["release"], weights["keep"]))  # same arithmetic
 
 
 class _LargestLogits(TorchDispatchMode):

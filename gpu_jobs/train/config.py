@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gpu_jobs.algos import KLConfig, PolicyLossConfig
 
+from .memory import HostMemory
+
 __all__ = ["ActorConfig", "CriticConfig", "PIPELINE_ZERO_ERROR"]
 
 PIPELINE_ZERO_ERROR = (
@@ -260,7 +262,7 @@ class ActorConfig(_UpdateConfig):
     log_prob_micro_batch_size_per_gpu: int = Field(
         8, ge=1, description="Rows per forward in compute_log_probs (no grad)."
     )
-    host_memory: Literal["release", "keep"] = Field(
+    host_memory: HostMemory = Field(
         "release", description="What the trainer's process does with the host (C heap) memory a pass "
         "frees, on glibc (gpu_jobs/train/memory.py). 'release': glibc's settings, and the freed pages go "
         "back to the OS after every update and log-prob pass (malloc_trim), so the process rests at its "

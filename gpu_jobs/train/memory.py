@@ -32,7 +32,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = ["HostMemory", "host_memory", "set_host_memory", "trim_heap"]
 
@@ -71,8 +71,8 @@ def set_host_memory(policy: HostMemory) -> bool:
     """Make `policy` the process's (module docstring). False where the C library is not glibc
     (nothing changes there)."""
     global _policy, _changed
-    if policy not in ("release", "keep"):
-        raise ValueError(f"host_memory must be 'release' or 'keep', not {policy!r}")
+    if policy not in get_args(HostMemory):
+        raise ValueError(f"host_memory must be one of {get_args(HostMemory)}, not {policy!r}")
     libc = _glibc()
     if libc is None:
         return False

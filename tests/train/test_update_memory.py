@@ -136,39 +136,58 @@ def _minor_faults(fn) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-def test_host_memory_keep_reuses_the_pages_of_the_last_update(model):
-    # host_memory="keep": an update after the first ones faults in (next to) nothing, where
-    # "release" hands its pages back after every update and faults them in again; and a block
-    # above glibc's mmap ceiling (a logits chunk, 64 MiB here) is reused from the heap instead of
-    # being mapped and faulted in at each use. The kernel counts the faults: no timing involved.
-    # Where memory comes from changes no arithmetic: the four updates end on the same weights.
-    from gpu_jobs.train.memory import host_memory, set_host_memory, trim_heap
-
-    if not set_host_memory("release"):
-        pytest.skip("not glibc: host_memory changes nothing here")
+def host_memory_faults(model: str) -> dict:
+    """Page faults of a 4th update and of four 64 MiB blocks made and freed, under each
+    host_memory policy, and whether the two trainers end on the same weights. Run by the test
+    below in a fresh process: what glibc's heap already holds depends on everything the process
+    did before, so only a fresh process gives the same counts every time."""
+    from gpu_jobs.train.memory import host_memory, trim_heap
 
     def chunks():
         for _ in range(4):
             torch.empty(16 << 20).fill_(1.0)  # 64 MiB, made, written and freed
 
     batch = _batch(response=150)
-    faults, weights = {}, {}
-    try:
-        for policy in ("release", "keep"):
-            trainer = PolicyTrainer(model, _cfg(host_memory=policy, gradient_checkpointing=False))
-            assert host_memory() == policy  # the trainer set the process's policy
-            for _ in range(3):  # the first updates grow the heap to the sizes an update asks for
-                trainer.update(batch)
-            chunks()
-            faults[policy] = (_minor_faults(lambda: trainer.update(batch)), _minor_faults(chunks))
-            assert trim_heap() is (policy == "release")
-            weights[policy] = [p.detach().clone() for p in trainer.engine.module.parameters()]
-    finally:
-        set_host_memory("release")
+    out, weights = {}, {}
+    for policy in ("release", "keep"):
+        trainer = PolicyTrainer(model, _cfg(host_memory=policy, gradient_checkpointing=False))
+        assert host_memory() == policy  # the trainer set the process's policy
+        for _ in range(3):  # the first updates grow the heap to the sizes an update asks for
+            trainer.update(batch)
+        chunks()
+        out[policy] = (_minor_faults(lambda: trainer.update(batch)), _minor_faults(chunks))
+        assert trim_heap() is (policy == "release")
+        weights[policy] = [p.detach().clone() for p in trainer.engine.module.parameters()]
+    out["same_weights"] = all(torch.equal(a, b) for a, b in zip(weights["release"], weights["keep"]))
+    return out
+
+
+def test_host_memory_keep_reuses_the_pages_of_the_last_update(model):
+    # host_memory="keep": an update after the first ones faults in (next to) nothing, where
+    # "release" hands its pages back after every update and faults them in again; and a block
+    # above glibc's mmap ceiling (a logits chunk, 64 MiB here) is reused from the heap instead of
+    # being mapped and faulted in at each use. The kernel counts the faults: no timing involved.
+    # Where memory comes from changes no arithmetic: the four updates end on the same weights.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gpu_jobs.train.memory import _glibc
+
+    if _glibc() is None:
+        pytest.skip("not glibc: host_memory changes nothing here")
+    code = ("import json; from tests.train.test_update_memory import host_memory_faults; "
+            f"print(json.dumps(host_memory_faults({model!r})))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], text=True,
+                         capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    faults = json.loads(run.stdout.strip().splitlines()[-1])
     (update_release, chunks_release), (update_keep, chunks_keep) = faults["release"], faults["keep"]
     assert update_keep * 10 < update_release, faults
     assert chunks_keep * 10 < chunks_release, faults
-    assert all(torch.equal(a, b) for a, b in zip(weights["release"], weights["keep"]))  # same arithmetic
+    assert faults["same_weights"]
 
 
 class _LargestLogits(TorchDispatchMode):

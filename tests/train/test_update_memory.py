@@ -169,22 +169,20 @@ def test_host_memory_keep_reuses_the_pages_of_the_last_update(model):
     # being mapped and faulted in at each use. The kernel counts the faults: no timing involved.
     # Where memory comes from changes no arithmetic: the four updates end on the same weights.
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     from gpu_jobs.train.memory import _glibc
+    from gpu_jobs.train.ranks.dist import child_env
 
     if _glibc() is None:
         pytest.skip("not glibc: host_memory changes nothing here")
     code = ("import json; from tests.train.test_update_memory import host_memory_faults; "
             f"print(json.dumps(host_memory_faults({model!r})))")
-    # Without this process's rendezvous (its MASTER_PORT is taken by its own store): the child picks its own.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    # child_env: not this process's MASTER_PORT, which its own rendezvous store holds (EADDRINUSE).
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], text=True,
-                         capture_output=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
+                         capture_output=True, timeout=600, env={**child_env(), "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     faults = json.loads(run.stdout.strip().splitlines()[-1])
     (update_release, chunks_release), (update_keep, chunks_keep) = faults["release"], faults["keep"]

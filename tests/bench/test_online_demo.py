@@ -63,7 +63,9 @@ def test_two_cycles_with_a_planted_bad_candidate(tmp_path):
 
     # 4 passes at 3e-4 over the 32-row window: the flipped candidate is far worse live (a weaker
     # one, 2 passes at 1e-4, once passed a 0.05 margin on 16 samples); margin 0.02 makes the test strict.
-    cfg = demo.DemoConfig(cycles=2, bad_cycle=2, requests=32, users=8, pool=16, canary_requests=48,
+    # 24 users: each canary's random id splits them, and with 8 all landed on the baseline once in CI
+    # (2**-8 per canary; 2**-24 now), leaving the candidate no traffic to be judged on.
+    cfg = demo.DemoConfig(cycles=2, bad_cycle=2, requests=32, users=24, pool=16, canary_requests=48,
                           canary_rounds=3, min_samples=16, margin=0.02, epochs=4, lr=3e-4, eval_size=32,
                           work=str(tmp_path / "work"))
     lines: list[str] = []

@@ -171,17 +171,17 @@ def test_host_memory_keep_reuses_the_pages_of_the_last_update(model):
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     from gpu_jobs.train.memory import _glibc
     from gpu_jobs.train.ranks.dist import child_env
+    from tests.tiny import REPO
 
     if _glibc() is None:
         pytest.skip("not glibc: host_memory changes nothing here")
     code = ("import json; from tests.train.test_update_memory import host_memory_faults; "
             f"print(json.dumps(host_memory_faults({model!r})))")
     # child_env: not this process's MASTER_PORT, which its own rendezvous store holds (EADDRINUSE).
-    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], text=True,
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True,
                          capture_output=True, timeout=600, env={**child_env(), "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     faults = json.loads(run.stdout.strip().splitlines()[-1])

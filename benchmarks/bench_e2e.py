@@ -229,6 +229,9 @@ def rlmill_overrides(w: Workload, root: str, run_id: str, *, iterations: int, ch
             f"actor.ppo_mini_batch_size={w.prompts // w.mini_batches}", "actor.ppo_epochs=1",
             "actor.lr_scheduler=constant", "actor.kl_loss.use_kl_loss=false", f"actor.zero_stage={w.zero_stage}",
             "algorithm.epsilon=1e-4",  # TRL's (std + 1e-4) in the advantage (tests/algos/test_trl_parity.py)
+            # TRL's GRPO samples one batch per step (the SmolLM2 example samples until every group varies);
+            # the -dapo rows turn dynamic sampling on after these.
+            "algorithm.filter_groups.enable=false",
             # fp32 on both engines, as the TRL rows (the example says dtype auto: bf16 on a bf16 CPU);
             # the rlmill-vllm-bf16 row sets bf16 after these.
             "actor.dtype=fp32", "rollout.engine_options.dtype=float32",

@@ -183,6 +183,9 @@ def gpu_overrides(root: str, run_id: str, iterations: int, prompts: int, samples
             f"actor.ppo_mini_batch_size={max(1, prompts // 4)}",
             f"trainer.total_iterations={iterations}", f"trainer.checkpoint_every={iterations}",
             "trainer.val_every=0", "data.val_size=32", "trainer.tensorboard=false",
+            # One generation round per iteration, whatever the example samples: the check's tokens/s are
+            # one batch's, and random weights score 0 on every answer (no group would ever vary).
+            "algorithm.filter_groups.enable=false",
             *([] if gate else ["gate.enable=false"])]
 
 

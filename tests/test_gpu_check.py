@@ -189,6 +189,8 @@ def test_hf_overrides_on_the_times_workload_are_real_keys(tmp_path):
     assert (cfg.rollout.engine, cfg.rollout.engine_options.dtype, cfg.actor.dtype) == ("hf", "bfloat16", "bf16")
     assert cfg.actor.zero_stage == 0 and cfg.model.path == str(tmp_path / "m") and cfg.data.generate == "times"
     assert not any(o.startswith("rollout.engine_options.tensor_parallel_size") for o in over)
+    # the example samples until every group varies; the check times one round (random weights never vary)
+    assert not cfg.algorithm.filter_groups.enable
     cpu = load_run_config(gc.WORKLOADS["times"], gc.gpu_overrides(str(tmp_path), "r", 2, 2, 2, engine="hf",
                                                                    zero_stage=0, cuda=False))
     assert (cpu.rollout.engine_options.dtype, cpu.actor.dtype) == ("float32", "fp32")

@@ -338,6 +338,7 @@ def test_a_seed_reaches_rlmills_data_and_sampling_and_trls_seed(tmp_path):
     # fp32 on both engines as on TRL's side, whatever the example's `auto` picks on this machine;
     # the bf16 row sets its precision after those.
     assert (cfg.actor.dtype, cfg.rollout.engine_options.dtype) == ("fp32", "float32")
+    assert not cfg.algorithm.filter_groups.enable  # TRL's GRPO: one batch per step (the example refills)
     from flows.config import load_run_config
 
     bf16 = load_run_config(w.example, be.rlmill_overrides(w, str(tmp_path / "bf16"), "r", iterations=2,

@@ -54,6 +54,8 @@ def test_smollm2_example_trains_two_tiny_iterations(tmp_path):
         # The agreement probe ran on the real model and passed its bound (a miss fails the iteration).
         assert m["training/agreement_tokens"] > 0 and m["training/rollout_probs_diff_mean"] < limit, m
         assert m["critic/rewards/mean"] >= 0.0 and m["response_length/max"] <= 16
+        # the example's dynamic sampling: generation rounds until every group's answers disagree
+        assert m["filter_groups/kept_groups"] == 2 and m["filter_groups/num_gen_batches"] >= 1, m  # the 2 prompts
     # The weights changed, and the checkpoint is a plain HF folder that reloads and generates.
     base = load_file(f"{ensure_smollm2()}/model.safetensors")
     trained = load_state_dict(str(run / "checkpoints" / "2" / "policy"))

@@ -147,30 +147,71 @@ class Walk:
                 break
         return [*words, "-p", f"overrides={json.dumps(overrides)}"]
 
-    def sh(self, command: str, env: dict[str, str] | None = None, timeout: float = 400) -> str:
+    def sh(self, command: str, env: dict[str, str] | None = None, timeout: float = 400,
+           stale=None) -> str:
         """Run a command as the user's shell would; it must succeed without a traceback. Its
         output goes to files, not pipes: a server it left running in the background (as the
-        README's MLflow block does) would hold a pipe open, and the command would never end."""
+        README's MLflow block does) would hold a pipe open, and the command would never end.
+        `stale(stdout_fd)`, asked every 2 s while the command runs, may stop it early by returning
+        why (see `watch`); a command so stopped has no exit status to check."""
         start = time.monotonic()
         with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
             proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", command], cwd=self.clone,
                                     env=env or self.env, stdout=out_file, stderr=err_file, start_new_session=True)
-            timed_out = False
+            timed_out, stopped = False, None
             try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+                while not timed_out and not stopped:
+                    try:
+                        proc.wait(timeout=2)
+                        break
+                    except subprocess.TimeoutExpired:
+                        timed_out = time.monotonic() - start > timeout
+                        stopped = stale(out_file.fileno()) if stale is not None else None
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)  # anything the command left running (a demo's server)
                 proc.wait()
             stdout, stderr = (_read_from_start(f) for f in (out_file, err_file))
         out = stdout + stderr
-        self.log.append(f"{time.monotonic() - start:6.1f} s  {command.splitlines()[0][:110]}")
+        self.log.append(f"{time.monotonic() - start:6.1f} s  {command.splitlines()[0][:110]}"
+                        + (f"  (stopped: {stopped})" if stopped else ""))
         assert not timed_out, f"`{command}` did not finish within {timeout:.0f} s:\n{out[-5000:]}"
-        assert proc.returncode == 0, f"`{command}` failed ({proc.returncode}):\n{out[-5000:]}"
+        assert stopped or proc.returncode == 0, f"`{command}` failed ({proc.returncode}):\n{out[-5000:]}"
         assert "Traceback" not in out, f"`{command}` printed a traceback:\n{out[-5000:]}"
         return stdout
+
+    def watch(self, command: str, grace: float = 60, every: float = 10) -> str:
+        """A `prefect deployment run ... --watch`: the run it starts must end Completed. Prefect's
+        --watch follows the run through the server's event stream, and can miss the run's final
+        event and then never end although the run did (PrefectHQ/prefect#19989 and #17817; seen once
+        in CI, after the run's last artifact and the worker's executed-flow-run). So the run's state is
+        also read from the API: a watch still open `grace` s after the API shows the run final is
+        stopped, the walk's log says so, and the API's state is what must be Completed."""
+        from uuid import UUID
+
+        final_since: list[float] = []
+        missed: list[str] = []
+        asked = [time.monotonic()]
+
+        def stale(stdout_fd: int) -> str | None:
+            if time.monotonic() - asked[0] < every:  # not every 2 s: the box has 2 cores for the walk
+                return None
+            asked[0] = time.monotonic()
+            # pread: the command shares the file's offset, which a seek here would move under it
+            found = re.search(r"UUID: ([0-9a-f-]{36})", os.pread(stdout_fd, 1 << 16, 0).decode(errors="replace"))
+            run = found and self.api(lambda c: c.read_flow_run(UUID(found.group(1))))
+            if not run or run.state is None or not run.state.is_final():
+                return None
+            final_since[:] = final_since or [time.monotonic()]
+            if time.monotonic() - final_since[0] < grace:
+                return None
+            assert run.state.is_completed(), f"flow run {run.id}: {run.state.type} {run.state.message}"
+            missed.append(f"--watch missed the run's final event; the API says {run.state.name}")
+            return missed[0]
+
+        out = self.sh(command, stale=stale)
+        assert missed or re.search(r"Flow run finished .*'Completed'", out), out[-3000:]
+        return out
 
     def make_recipe(self, target_and_vars: str) -> str:
         """What `make <target>` runs, minus the venv step (ADJUSTED['make'])."""
@@ -294,10 +335,10 @@ def _deployment_run(walk: Walk, step: Step) -> None:
     extra = ["-p", "eval_size=32", "-p", "min_gain=-1"] if nightly else []  # ADJUSTED['gates']
     words = walk.with_overrides(words, TINY)
     extra += [] if any(w.startswith("iterations=") for w in words) else ["-p", "iterations=1"]
-    out = walk.sh(shlex.join([*words, *extra]))
     if "--watch" in words:
-        assert re.search(r"Flow run finished .*'Completed'", out), out[-3000:]
+        walk.watch(shlex.join([*words, *extra]))
     else:
+        out = walk.sh(shlex.join([*words, *extra]))
         walk.pending.append(re.search(r"UUID: ([0-9a-f-]{36})", out).group(1))
 
 
@@ -402,6 +443,31 @@ def test_every_readme_command_is_classified():
     assert len(steps) >= 15, [s.text for s in steps]
     unknown = [s.text for s in steps if handler(s) is None]
     assert not unknown, f"README commands the walkthrough neither runs nor checks: {unknown}"
+
+
+@pytest.mark.parametrize("state", ["COMPLETED", "FAILED"])
+def test_a_watch_that_misses_the_final_event_is_stopped_and_the_api_state_decides(tmp_path, state):
+    """Walk.watch's way out of Prefect's --watch hang: a command that printed its run's UUID and
+    never ends is stopped once the API has shown the run final for `grace` s; Completed passes,
+    anything else fails naming the state. A watch that ends by itself needs its Completed line."""
+    from types import SimpleNamespace
+
+    from prefect.client.schemas.objects import State, StateType
+
+    run_id = "123e4567-e89b-12d3-a456-426614174000"
+    walk = Walk(tmp_path, tmp_path, dict(os.environ), 0)
+    walk.api = lambda fn: SimpleNamespace(id=run_id, state=State(type=StateType[state], name=state.title()))
+    hang = f"echo 'Created flow run.'; echo '└── UUID: {run_id}'; sleep 300"
+    if state == "COMPLETED":
+        walk.watch(hang, grace=1, every=0)
+        assert walk.log[-1].endswith("(stopped: --watch missed the run's final event; the API says Completed)")
+        assert float(walk.log[-1].split()[0]) < 60, walk.log
+        walk.watch("echo \"Flow run finished successfully in 'Completed'.\"")
+    else:
+        with pytest.raises(AssertionError, match="FAILED"):
+            walk.watch(hang, grace=1, every=0)
+    with pytest.raises(AssertionError):
+        walk.watch("echo \"Flow run finished in state 'Failed'.\"; exit 1")
 
 
 def _copy_of_this_checkout(dest: Path) -> Path:

@@ -208,11 +208,14 @@ def test_on_the_same_rollout_both_sides_take_the_same_step(builtin, tmp_path, mo
     apart = torch.cat([(ours[k] - theirs[k]).abs().flatten() for k in ours])
     # Adam's first step moves nearly every weight by ~lr (a different batch: ~lr apart). Where a
     # gradient is near zero, the small differences of the old log-probs' source (rlmill's sampler,
-    # TRL's detached current) can tip its sign, so a few weights differ by up to 2 lr. Measured on
-    # the built-in model: mean 2.3e-4 lr apart; on SmolLM2-135M: at most 0.19 lr.
+    # TRL's detached current) can tip its sign, so a few weights differ by up to 2 lr. How many
+    # depends on the CPU that built the model and runs the step: measured on the built-in model,
+    # mean 2.3e-4 lr apart and 1.4e-5 of its 505k weights over 0.5 lr on one machine, 1.1e-3 lr and
+    # 3.3e-4 on another (AMX); on SmolLM2-135M at most 0.19 lr. The bounds sit 100x under what a
+    # different step gives (~1 lr apart, every weight), not at one machine's rounding.
     assert moved.mean() > 0.5 * w.lr
-    assert apart.mean() < 1e-3 * w.lr, f"mean |rlmill - TRL| = {apart.mean():.3g} after one step of lr {w.lr:g}"
-    assert (apart > 0.5 * w.lr).float().mean() < 1e-3  # measured: 1.4e-5 of 505k weights
+    assert apart.mean() < 1e-2 * w.lr, f"mean |rlmill - TRL| = {apart.mean():.3g} after one step of lr {w.lr:g}"
+    assert (apart > 0.5 * w.lr).float().mean() < 1e-2
 
 
 # ------------------------------------------------------------------------------ times on SmolLM2 (issue 24)

@@ -282,9 +282,9 @@ def rlmill_tokens(layout, k: int) -> tuple[int, int]:
         table = read_table(committed(layout.stage(k, stage), layout.storage), columns=[col])
         return [len(x) for x in table.column(col).to_pylist()]
 
-    gen, _ = token_counts([], lens("rollout", "response_ids"))
     rounds = read_manifest(committed(layout.stage(k, "rollout"), layout.storage), None).metrics
-    gen = int(rounds.get("filter_groups/gen_response_tokens", gen))
+    gen = rounds.get("filter_groups/gen_response_tokens")
+    gen = int(gen) if gen is not None else token_counts([], lens("rollout", "response_ids"))[0]
     _, trained = token_counts(lens("gate", "prompt_ids"), lens("gate", "response_ids"))
     return gen, trained
 

@@ -146,6 +146,14 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.reshape(-1, logits.shape[-1])
 
 
+def _block_entropy(block: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Entropy of each row of ``block`` ``(rows, V)`` given its logsumexp ``lse`` ``(rows,)``:
+    ``H = lse - sum p * l``, one exp pass (no softmax and second logsumexp), one ``(rows, V)``
+    temporary. nansum: a masked (-inf) logit has p = 0, and 0 * -inf is NaN; it adds nothing."""
+    p_l = torch.sub(block, lse[:, None]).exp_().mul_(block)
+    return lse - torch.nansum(p_l, dim=-1)
+
+
 class _LogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, chunk_size, with_entropy):
@@ -157,11 +165,8 @@ class _LogProbs(torch.autograd.Function):
             block, e = flat[s : s + chunk_size], s + chunk_size
             lse[s:e] = torch.logsumexp(block, dim=-1)
             out[s:e] = block.gather(-1, flat_labels[s:e, None]).squeeze(-1) - lse[s:e]
-            if entropy is not None:
-                # H = lse - sum p * l from the lse just taken: one exp pass, not a softmax and a
-                # second logsumexp. nansum: a masked (-inf) logit has p = 0, and 0 * -inf is NaN.
-                p_l = torch.sub(block, lse[s:e, None]).exp_().mul_(block)
-                entropy[s:e] = lse[s:e] - torch.nansum(p_l, dim=-1)
+            if entropy is not None:  # from the lse just taken
+                entropy[s:e] = _block_entropy(block, lse[s:e])
         ctx.save_for_backward(logits, labels, lse)
         ctx.chunk_size = chunk_size
         if entropy is None:
@@ -223,9 +228,7 @@ class _Entropy(torch.autograd.Function):
         out = torch.empty(flat.shape[0], dtype=logits.dtype, device=logits.device)
         for s in range(0, flat.shape[0], chunk_size):
             block = flat[s : s + chunk_size]
-            p = torch.softmax(block, dim=-1)
-            # A masked (-inf) logit has p = 0 and adds nothing; 0 * -inf would be NaN.
-            out[s : s + chunk_size] = torch.logsumexp(block, dim=-1) - _where_p(p, p * block).sum(-1)
+            out[s : s + chunk_size] = _block_entropy(block, torch.logsumexp(block, dim=-1))
         ctx.save_for_backward(logits, out)
         ctx.chunk_size = chunk_size
         return out.reshape(logits.shape[:-1])

@@ -136,8 +136,8 @@ from benchmarks.bench_e2e_long import (DEFAULT_CASES, GOALS, LONG_ROWS, MODELS, 
                                        check_context, heldout_problems, matmul_peak, model_folder, pick_cases,
                                        prompt_text, task_score, task_splits, trl_forcing, trl_reward, trl_rows,
                                        trl_vllm_args, trl_vllm_setup)
-from benchmarks.bench_e2e_report import (after_warmup, budget_steps, check_lines, curve_steps, evaluate_folder,
-                                         first_crossing, flops_lines, seeds_lines,
+from benchmarks.bench_e2e_report import (after_warmup, budget_lines, budget_steps, check_lines, curve_steps,
+                                         evaluate_folder, first_crossing, flops_lines, seeds_lines,
                                          format_table, goal_lines, greedy_accuracy, median_summary,
                                          run_measured, summarize, token_counts)
 from benchmarks.heldout_eval import ENGINES, evaluate_folders, vllm_available
@@ -528,7 +528,8 @@ def accuracy_phase(rows, base: dict, args, tmp: str, s_step: dict, tag: str = "a
         except RuntimeError as e:
             print(f"  {row} failed: {e}", file=sys.stderr, flush=True)
             continue
-        out[row] = {k: r[k] for k in ("acc_after", "steps", "train_seconds", "own_acc_before", "curve") if k in r}
+        out[row] = {k: r[k] for k in ("acc_after", "steps", "train_seconds", "own_acc_before", "curve", "step_seconds")
+                    if k in r}
         print(f"  {row:<14} {r['steps']} steps in {r['train_seconds']:.1f} s -> acc {100 * r['acc_after']:.1f} %",
               file=sys.stderr, flush=True)
     return out
@@ -567,7 +568,8 @@ def parse_args(argv):
                    "data.seed (split, prompt order, sampling) and TRL's seed, the rows alternating order seed by "
                    "seed; the table shows the first, a summary all (mean, spread, per-step curve)")
     p.add_argument("--eval-every", type=int, default=0, help="also score the held-out set after every N-th step "
-                   "of the accuracy runs (the per-step curve; the weights are saved off the clock); 0 = final only")
+                   "of the accuracy runs (the per-step curve; the weights are saved off the clock); 0 = final only; "
+                   "1 also prints equal time at ten budgets up to --seconds")
     p.add_argument("--eval-engine", choices=ENGINES, default="vllm" if vllm_available() else "hf",
                    help="the shared held-out evaluation's greedy decoder: plain vLLM (default where installed; "
                    "a third of the time on SmolLM2) or transformers `generate`; both give the same answers")
@@ -669,6 +671,8 @@ def run_case(name: str, model: str, args, tmp: str, peak: float) -> list[str]:
     lines += check_lines(results, acc_before, args.seconds) if scored else []
     if scored and (len(args.seeds) > 1 or args.eval_every):
         lines += seeds_lines(by_seed, {seed: start[1] for seed, start in starts.items()})
+    if scored and args.eval_every == 1:  # every step scored: equal time at any budget up to --seconds
+        lines += budget_lines(by_seed, [args.seconds * i / 10 for i in range(1, 11)])
     if w.ignore_eos or name != "arith":  # arith's 6-token answers on 0.5M parameters: fixed costs only
         lines += flops_lines(results, policy.num_parameters(), max(peak, matmul_peak(args.threads)))
     return lines

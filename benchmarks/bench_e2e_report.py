@@ -170,6 +170,55 @@ def seeds_lines(by_seed: dict[int, dict[str, dict]], before: dict[int, float]) -
     return out
 
 
+def budget_scores(step_seconds, curve: dict, budgets, skip: int = 1) -> dict[float, float | None]:
+    """{budget: the held-out score after the step whose clock first reaches it (first_crossing's
+    rule, the one the table's "acc at equal time" uses)}; None where the run's curve did not score
+    that step or its last step came before the budget. `curve`: step -> score (JSON keys allowed).
+
+    first_crossing's rule favours the slower side: a run of 30 s steps is scored at 30 s against a
+    budget of 15 s, one of 15 s steps at 15 s."""
+    scores = {int(k): v for k, v in curve.items()}
+    out = {}
+    for budget in budgets:
+        k, clock = first_crossing(step_seconds, budget, skip)
+        out[budget] = scores.get(k) if clock >= budget else None
+    return out
+
+
+def budget_lines(by_seed: dict[int, dict[str, dict]], budgets) -> list[str]:
+    """Equal time at every budget of `budgets` (seconds), from the per-step curves of the accuracy
+    runs (--eval-every 1 scores every step): per budget, each row's mean held-out score over the
+    seeds, and every other row's mean difference from the TRL row with the seeds it leads on. A
+    budget is shown for a row only when every seed's run scored its crossing step. `by_seed`: seed
+    -> row -> that run's results (step_seconds, curve)."""
+    rows = list(dict.fromkeys(row for results in by_seed.values() for row in results))
+    ref = reference_row({row: True for row in rows})
+    at = {row: {seed: budget_scores(r[row]["step_seconds"], r[row].get("curve", {}), budgets)
+                for seed, r in by_seed.items() if r.get(row, {}).get("step_seconds")} for row in rows}
+
+    def mean_at(row, budget):
+        scores = [s[budget] for s in at[row].values()]
+        return statistics.mean(scores) if scores and None not in scores else None
+
+    others = [row for row in rows if row != ref] if ref in rows else []  # no TRL row: no differences
+    out = [f"held-out % at equal time for every budget (mean over seeds {', '.join(map(str, by_seed))}; each run "
+           "scored after the step that crosses the budget)",
+           f"{'budget s':>9} " + " ".join(f"{row:>17}" for row in rows)
+           + "".join(f"  {row[:14] + ' - ' + ref:>26} {'leads':>6}" for row in others)]
+    for budget in budgets:
+        means = {row: mean_at(row, budget) for row in rows}
+        line = f"{budget:9g} " + " ".join(f"{'-' if m is None else f'{100 * m:.1f}':>17}" for m in means.values())
+        for row in others:
+            pairs = [(at[row][seed][budget], at[ref][seed][budget]) for seed in at[row] if seed in at[ref]]
+            if means[row] is None or means[ref] is None or any(None in p for p in pairs):
+                line += f"  {'-':>26} {'':>6}"
+                continue
+            diff = [a - b for a, b in pairs]
+            line += f"  {100 * statistics.mean(diff):+26.1f} {sum(d > 0 for d in diff):>2} of {len(diff)}"
+        out.append(line)
+    return out
+
+
 def budget_steps(budget: float, s_step: float | None, margin: float) -> int:
     """Steps a fixed-length run needs to cross `budget` seconds, with a margin for noise."""
     return math.ceil(budget / (s_step or 1.0) * margin) + 2

@@ -369,6 +369,25 @@ def test_iteration_seconds_time_the_last_iteration_by_its_own_span():
     assert be.iteration_seconds([(3.0, 10.0)]) == [7.0] and be.iteration_seconds([]) == []
 
 
+def test_equal_time_at_every_budget_scores_each_run_after_its_crossing_step():
+    from benchmarks.bench_e2e_report import budget_lines, budget_scores
+
+    # Step 1 is off the clock; a fast run crosses 10 s at step 3, a slow one at step 2.
+    fast = {"step_seconds": [9.0, 5.0, 5.0, 5.0, 5.0], "curve": {"1": 0.1, "2": 0.2, "3": 0.3, "4": 0.4, "5": 0.5}}
+    slow = {"step_seconds": [9.0, 12.0, 12.0], "curve": {1: 0.1, 2: 0.35, 3: 0.45}}
+    assert budget_scores(fast["step_seconds"], fast["curve"], [5, 10, 20, 30]) == {5: 0.2, 10: 0.3, 20: 0.5, 30: None}
+    assert budget_scores(slow["step_seconds"], {1: 0.1, 3: 0.45}, [5, 24]) == {5: None, 24: 0.45}  # step 2 unscored
+    other = {"step_seconds": [9.0, 5.0, 5.0], "curve": {1: 0.1, 2: 0.4, 3: 0.45}}
+    lines = budget_lines({0: {"rlmill-vllm": fast, "trl-vllm": slow}, 1: {"trl-vllm": slow, "rlmill-vllm": other}},
+                         [5, 10, 20])
+    assert lines[1].split() == ["budget", "s", "rlmill-vllm", "trl-vllm", "rlmill-vllm", "-", "trl-vllm", "leads"]
+    # 5 s: rlmill 20 and 40 (mean 30) against TRL's 35 twice: -5.0, ahead on seed 1 only.
+    assert lines[2].split() == ["5", "30.0", "35.0", "-5.0", "1", "of", "2"]
+    assert lines[3].split() == ["10", "37.5", "35.0", "+2.5", "1", "of", "2"]
+    assert lines[4].split() == ["20", "-", "45.0", "-"]  # seed 1's rlmill run ended at 10 s
+    assert len(budget_lines({0: {"rlmill-vllm": fast}}, [5])[1].split()) == 3  # no TRL row: no differences
+
+
 def test_seed_summary_means_spreads_and_curves():
     from benchmarks.bench_e2e_report import curve_steps, seeds_lines
 

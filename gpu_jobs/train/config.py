@@ -241,7 +241,8 @@ class ActorConfig(_UpdateConfig):
         "auto",
         description="verl's name (default off there); 'auto' (on, re-running the LM head only for a "
         "micro-batch of more than entropy_chunk_size response tokens: one chunk's backward holds its "
-        "logits either way; off under a pipeline, which does not implement it) or true/false. "
+        "logits either way; off under a pipeline, which does not implement it, and for a model whose "
+        "forward changes its LM head's output, e.g. Gemma 2's logit soft-capping) or true/false. "
         "Compute log-probs and entropy from the "
         "final hidden states in chunks of entropy_chunk_size response tokens, re-running the LM "
         "head per chunk in the backward, so the full (response tokens, vocab) logits never exist "

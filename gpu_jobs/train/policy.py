@@ -105,6 +105,29 @@ class _CausalLM(ZeroModule):
             model_path, config, auto_class=AutoModelForCausalLM, train=train, tokenizer=tokenizer,
             storage=storage, lora=lora,
         )
+        # The chunked path calls the LM head itself; a model whose forward transforms the head's
+        # output (Gemma 2's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling)
+        # would get other log-probs from it than from its own logits, and than vLLM's.
+        self._chunkable_head = self._head_gives_the_logits()
+        if not self._chunkable_head and config.entropy_from_logits_with_chunking is True:
+            raise TrainInputError(
+                f"entropy_from_logits_with_chunking=true: {type(self.engine.module).__name__}'s forward "
+                "changes its LM head's output (e.g. logit soft-capping or scaling), which the chunked "
+                "log-probs would skip; set it to 'auto' (full logits for this model) or false")
+
+    def _head_gives_the_logits(self) -> bool:
+        """Whether the model's logits are its output embedding applied to its last hidden state,
+        as the chunked log-probs compute them: one forward of a few tokens, compared."""
+        import torch
+
+        n = min(8, self.model_config.vocab_size)
+        ids = torch.arange(n, device=self.device).unsqueeze(0)
+        mb = {"packed": self.config.use_remove_padding, "input_ids": ids, "position_ids": ids,
+              "attention_mask": torch.ones_like(ids), "cu_seq_lens": torch.tensor([0, n], dtype=torch.int32)}
+        with torch.no_grad(), self.compute_precision():
+            out = self.engine(**self._model_inputs(mb), output_hidden_states=True)
+            mine = self.engine.module.get_output_embeddings()(out.hidden_states[-1])
+        return torch.allclose(mine.float(), out.logits.float(), rtol=1e-4, atol=1e-5)
 
     def _response_logits(self, mb: dict[str, Any]) -> Any:
         """Logits ``(m, V)`` (fp32, over the temperature) predicting the micro-batch's response
@@ -145,12 +168,14 @@ class _CausalLM(ZeroModule):
         chunk's, ``entropy_chunk_size x vocab x 4`` bytes, instead of the micro-batch's. "auto"
         checkpoints only a micro-batch of more than one chunk: one chunk's backward holds its
         logits whether they were kept or re-run, so re-running it would cost time and save no
-        memory (the LM head's forward again: 0.6 s of SmolLM2's 11 s update, 4 micro-batches)."""
+        memory (the LM head's forward again: 0.6 s of SmolLM2's 11 s update, 4 micro-batches).
+        A model whose forward changes the head's output (``_head_gives_the_logits``) always takes
+        its own full logits."""
         import torch
 
         labels = self._flat(mb["responses"], mb)
         chunking = self.config.entropy_from_logits_with_chunking
-        if chunking or not torch.is_grad_enabled():  # True or "auto"
+        if self._chunkable_head and (chunking or not torch.is_grad_enabled()):  # True or "auto"
             from torch.utils.checkpoint import checkpoint
 
             hidden, head = self._response_hidden(mb), self.engine.module.get_output_embeddings()

@@ -5,6 +5,7 @@
 #   RLMILL_PREFECT_DB=postgres scripts/prefect_local.sh server   # the same on PostgreSQL (make server DB=postgres)
 #   scripts/prefect_local.sh worker    # process worker on pool ${RLMILL_WORK_POOL:-local} (make worker)
 #   scripts/prefect_local.sh deploy    # pool if missing + deployments/prefect.yaml (make deploy)
+#   scripts/prefect_local.sh ui-url    # the address `server` gives the UI (browsers open it)
 #
 # Environment: PORT (4200), RLMILL_SERVER_HOST (127.0.0.1: the address the server listens on; 0.0.0.0 serves
 # other machines, as the api host of `make cluster` does), PREFECT_API_URL (http://127.0.0.1:$PORT/api, for worker and deploy),
@@ -47,6 +48,19 @@ PY
   fi
 }
 
+ui_api_url() {
+  # The bundled UI is told where the API is through PREFECT_UI_API_URL; without it, it asks
+  # the default port 4200 even when the server listens elsewhere. A browser elsewhere cannot
+  # reach "0.0.0.0" (every address here): it gets this machine's first address instead.
+  local host="${RLMILL_SERVER_HOST:-127.0.0.1}"
+  if [ "$host" = "0.0.0.0" ] || [ "$host" = "::" ]; then
+    host="$(hostname -I 2>/dev/null | awk '{print $1}')"
+    host="${host:-$(hostname)}"
+    case "$host" in *:*) host="[$host]" ;; esac  # an IPv6 address in a URL
+  fi
+  export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-http://$host:$PORT/api}"
+}
+
 use_database() {
   # SQLite (in PREFECT_HOME) needs nothing; PostgreSQL is started here, idempotently, and stays
   # up after the server stops (its data is kept for the next `make server DB=postgres`).
@@ -72,15 +86,18 @@ use_database() {
 case "${1:-}" in
   server)
     use_database
-    # The bundled UI is told where the API is through PREFECT_UI_API_URL; without it, it asks
-    # the default port 4200 even when the server listens elsewhere.
-    export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-http://${RLMILL_SERVER_HOST:-127.0.0.1}:$PORT/api}"
+    ui_api_url
+    echo "rlmill: the UI is at ${PREFECT_UI_API_URL%/api} (PREFECT_UI_API_URL sets the address browsers use)" >&2
     # `prefect deployment run --watch` prints a run's log lines only when the server streams
     # logs out (off by default): with it, a failed run's `rlmill:` line (the reason and the fix)
     # shows right above "Flow run finished in state 'Failed'".
     export PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED="${PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED:-true}"
     export PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED="${PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED:-true}"
     exec prefect server start --host "${RLMILL_SERVER_HOST:-127.0.0.1}" --port "$PORT"
+    ;;
+  ui-url)
+    ui_api_url
+    echo "${PREFECT_UI_API_URL%/api}"
     ;;
   worker)
     need_server
@@ -96,7 +113,7 @@ case "${1:-}" in
     exec prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml
     ;;
   *)
-    sed -n '2,15p' "$0" >&2
+    sed -n '2,17p' "$0" >&2
     exit 2
     ;;
 esac

@@ -190,6 +190,23 @@ def test_script_usage_and_missing_server():
     assert res.returncode == 1 and "no Prefect server answers at http://127.0.0.1:9/api" in res.stderr
 
 
+def test_a_server_on_every_address_gives_the_ui_one_a_browser_can_reach():
+    script = str(REPO / "scripts" / "prefect_local.sh")
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+
+    def ui_url(**env):
+        res = subprocess.run(["bash", script, "ui-url"], capture_output=True, text=True, env={**base, **env},
+                             timeout=30)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip()
+
+    assert ui_url() == "http://127.0.0.1:4200"
+    assert ui_url(RLMILL_SERVER_HOST="10.1.2.3", PORT="4300") == "http://10.1.2.3:4300"
+    everywhere = ui_url(RLMILL_SERVER_HOST="0.0.0.0")
+    assert everywhere.startswith("http://") and everywhere.endswith(":4200") and "0.0.0.0" not in everywhere
+    assert ui_url(RLMILL_SERVER_HOST="0.0.0.0", PREFECT_UI_API_URL="http://ui.example:80/api") == "http://ui.example:80"
+
+
 def test_nightly_cli_parses(monkeypatch):
     seen = {}
     monkeypatch.setattr(N, "rl_nightly", lambda **kw: seen.update(kw) or {"status": "nothing to do"})

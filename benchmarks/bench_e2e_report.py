@@ -209,11 +209,10 @@ def budget_lines(by_seed: dict[int, dict[str, dict]], budgets) -> list[str]:
         means = {row: mean_at(row, budget) for row in rows}
         line = f"{budget:9g} " + " ".join(f"{'-' if m is None else f'{100 * m:.1f}':>17}" for m in means.values())
         for row in others:
-            pairs = [(at[row][seed][budget], at[ref][seed][budget]) for seed in at[row] if seed in at[ref]]
-            if means[row] is None or means[ref] is None or any(None in p for p in pairs):
+            if means[row] is None or means[ref] is None:  # else every seed of both scored this budget
                 line += f"  {'-':>26} {'':>6}"
                 continue
-            diff = [a - b for a, b in pairs]
+            diff = [at[row][seed][budget] - at[ref][seed][budget] for seed in at[row] if seed in at[ref]]
             line += f"  {100 * statistics.mean(diff):+26.1f} {sum(d > 0 for d in diff):>2} of {len(diff)}"
         out.append(line)
     return out

@@ -124,8 +124,8 @@ class _CausalLM(ZeroModule):
         ids = torch.arange(n, device=self.device).unsqueeze(0)
         mb = {"packed": self.config.use_remove_padding, "input_ids": ids, "position_ids": ids,
               "attention_mask": torch.ones_like(ids), "cu_seq_lens": torch.tensor([0, n], dtype=torch.int32)}
-        with torch.no_grad(), self.compute_precision():
-            out = self.engine(**self._model_inputs(mb), output_hidden_states=True)
+        with torch.no_grad(), self.compute_precision():  # the head in the forward's precision
+            out = self._forward(mb, output_hidden_states=True)
             mine = self.engine.module.get_output_embeddings()(out.hidden_states[-1])
         return torch.allclose(mine.float(), out.logits.float(), rtol=1e-4, atol=1e-5)
 

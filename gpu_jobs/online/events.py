@@ -9,11 +9,12 @@ Two kinds, one JSON object each on the stream (field "event"):
   created (Unix s), latency_s, prompt (chat messages {role, content[, tool_calls][, tool_call_id]}
   or text), prompt_ids, choices [{index, text, token_ids, logprobs, finish_reason[, tool_calls]}],
   sampling {temperature, top_p, top_k, max_tokens, n, seed, stop}, tools (OpenAI's tool list or
-  None), user, session_id: a served agent's whole turn (the conversation with its calls and
+  None), user, session_id, voter: a served agent's whole turn (the conversation with its calls and
   results, the tools, the calls it made), bounded as tools.py bounds a request.
 - feedback: event_id, answer_id, index (the choice), model, version, created, and at least one
   signal: score in [0, 1], thumbs "up" | "down", preferred_over (another answer id, with
-  preferred_over_index), text; user, session_id.
+  preferred_over_index), text; user, session_id, voter.
+principal and voter are the server's (from the API key), never the caller's body.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ ANSWER_SCHEMA = pa.schema([
     ("sampling", pa.string()),  # JSON
     ("user", pa.string()), ("session_id", pa.string()),
     ("principal", pa.string()),  # the API key's principal (None: served without keys)
+    ("voter", pa.string()),  # who the server counts the caller as (from the key; None: anonymous)
     ("tools", pa.string()),  # JSON: the request's OpenAI tools (None: none)
     ("tool_calls", pa.string()),  # JSON: the choice's OpenAI tool_calls (None: none)
 ])
@@ -51,19 +53,22 @@ FEEDBACK_SCHEMA = pa.schema([
     ("preferred_over", pa.string()), ("preferred_over_index", pa.int32()), ("text", pa.string()),
     ("user", pa.string()), ("session_id", pa.string()),
     ("principal", pa.string()),  # the API key's principal (None: served without keys)
+    ("voter", pa.string()),  # who the server counts this vote as (set by the server from the key)
 ])
 QUARANTINE_SCHEMA = pa.schema([
     ("event_id", pa.string()), ("stream_id", pa.string()), ("reason", pa.string()), ("event", pa.string()),
 ])
 SIGNALS = ("score", "thumbs", "preferred_over", "text")
 ENDPOINTS = ("chat.completions", "completions")
-_COMMON = {"kind", "event_id", "answer_id", "model", "version", "created", "user", "session_id", "principal"}
+_COMMON = {"kind", "event_id", "answer_id", "model", "version", "created", "user", "session_id", "principal",
+           "voter"}
 FIELDS = {"answer": _COMMON | {"endpoint", "latency_s", "prompt", "prompt_ids", "choices", "sampling", "tools"},
           "feedback": _COMMON | {"index", "score", "thumbs", "preferred_over", "preferred_over_index", "text"}}
 CHOICE_FIELDS = {"index", "text", "token_ids", "logprobs", "finish_reason", "tool_calls"}
 # Bounds of the strict schema: what one event may hold. An entry past them is quarantined, never
 # half-stored (e.g. an index past int32 no longer reaches Parquet's int32 column).
 MAX_ID_CHARS = 128
+MAX_VOTER_CHARS = 2 * MAX_ID_CHARS + 1  # "<principal>:<user>" at most
 MAX_ENTRY_BYTES = 4 << 20
 MAX_TEXT_CHARS = 100_000
 MAX_PROMPT_CHARS = 1_000_000
@@ -77,25 +82,26 @@ MAX_CLOCK_SKEW_S = 3600.0  # ... and at most this long after it
 def answer_event(answer_id: str, *, endpoint: str, model: str, version: str, created: float, latency_s: float,
                  prompt: Any, prompt_ids: list[int], choices: list[dict], sampling: dict,
                  user: str | None = None, session_id: str | None = None, principal: str | None = None,
-                 tools: list[dict] | None = None) -> dict:
+                 tools: list[dict] | None = None, voter: str | None = None) -> dict:
     """One answered request (all its choices); `principal`: who the API key names (never the key);
-    `tools`: the OpenAI tools the request offered."""
+    `tools`: the OpenAI tools the request offered; `voter`: who the server counts the caller as."""
     return {"kind": "answer", "event_id": new_event_id(), "answer_id": answer_id, "endpoint": endpoint,
             "model": model, "version": version, "created": created, "latency_s": latency_s, "prompt": prompt,
             "prompt_ids": list(prompt_ids), "choices": choices, "sampling": sampling, "user": user,
-            "session_id": session_id, "principal": principal, "tools": tools or None}
+            "session_id": session_id, "principal": principal, "tools": tools or None, "voter": voter}
 
 
 def feedback_event(answer_id: str, *, model: str, version: str, index: int = 0, score: float | None = None,
                    thumbs: str | None = None, preferred_over: str | None = None, preferred_over_index: int = 0,
                    text: str | None = None, user: str | None = None, session_id: str | None = None,
-                   principal: str | None = None) -> dict:
-    """One piece of feedback on choice `index` of answer `answer_id`."""
+                   principal: str | None = None, voter: str | None = None) -> dict:
+    """One piece of feedback on choice `index` of answer `answer_id`; `voter`: who the server
+    counts it as (from the key, never from the body)."""
     return {"kind": "feedback", "event_id": new_event_id(), "answer_id": answer_id, "index": index,
             "model": model, "version": version, "created": time.time(), "score": score, "thumbs": thumbs,
             "preferred_over": preferred_over,
             "preferred_over_index": preferred_over_index if preferred_over else None, "text": text,
-            "user": user, "session_id": session_id, "principal": principal}
+            "user": user, "session_id": session_id, "principal": principal, "voter": voter}
 
 
 def encode(event: dict) -> dict[str, str]:
@@ -188,6 +194,8 @@ def _check_body(e: dict, received: float) -> str | None:
     for key in ("user", "session_id", "principal"):
         if (reason := _optional_text(e.get(key), key, MAX_ID_CHARS)) is not None:
             return reason
+    if (reason := _voter(e.get("voter"))) is not None:
+        return reason
     return _check_answer(e) if e["kind"] == "answer" else _check_feedback(e)
 
 
@@ -354,6 +362,14 @@ def _optional_text(value: Any, what: str, most: int) -> str | None:
     return f"{what} is not text of at most {most} characters ({_short(value)})"
 
 
+def _voter(value: Any) -> str | None:
+    """The server's voter: printable text of at most MAX_VOTER_CHARS (no control characters: it is
+    a key of the canary's per-voter counts and shows in logs)."""
+    if value is None or (isinstance(value, str) and 0 < len(value) <= MAX_VOTER_CHARS and value.isprintable()):
+        return None
+    return f"voter is not printable text of 1-{MAX_VOTER_CHARS} characters ({_short(value)})"
+
+
 def _token_ids(ids: Any, what: str) -> str | None:
     if not isinstance(ids, list):
         return f"no {what}"
@@ -375,7 +391,7 @@ def answers_table(events: list[dict]) -> pa.Table:
     rows = []
     for e in events:
         common = {k: e.get(k) for k in ("event_id", "answer_id", "endpoint", "model", "version", "created",
-                                        "latency_s", "user", "session_id", "principal")}
+                                        "latency_s", "user", "session_id", "principal", "voter")}
         common["prompt"], common["prompt_ids"] = json.dumps(e["prompt"]), e["prompt_ids"]
         common["sampling"] = json.dumps(e.get("sampling") or {}, sort_keys=True)
         common["tools"] = json.dumps(e["tools"]) if e.get("tools") else None

@@ -122,7 +122,9 @@ class _CommittedIds:
 
 
 def segment_manifests(folder_url: str, storage=None) -> list:
-    """The committed segment manifests under `folder_url` (recursively), oldest name first."""
+    """The committed segment manifests under `folder_url` (recursively), oldest name first; one
+    that a later segment `replaces` (rlmill feedback forget's rewrite, committed before the old
+    folder is removed: gpu_jobs/online/forget.py) is left out, so no reader sees a row twice."""
     from storage import read_manifest, url_to_fs
     from storage.manifest import MANIFEST_NAME
 
@@ -131,7 +133,12 @@ def segment_manifests(folder_url: str, storage=None) -> list:
         return []
     found = sorted(p for p in fs.find(path) if p.endswith("/" + MANIFEST_NAME) and "/segment-" in p)
     prefix = folder_url.rstrip("/")
-    return [read_manifest(prefix + p[len(path.rstrip("/")):], storage) for p in found]
+    manifests = [read_manifest(prefix + p[len(path.rstrip("/")):], storage) for p in found]
+    def tail(uri: str) -> str:  # <hour>/<segment>/_MANIFEST.json: the same whatever spelling of the root
+        return "/".join(uri.rsplit("/", 3)[-3:])
+
+    replaced = {tail(u) for m in manifests for u in m.extra.get("replaces", ())}
+    return [m for m in manifests if tail(m.uri) not in replaced]
 
 
 def manifest_rows(manifest, files=None, storage=None) -> list[dict]:

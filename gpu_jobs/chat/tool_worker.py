@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["call_tool", "init_tools", "truncate_text"]
+__all__ = ["call_tool", "init_tools", "tool_error", "truncate_text"]
 
 _TOOLS: dict[str, tuple[Any, dict]] = {}
 _LIMITS: dict[str, Any] = {"max_chars": 1 << 20, "side": "middle"}
@@ -47,6 +47,16 @@ def init_tools(tools: dict[str, tuple[str, str, dict]], max_chars: int, side: st
     _LIMITS.update(max_chars=max_chars, side=side)
 
 
+def tool_error(e: BaseException) -> str:
+    """The answer a model gets for a call that raised: the exception's type and message, one
+    line (the message of a RecursionError or a user's exception may itself be anything)."""
+    try:
+        message = str(e)
+    except Exception:  # an exception whose __str__ raises too
+        message = "(its message could not be read)"
+    return f"error: {type(e).__name__}: {message}"
+
+
 def call_tool(call: tuple[str, Any]) -> str:
     """The text of one call (name, arguments) of a loaded tool, cut to the output limit in the
     worker, so an enormous answer never travels back."""
@@ -54,6 +64,7 @@ def call_tool(call: tuple[str, Any]) -> str:
     fn, config = _TOOLS[name]
     try:
         out = fn(**arguments, **config) if isinstance(arguments, dict) else fn(arguments, **config)
+        text = str(out)  # a returned object's __str__ is the tool's code too
     except Exception as e:  # the tool's bug is the model's observation, never the rollout's failure
-        return f"error: {type(e).__name__}: {e}"
-    return truncate_text(str(out), _LIMITS["max_chars"], _LIMITS["side"])
+        text = tool_error(e)
+    return truncate_text(text, _LIMITS["max_chars"], _LIMITS["side"])

@@ -14,6 +14,8 @@ AST, never `eval`) or `path/to/file.py:function`. Arguments are the call's text 
 format) or its JSON object (`hermes`). A user's tool runs in the sandbox's worker processes
 (gpu_jobs.reward.sandbox, entry gpu_jobs.chat.tool_worker.call_tool) with a time limit per
 call, so a hung or crashing tool costs one call, answered with an error text, never the rollout.
+A built-in that raises (a calculator call nested past Python's recursion limit) is answered the
+same way: every call's answer is text, never an exception.
 Tools can also come from verl's tool YAML (`load_tool_config`).
 """
 
@@ -27,7 +29,7 @@ from typing import Any, Sequence
 # packages below this one.
 from gpu_jobs.data.tool_calls import TOOL_FORMATS, TOOLS, ToolFormat, calculator, get_tool_format, register_tool
 from gpu_jobs.chat.hermes import openai_tool
-from gpu_jobs.chat.tool_worker import truncate_text
+from gpu_jobs.chat.tool_worker import tool_error, truncate_text
 
 __all__ = ["TOOLS", "TOOL_FORMATS", "ToolFormat", "ToolSet", "ToolEntry", "calculator", "get_tool_format",
            "check_tool_spec", "register_tool", "load_tool_config", "BUILTIN_SCHEMAS"]
@@ -161,9 +163,12 @@ class ToolSet:
 
     @staticmethod
     def _builtin(entry: ToolEntry, args: Any) -> str:
-        if isinstance(args, dict):  # a hermes call: the built-in's one string parameter
-            args = args.get(BUILTIN_SCHEMAS[entry.spec][1], "")
-        return str(TOOLS[entry.spec](str(args), **entry.config))
+        try:
+            if isinstance(args, dict):  # a hermes call: the built-in's one string parameter
+                args = args.get(BUILTIN_SCHEMAS[entry.spec][1], "")
+            return str(TOOLS[entry.spec](str(args), **entry.config))
+        except Exception as e:  # e.g. RecursionError on a deep expression: the model's observation
+            return tool_error(e)
 
     def _run_in_sandbox(self, calls: Sequence[tuple[str, Any]]) -> list[str]:
         from gpu_jobs.reward.sandbox import Failed, SandboxSpec, run_guarded

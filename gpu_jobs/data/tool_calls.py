@@ -105,6 +105,8 @@ def calculator(arguments: str) -> str:
         value = _evaluate(ast.parse(arguments.strip(), mode="eval"))
     except (SyntaxError, ValueError, TypeError, ZeroDivisionError, OverflowError) as e:
         return f"error: {e.msg if isinstance(e, SyntaxError) else e}"
+    except (RecursionError, MemoryError):  # ~1000 chained terms or nested parentheses
+        return "error: expression too long or too deeply nested"
     if value.denominator == 1:
         return str(value.numerator)
     return f"{float(value):.6f}".rstrip("0").rstrip(".")

@@ -135,7 +135,7 @@ def _score_in_pool(tasks: list[tuple], cfg: RewardConfig) -> tuple[list[tuple], 
     crf = cfg.custom_reward_function
     spec = SandboxSpec(work=_worker_score, timeout_s=cfg.timeout_s, num_workers=cfg.num_workers, what="reward",
                        init=_worker_init, init_args=(crf.path, crf.name, dict(crf.reward_kwargs), cfg.score_range),
-                       start_method=cfg.start_method, startup_timeout_s=cfg.startup_timeout_s)
+                       startup_timeout_s=cfg.startup_timeout_s, limits=cfg.sandbox.limits())
     results, restarts = run_guarded(tasks, spec)
     return [_failure_row(r, cfg) if isinstance(r, Failed) else r for r in results], restarts
 

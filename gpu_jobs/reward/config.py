@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-__all__ = ["CustomRewardFunctionConfig", "RewardConfig", "RewardModelConfig", "RewardModelPathConfig"]
+__all__ = ["CustomRewardFunctionConfig", "RewardConfig", "RewardModelConfig", "RewardModelPathConfig",
+           "SandboxConfig"]
 
 
 class CustomRewardFunctionConfig(BaseModel):
@@ -52,6 +53,34 @@ class CustomRewardFunctionConfig(BaseModel):
         return v
 
 
+class SandboxConfig(BaseModel):
+    """The limits of the worker processes that run a user's reward function
+    (gpu_jobs.reward.isolation); every worker also gets an allow-listed environment (no
+    credentials) and its own process group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    memory_mb: int | None = Field(4096, ge=64, description="Address space of one worker in MiB (RLIMIT_AS); an "
+                                  "allocation past it raises MemoryError in the function. None: no limit.")
+    cpu_s: float | None = Field(None, gt=0, description="CPU seconds one sample may use (RLIMIT_CPU, moved per "
+                                "sample); past it the function raises TimeoutError. None: 2 x timeout_s + 1.")
+    open_files: int | None = Field(256, ge=16, description="Open file descriptors per worker (RLIMIT_NOFILE).")
+    file_size_mb: int | None = Field(1024, ge=1, description="Largest file a worker may write, in MiB "
+                                     "(RLIMIT_FSIZE); a larger write fails with EFBIG.")
+    network: bool = Field(False, description="Let the function reach the network. False: each worker gets a "
+                          "network namespace of its own (no interface up, not even loopback) where the OS "
+                          "permits it; where it does not, a warning is logged once and the network stays.")
+    env: list[str] = Field(default_factory=list, description="Names of further environment variables the workers "
+                           "get from this process (the rest of its environment never reaches them).")
+
+    def limits(self):
+        """These settings as the sandbox's SandboxLimits."""
+        from .isolation import SandboxLimits
+
+        return SandboxLimits(self.memory_mb, self.cpu_s, self.open_files, self.file_size_mb, self.network,
+                             tuple(self.env))
+
+
 class RewardConfig(BaseModel):
     """How responses are scored.
 
@@ -86,13 +115,15 @@ class RewardConfig(BaseModel):
             "infinity always count as errors."
         ),
     )
-    start_method: Literal["spawn", "forkserver", "fork"] = Field(
+    start_method: Literal["spawn"] = Field(
         "spawn",
         description=(
-            "How worker processes start. 'spawn' is safe in a process that holds torch threads; "
-            "each worker costs a Python start (~0.2-0.5 s) once per batch."
+            "How worker processes start: always a fresh interpreter ('spawn'), the only way its "
+            "environment can be cleaned; each worker costs a Python start (~0.2-0.5 s) once per batch."
         ),
     )
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig,
+                                   description="Limits of the worker processes (memory, CPU, files, network).")
     startup_timeout_s: float = Field(
         120.0, gt=0, description="Seconds the worker pool may take to start and import the user's file."
     )

@@ -11,21 +11,36 @@ past `timeout_s` is abandoned by killing the pool's processes and starting a new
 other tasks in flight are re-run), a task that kills its worker twice is given up, and either
 comes back as `Failed(kind, message)` in its result slot instead of the work's return value.
 `work` and `init` are module-level functions (pickled by reference).
+
+The workers are fenced off (gpu_jobs.reward.isolation, `spec.limits`): a fresh interpreter
+with an allow-listed environment (no credentials) and a private HOME, its own process group
+(killing a pool kills what its tasks started too), rlimits on memory, files and CPU per task,
+and no network where the OS allows a namespace. They stay a pool: one start per batch, not
+per task.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
+import shutil
+import signal
+import tempfile
 import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
-__all__ = ["Failed", "SandboxSpec", "run_guarded"]
+from .isolation import SandboxContext, SandboxLimits, confine, kill_group, limit_cpu_for_task, scrubbed_env
+
+__all__ = ["Failed", "SandboxLimits", "SandboxSpec", "network_unavailable", "run_guarded"]
+
+log = logging.getLogger(__name__)
+_REPORTED: set[str] = set()  # why the network stayed on, logged once per process
 
 
 class Failed(NamedTuple):
@@ -46,27 +61,43 @@ class SandboxSpec:
     what: str
     init: Callable[..., None] | None = None
     init_args: tuple = ()
-    start_method: str = "spawn"
     startup_timeout_s: float = 120.0
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+
+    @property
+    def cpu_s(self) -> float:
+        return self.limits.cpu_s if self.limits.cpu_s is not None else 2 * self.timeout_s + 1
+
+
+_WORKER_STATE: dict[str, Any] = {"network": None}
 
 
 def _exit_with_parent() -> None:
-    """End this worker when the process that started it dies: a SIGKILLed `rlmill train`
-    otherwise leaves its workers running (an idle one waits on its queue forever)."""
+    """End this worker, and what its tasks started, when the process that started it dies: a
+    SIGKILLed `rlmill train` otherwise leaves its workers running (an idle one waits on its
+    queue forever)."""
     parent = mp.parent_process()
     if parent is not None:
-        threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
+        threading.Thread(target=lambda: (parent.join(), os.killpg(0, signal.SIGKILL)), daemon=True).start()
 
 
-def _worker_init(init: Callable[..., None] | None, args: tuple) -> None:
+def _worker_init(init: Callable[..., None] | None, args: tuple, limits: SandboxLimits) -> None:
+    # confine first: leaving the network needs a single-threaded process, and the user's file
+    # (loaded by init) already runs under the limits.
+    _WORKER_STATE["network"] = confine(limits)
     _exit_with_parent()
     if init is not None:
         init(*args)
 
 
-def _worker_pid(_: int) -> int:
+def _worker_pid(_: int) -> tuple[int, str | None]:
     time.sleep(0.02)  # long enough that each ping lands on a different idle worker
-    return os.getpid()
+    return os.getpid(), _WORKER_STATE["network"]
+
+
+def _run_task(work: Callable[[Any], Any], cpu_s: float, task: Any) -> Any:
+    limit_cpu_for_task(cpu_s)
+    return work(task)
 
 
 class _Pool:
@@ -75,8 +106,10 @@ class _Pool:
 
     def __init__(self, spec: SandboxSpec, n_workers: int):
         self.spec = spec
-        self.executor = ProcessPoolExecutor(max_workers=n_workers, mp_context=mp.get_context(spec.start_method),
-                                            initializer=_worker_init, initargs=(spec.init, spec.init_args))
+        self.home = tempfile.mkdtemp(prefix="rlmill-sandbox-")  # the workers' HOME and TMPDIR
+        context = SandboxContext(scrubbed_env(self.home, spec.limits.env))
+        self.executor = ProcessPoolExecutor(max_workers=n_workers, mp_context=context, initializer=_worker_init,
+                                            initargs=(spec.init, spec.init_args, spec.limits))
         # Start every worker (and load the user's file) before any task's clock runs, so a
         # slow start is not mistaken for a hung task.
         deadline = time.monotonic() + spec.startup_timeout_s
@@ -88,25 +121,41 @@ class _Pool:
                 self.kill()
                 raise TimeoutError(f"{spec.what} worker pool did not start within {spec.startup_timeout_s} s")
             try:
-                pids.update(f.result() for f in futures)
+                pings = [f.result() for f in futures]
             except BrokenProcessPool as e:
                 self.kill()
                 raise RuntimeError(f"{spec.what} workers failed to start; loading the user's code in a fresh "
                                    "process failed") from e
+            pids.update(pid for pid, _ in pings)
+            _report_network({why for _, why in pings if why})
 
     def submit(self, task: Any):
-        return self.executor.submit(self.spec.work, task)
+        return self.executor.submit(_run_task, self.spec.work, self.spec.cpu_s, task)
 
     def kill(self) -> None:
         # _processes is private but the only handle on the workers; shutdown() alone would
-        # wait for the hung call forever.
+        # wait for the hung call forever. Each worker leads its own process group: killing the
+        # group ends the grandchildren its tasks started as well.
         procs = list((getattr(self.executor, "_processes", None) or {}).values())
         for p in procs:
-            if p.is_alive():
-                p.kill()
+            if p.pid:
+                kill_group(p.pid)
         self.executor.shutdown(wait=False, cancel_futures=True)
         for p in procs:
             p.join(timeout=5)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def network_unavailable() -> str | None:
+    """Why this process's sandbox workers kept the network (None: they got a namespace, or
+    none has started yet)."""
+    return next(iter(sorted(_REPORTED)), None)
+
+
+def _report_network(reasons: set[str]) -> None:
+    for why in reasons - _REPORTED:
+        _REPORTED.add(why)
+        log.warning("sandbox: %s (docs/guide/reward.md, the sandbox)", why)
 
 
 class _Flight:

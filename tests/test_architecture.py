@@ -31,7 +31,7 @@ MAX_FUNCTION_LINES = 60
 ONLINE_WORK = ("gpu_jobs.online",)
 ONLINE_FLOWS = ("flows.online",)
 ONLINE_WORK_MAY_IMPORT = ("storage", "gpu_jobs.models", "gpu_jobs.rollout", "gpu_jobs.chat", "gpu_jobs.data",
-                          "gpu_jobs.reward")
+                          "gpu_jobs.reward", "gpu_jobs.registry")  # registry: the name -> variant table every part uses
 ONLINE_WORK_USERS = ("flows.cli*", "flows.nightly")
 ONLINE_FLOWS_USERS = ("flows.cli*",)
 

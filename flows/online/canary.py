@@ -13,9 +13,11 @@ the feedback consumer emits for a model. One run:
      -> applied and finished, never decided again;
   3. the arms: every committed feedback row of the model given since the canary started, split
      by the version that answered (the `version` column): baseline = the record's baseline,
-     candidate = its candidate (gpu_jobs.online.canary_stats.split_arms);
-  4. the test: gpu_jobs.online.canary_stats.canary_test, a one-sided Welch t-test of
-     non-inferiority with the record's min_samples, confidence, margin and max_duration_s;
+     candidate = its candidate, one sample per distinct voter and arm -- the mean of its votes,
+     one vote per answer whatever its n (gpu_jobs.online.canary_stats.split_arms);
+  4. the test: gpu_jobs.online.canary_stats.canary_test with the record's method (msprt, the
+     always-valid sequential test, for new canaries; welch, the one-sided t-test of
+     non-inferiority), min_samples (voters per arm), confidence, margin and max_duration_s;
   5. the decision: wait -> nothing changes; promote -> the outcome record (create-only), CURRENT
      -> candidate (history by "canary", its numbers as the reason), CANARY removed, serve swaps
      to the candidate it already holds; rollback -> the outcome record, a history record
@@ -129,16 +131,16 @@ def verdict_markdown(canary: Canary, decision: str, numbers: dict[str, Any], fin
                "wait": "WAITING (nothing changed)"}[decision]
     n = numbers
     return (f"## Canary `{canary.id}` of `{canary.model}`: {verdict}\n\n"
-            f"{n.get('test')}: H0 candidate - baseline <= -{n.get('margin')}; {canary.share:.0%} of users/sessions "
-            f"on the candidate since {canary.started}; min {n.get('min_samples')} scores per arm, confidence "
+            f"{n.get('test')}: H0 candidate - baseline <= -{n.get('margin')}; {canary.share:.0%} of voters "
+            f"on the candidate since {canary.started}; min {n.get('min_samples')} voters per arm, confidence "
             f"{n.get('confidence')}, max duration {n.get('max_duration_s')} s "
             f"(elapsed {_num(n.get('elapsed_s'))} s).\n\n"
-            "| arm | version | n | mean score |\n|---|---|---|---|\n"
+            "| arm | version | voters | mean score |\n|---|---|---|---|\n"
             f"| baseline | `{canary.baseline}` | {n.get('n_baseline')} | {_num(n.get('mean_baseline'))} |\n"
             f"| candidate | `{canary.candidate}` | {n.get('n_candidate')} | {_num(n.get('mean_candidate'))} |\n\n"
             f"**Difference:** {_num(n.get('diff'))}, "
             f"one-sided bounds [{_num(n.get('lower'))}, {_num(n.get('upper'))}], "
-            f"Welch df {_num(n.get('df'))}, p = {_num(n.get('p_value'))}.\n\n"
+            f"df {_num(n.get('df'))}, p = {_num(n.get('p_value'))}.\n\n"
             f"**Decision:** {decision}: {n.get('reason')}"
             + ("" if not finished else ". CANARY removed; the outcome is under "
                f"models/{canary.model}/canaries/{canary.id}.json and in the model's history.") + "\n")

@@ -48,7 +48,7 @@ from flows.online.replay import check_replay, cold_start_rows, older_rows, repla
 from flows.reporting import artifact_key, run_logger
 from flows.run_lock import RunLock
 from storage import ModelLayout, join, url_to_fs
-from gpu_jobs.online.windows import Piece, Readiness, Window, WindowLog, backlog, readiness
+from gpu_jobs.online.windows import Piece, Readiness, Window, WindowLog, backlog, current_uris, readiness
 
 if TYPE_CHECKING:
     from flows.config import RunConfig
@@ -78,7 +78,8 @@ def feedback_pieces(root: str, model: str, storage: Any = None) -> list[Piece]:
         if m.kind != SEGMENT_KIND:
             continue
         at = dt.datetime.fromisoformat(m.created_at).timestamp() if m.created_at else 0.0
-        out.append(Piece(m.uri, {k: int(v) for k, v in m.metrics.items() if isinstance(v, int)}, at))
+        out.append(Piece(m.uri, {k: int(v) for k, v in m.metrics.items() if isinstance(v, int)}, at,
+                         tuple(m.extra.get("replaces", ()))))  # a rewrite without a forgotten party's rows
     return out
 
 
@@ -99,7 +100,8 @@ def window_rows(root: str, model: str, window: Window, storage: Any = None) -> l
     again later is trained again then, with the later ratings."""
     from gpu_jobs.online.dataset import training_rows
 
-    return training_rows(root, model, storage, feedback_from=window.uris)
+    uris = current_uris(window.uris, feedback_pieces(root, model, storage))  # a segment rewritten by a forget
+    return training_rows(root, model, storage, feedback_from=uris)
 
 
 # ------------------------------------------------------------------------------------ checks and plan
@@ -361,8 +363,8 @@ def rl_retrain(model: str = "arith", root: str = ".rlmill", config: str | None =
     run_id: retrain-<model>-w<seq> to retry that window (default: the next one); epochs: passes
     over the window; eval_size, min_gain, heldout_files, export_merged_hf: the nightly's gate
     (flows/nightly.py); canary_share: > 0 starts a canary of a candidate that passed the gate, with
-    that share of live users (0.0 promotes directly); canary_test: its test settings (min_samples,
-    confidence, margin, max_duration_s, method: welch | msprt; gpu_jobs.online.canary.CanaryPolicy);
+    that share of live users (0.0 promotes directly); canary_test: its test settings (min_samples: voters per arm,
+    confidence, margin, max_duration_s, method: msprt (default) | welch; gpu_jobs.online.canary.CanaryPolicy);
     replay: rows replayed per window row, by source (check_replay). A wrong parameter or reward
     ends the run Failed with one line and the fix, before any window is taken.
     """

@@ -209,7 +209,8 @@ def _label_from_thumbs(answer: _Answer, reward_threshold: float | None) -> Label
 
 
 def _label_from_reward(answer: _Answer, reward_threshold: float | None) -> Label:
-    # The row's reward (mean of scores, thumbs up = 1, down = 0) against the threshold.
+    # The row's reward against the threshold: the mean of its voters' ratings (gpu_jobs.online.signals.rating,
+    # a row's score else its thumbs), the number the canary decides on.
     if answer.reward is None:
         return "unlabeled"
     if answer.reward == reward_threshold:

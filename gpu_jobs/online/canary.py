@@ -16,18 +16,28 @@ refused, and two deciders racing on one canary write one outcome, the loser read
 removed (one delete) only after its outcome is committed, so a crash between the two leaves an
 outcome that the next decider finds and finishes, never a decision taken twice.
 
-The split is a pure function of the record and a request's id (`routes_to_candidate`): sha256 of
-"<canary id>:<id>" read as a number in [0, 1), below `share` -> candidate. A server restart, or a
-second server, routes every id to the same arm, and the arms' numbers come from the committed
-feedback log, so neither the split nor the counts live in a process.
+The split is a keyed hash of a request's voter (`routes_to_candidate`): HMAC-SHA256 with the
+canary's secret of "<canary id>:<voter>", read as a number in [0, 1), below `share` ->
+candidate. The voter is who the server counts the caller as (app.py: the API key's principal,
+or "<principal>/<user>" for a key marked asserts_users), never a `user` a caller picks, so a
+caller can neither choose its arm nor compute it: the secret (`canary_secret`) is
+$RLMILL_CANARY_SECRET when set, else a random one generated with the canary and kept at
+models/<name>/canary-keys/<id> (create-only), which the servers read and nothing serves: not
+the record, /health, /metrics, the outcome or the decider's artifacts. A request with no voter
+(a server without keys) gets an arm of its own, drawn per request. A server restart, or a
+second server, routes every voter to the same arm, and the arms' numbers come from the
+committed feedback log, so neither the split nor the counts live in a process.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import hmac
 import json
 import math
+import os
+import secrets
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -37,11 +47,14 @@ from storage.errors import ObjectExistsError
 from storage.fs import join, url_to_fs, write_once
 from storage.layout import ModelLayout, check_name
 
-__all__ = ["Canary", "CanaryPolicy", "CanaryRunning", "CANARY_NAME", "OUTCOMES_DIR", "canary_url", "end_canary",
-           "last_outcome", "read_canary", "read_outcome", "remove_canary", "start_canary", "split_point"]
+__all__ = ["Canary", "CanaryPolicy", "CanaryRunning", "CANARY_NAME", "OUTCOMES_DIR", "SECRET_ENV", "canary_secret",
+           "canary_url", "end_canary", "last_outcome", "read_canary", "read_outcome", "remove_canary", "start_canary",
+           "split_point"]
 
 CANARY_NAME = "CANARY"
 OUTCOMES_DIR = "canaries"
+SECRETS_DIR = "canary-keys"  # one routing secret per canary id; read by the servers, shown nowhere
+SECRET_ENV = "RLMILL_CANARY_SECRET"  # set: one secret for every canary (servers that share no storage writes)
 OUTCOMES = ("promote", "rollback")  # what the stated test decides; a person's end is "rollback" too
 CANARY_METHODS = tuple(METHODS)  # the stated tests canary_stats.py registers
 
@@ -59,14 +72,15 @@ class CanaryPolicy:
     """
 
     share: float  # fraction of ids (users or sessions) routed to the candidate, in (0, 1)
-    min_samples: int = 100  # rated answers each arm needs before the test may decide
+    min_samples: int = 100  # distinct voters each arm needs before the test may decide (canary_stats.py)
     confidence: float = 0.95  # one-sided confidence of the interval on candidate - baseline
     margin: float = 0.05  # non-inferiority margin: candidate may be this much worse (mean score) and pass
     max_duration_s: float = 86400.0  # after this, the canary ends: promote if the test passes, else roll back
-    # welch: a fixed-sample t-test at min_samples; msprt: an always-valid sequential test that may
-    # decide at any look after min_samples and rolls back once the candidate is shown worse
-    # (canary_stats.METHODS)
-    method: str = "welch"
+    # msprt: an always-valid sequential test that may decide at any look after min_samples and
+    # rolls back once the candidate is shown worse; welch: a fixed-sample t-test at min_samples,
+    # which promotes a bad candidate far above its rate when looked at on every segment
+    # (canary_stats.METHODS; docs/guide/online.md has both measured)
+    method: str = "msprt"
 
     def __post_init__(self):
         if (line := self.problem()) is not None:
@@ -118,9 +132,11 @@ class Canary:
     def started_ts(self) -> float:
         return dt.datetime.fromisoformat(self.started).timestamp()
 
-    def routes_to_candidate(self, key: str | None) -> bool:
-        """Whether requests carrying `key` (e.g. "user:alice") go to the candidate; no key -> baseline."""
-        return key is not None and split_point(self.id, key) < self.share
+    def routes_to_candidate(self, voter: str | None, secret: bytes) -> bool:
+        """Whether a request of `voter` goes to the candidate: the same voter always the same arm;
+        no voter (an anonymous caller) -> an arm drawn for this request alone."""
+        point = secrets.randbits(64) / 2.0 ** 64 if voter is None else split_point(secret, self.id, voter)
+        return point < self.share
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -130,15 +146,44 @@ class Canary:
         return cls(**json.loads(text))
 
 
-def split_point(canary_id: str, key: str) -> float:
-    """The id's place in [0, 1): the first 8 bytes of sha256("<canary id>:<key>") / 2**64. A new
-    canary id reshuffles who is in the candidate's share; the same id never does.
+def split_point(secret: bytes, canary_id: str, voter: str) -> float:
+    """The voter's place in [0, 1): the first 8 bytes of HMAC-SHA256(secret, "<canary id>:<voter>")
+    / 2**64. Without the secret nobody can tell a voter's arm; a new canary reshuffles who is in
+    the candidate's share; the same one never does.
 
-    >>> round(split_point("c1", "user:alice"), 6) == round(split_point("c1", "user:alice"), 6)
+    >>> split_point(b"k" * 32, "c1", "web/alice") == split_point(b"k" * 32, "c1", "web/alice")
+    True
+    >>> split_point(b"k" * 32, "c1", "web/alice") != split_point(b"j" * 32, "c1", "web/alice")
     True
     """
-    digest = hashlib.sha256(f"{canary_id}:{key}".encode()).digest()
+    digest = hmac.new(secret, f"{canary_id}:{voter}".encode(), hashlib.sha256).digest()
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
+
+
+def _secret_url(models: ModelLayout, canary_id: str) -> str:
+    return join(models.root, SECRETS_DIR, check_name(canary_id, "canary id"))
+
+
+def canary_secret(models: ModelLayout, canary: "Canary") -> bytes:
+    """The routing secret of `canary`: $RLMILL_CANARY_SECRET (at least 16 characters) when set,
+    else models/<name>/canary-keys/<id>, created (create-only, 32 random bytes as hex) when the
+    canary has none yet -- a canary started before secrets existed, or a racing first read: the
+    loser reads the winner's."""
+    if (env := os.environ.get(SECRET_ENV)) is not None:
+        if len(env) < 16:
+            raise ValueError(f"${SECRET_ENV} has {len(env)} characters: give at least 16 random ones "
+                             "(`python -c 'import secrets; print(secrets.token_hex(32))'`), or unset it")
+        return env.encode()
+    fs, path = url_to_fs(_secret_url(models, canary.id), models.storage)
+    try:
+        return fs.cat_file(path).strip()
+    except FileNotFoundError:
+        pass
+    try:
+        write_once(_secret_url(models, canary.id), secrets.token_hex(32), models.storage)
+    except ObjectExistsError:
+        pass
+    return fs.cat_file(path).strip()
 
 
 def canary_url(models: ModelLayout) -> str:
@@ -187,6 +232,7 @@ def start_canary(models: ModelLayout, candidate: str, policy: CanaryPolicy, *, b
         write_once(canary_url(models), record.to_json(), models.storage)
     except ObjectExistsError:  # a racing start: whoever won is the canary
         return start_canary(models, candidate, policy, by=by, now=now)
+    canary_secret(models, record)  # the routing secret, before any server reads the record
     return record
 
 

@@ -4,31 +4,46 @@
                     margin=0.05, elapsed_s=3600, max_duration_s=86400)
     v.decision, v.lower, v.p_value          # 'promote', -0.031, 0.012
 
+What a sample is (one per distinct voter and arm; the number min_samples counts):
+  - a rating is signals.rating: a row's score, else its thumbs (the number the training rows'
+    reward is made of, dataset.py); preferences and text alone carry none;
+  - a voter is signals.voter_of: the voter the server derived from the API key (the principal,
+    or "<principal>/<user>" for a key marked `asserts_users`), never a `user` a caller sends;
+    an anonymous row (a server without keys) is its answer's own voter: once per answer;
+  - one vote per (answer, voter): the mean of that voter's latest rating on each of the answer's
+    choices (answer_votes), so `n: 64` is one vote, not 64;
+  - one sample per (voter, arm): the mean of that voter's answer votes on the arm's version,
+    given since the canary started (split_arms). A voter's weight is capped at one sample per
+    arm, whatever it posts; serve routes a voter to one arm only (canary.py).
+
 The test (TEST_NAME): a one-sided Welch t-test of non-inferiority (Welch 1947; the
-Satterthwaite degrees of freedom), H0: mean(candidate) - mean(baseline) <= -margin. Each arm's
-sample is one score in [0, 1] per feedback event that carries one (its `score`, else thumbs up =
-1, down = 0; preferences and text alone carry none) on an answer of that arm's version, given
-since the canary started. With d = mean_c - mean_b, se = sqrt(var_c/n_c + var_b/n_b) (sample
-variances) and t = the Student-t quantile at `confidence` with Welch's df:
-  - wait      while either arm has fewer than `min_samples` scores;
+Satterthwaite degrees of freedom), H0: mean(candidate) - mean(baseline) <= -margin, on those
+samples. With d = mean_c - mean_b, se = sqrt(var_c/n_c + var_b/n_b) (sample variances) and t =
+the Student-t quantile at `confidence` with Welch's df:
+  - wait      while either arm has fewer than `min_samples` voters;
   - promote   when lower = d - t*se > -margin (p = P(T > (d + margin)/se) < 1 - confidence):
               the candidate is shown not worse than the baseline by more than the margin;
   - rollback  when upper = d + t*se < -margin: it is shown worse by more than the margin;
   - wait      otherwise, until `max_duration_s`; then rollback: a candidate that was not shown
               non-inferior in the time it had does not replace the baseline (also when an arm
               never reached `min_samples`).
+`msprt` (the default of new canaries) bounds d with an always-valid confidence sequence
+instead (_msprt) and rolls back once the candidate is shown worse than the baseline.
 Both arms with zero variance (every score equal) give se = 0: the bounds are d itself.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from gpu_jobs.online.signals import one_vote_each, rating, voter_of
+
 __all__ = ["TEST_NAME", "METHODS", "ArmStats", "CanaryMethod", "CanaryVerdict", "arm_stats", "canary_method",
            "canary_test", "verdict", "feedback_value", "one_vote_each",
-           "split_arms", "voter"]
+           "answer_votes", "split_arms", "voter"]
 
 TEST_NAME = "one-sided Welch t-test, non-inferiority"
 
@@ -202,22 +217,17 @@ def verdict(b: ArmStats, c: ArmStats, *, min_samples: int, confidence: float, ma
 
 
 def feedback_value(row: dict[str, Any]) -> float | None:
-    """One feedback row's score in [0, 1]: `score`, else thumbs up = 1 / down = 0, else None.
+    """One feedback row's rating in [0, 1] (signals.rating: its score, else its thumbs), else None.
 
     >>> feedback_value({"score": 0.25, "thumbs": "down"}), feedback_value({"score": None, "thumbs": "up"})
     (0.25, 1.0)
     """
-    if row.get("score") is not None:
-        return float(row["score"])
-    if row.get("thumbs") in ("up", "down"):
-        return 1.0 if row["thumbs"] == "up" else 0.0
-    return None
+    return rating(row)
 
 
 def voter(row: dict[str, Any]) -> str | None:
-    """Who gave a feedback row: the API key's principal where the server checks keys (callers
-    cannot choose it), else the self-asserted `user`; None for an anonymous row (the server
-    already refused an anonymous client's repeat by its address, which rows do not keep).
+    """Who a row names for lineage (governance.py counts them): the key's principal, else the
+    self-asserted `user`. Not who a vote counts for: that is signals.voter_of.
 
     >>> voter({"principal": "team-a", "user": "u1"}), voter({"user": "u1"}), voter({})
     ('key:team-a', 'user:u1', None)
@@ -227,46 +237,33 @@ def voter(row: dict[str, Any]) -> str | None:
     return f"user:{row['user']}" if row.get("user") else None
 
 
-def one_vote_each(feedback: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The feedback rows with one vote per (answer, choice, voter, kind of signal): a rating
-    (score / thumbs), a preference over one other choice, a text. The latest of each counts (a
-    voter may change their mind); the rest are repeats that must not weigh more. Rows carrying
-    several signals are kept when any of their signals is the latest of its kind; anonymous rows
-    (voter None) are all kept. Oldest first.
-
-    >>> rows = [{"answer_id": "a", "index": 0, "user": "u", "thumbs": "up", "created": 1.0},
-    ...         {"answer_id": "a", "index": 0, "user": "u", "thumbs": "up", "created": 2.0},
-    ...         {"answer_id": "a", "index": 0, "user": "v", "thumbs": "down", "created": 3.0}]
-    >>> [(r["user"], r["created"]) for r in one_vote_each(rows)]
-    [('u', 2.0), ('v', 3.0)]
-    """
-    ordered = sorted(feedback, key=lambda r: r.get("created") or 0.0)
-    latest: dict[tuple, int] = {}
-    anonymous: set[int] = set()
-    for i, row in enumerate(ordered):
-        if (who := voter(row)) is None:
-            anonymous.add(i)
+def answer_votes(feedback: Iterable[dict[str, Any]], versions: Collection[str],
+                 since: float) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """(version, voter) -> [(first created, vote)], one vote per answer that voter rated: the mean
+    of its latest rating on each of the answer's choices (one_vote_each), so an answer of n
+    choices weighs one vote, whatever n. Rows of other versions, given before `since` (Unix s)
+    or without a rating are left out. An anonymous row's voter is its answer."""
+    choices: dict[tuple[str, str, str], list[float]] = {}
+    first: dict[tuple[str, str, str], float] = {}
+    for row in one_vote_each(feedback):
+        value, created = rating(row), row.get("created") or 0.0
+        if value is None or row.get("version") not in versions or created < since:
             continue
-        choice = (row.get("answer_id"), row.get("index") or 0, who)
-        if row.get("score") is not None or row.get("thumbs") is not None:
-            latest[(*choice, "rating")] = i
-        if row.get("preferred_over") is not None:
-            latest[(*choice, "preference", row["preferred_over"], row.get("preferred_over_index") or 0)] = i
-        if row.get("text") is not None:
-            latest[(*choice, "text")] = i
-    keep = set(latest.values()) | anonymous
-    return [row for i, row in enumerate(ordered) if i in keep]
+        key = (row["version"], voter_of(row) or f"anonymous:{row.get('answer_id')}", str(row.get("answer_id")))
+        choices.setdefault(key, []).append(value)
+        first[key] = min(first.get(key, created), created)
+    out: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for (version, who, answer), values in choices.items():
+        out.setdefault((version, who), []).append((first[(version, who, answer)], math.fsum(values) / len(values)))
+    return out
 
 
 def split_arms(feedback: Iterable[dict[str, Any]], baseline: str, candidate: str,
                since: float) -> tuple[list[float], list[float]]:
-    """(baseline scores, candidate scores): the value of each feedback row (feedback_value) on an
-    answer of that version, created at or after `since` (Unix s), oldest first, one vote per
-    voter and answer choice (one_vote_each). Rows of other versions, older rows and rows without
-    a score are left out."""
+    """(baseline samples, candidate samples): one sample per distinct voter and arm, the mean of
+    that voter's answer votes on the arm (answer_votes), ordered by each voter's first vote. See
+    the module docstring for who a voter is; min_samples and the test count these samples."""
     arms: dict[str, list[tuple[float, float]]] = {baseline: [], candidate: []}
-    for row in one_vote_each(feedback):
-        value = feedback_value(row)
-        if value is not None and row.get("version") in arms and row.get("created", 0.0) >= since:
-            arms[row["version"]].append((row["created"], value))
+    for (version, _), votes in answer_votes(feedback, (baseline, candidate), since).items():
+        arms[version].append((min(t for t, _ in votes), math.fsum(v for _, v in votes) / len(votes)))
     return [v for _, v in sorted(arms[baseline])], [v for _, v in sorted(arms[candidate])]

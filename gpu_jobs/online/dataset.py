@@ -19,14 +19,18 @@ One row per answer choice that received feedback:
                   sampled (token-in/token-out); tool_calls the answer's calls as OpenAI returned
                   them (JSON text, None without), while `response` is the text the model wrote
   response, reward, model_version   the same, as columns of their own
-`reward` is the mean of the choice's scores (thumbs up = 1, down = 0), None when it only has
-preferences or text; preferences are kept as pairs: `preferred_over` lists the "<answer id>#<choice>"
+`reward` is the mean over the choice's voters of each voter's latest rating (signals.rating: a
+row's score, else its thumbs -- never an average of a row's two; one vote per voter, choice and
+kind of signal, signals.one_vote_each), None when it only has preferences or text: the number the
+canary's arms are made of (canary_stats.py). `scores` and `thumbs` list what those rows carried.
+Preferences are kept as pairs: `preferred_over` lists the "<answer id>#<choice>"
 this one won against, `rejected_for` those that won against it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Collection
 from typing import Any
@@ -63,8 +67,8 @@ def training_rows(root: str, model: str, storage=None,
     """The verl-format rows described in the module docstring, oldest answer first; with
     `feedback_from` (segment manifest URIs: a retrain window), only the feedback of those segments
     counts, so a choice rated in two windows carries each window's ratings in that window's rows.
-    One vote per voter, choice and kind of signal (canary_stats.one_vote_each: the latest)."""
-    from gpu_jobs.online.canary_stats import one_vote_each
+    One vote per voter, choice and kind of signal (signals.one_vote_each: the latest)."""
+    from gpu_jobs.online.signals import one_vote_each, rating
 
     answers, feedback = read_segments(root, model, storage, feedback_from)
     feedback = one_vote_each(feedback)  # repeated votes of one voter on one choice count once
@@ -73,6 +77,8 @@ def training_rows(root: str, model: str, storage=None,
     for f in sorted(feedback, key=lambda f: f["created"]):
         key = (f["answer_id"], f["index"])
         s = signals[key]
+        if (value := rating(f)) is not None:
+            s["ratings"].append(value)
         if f["score"] is not None:
             s["scores"].append(float(f["score"]))
         if f["thumbs"] is not None:
@@ -94,8 +100,8 @@ def _row(a: dict, s: dict[str, list]) -> dict[str, Any]:
     prompt = json.loads(a["prompt"])
     messages = prompt if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) else \
         [{"role": "user", "content": prompt if isinstance(prompt, str) else json.dumps(prompt)}]
-    values = s.get("scores", []) + [1.0 if t == "up" else 0.0 for t in s.get("thumbs", [])]
-    reward = sum(values) / len(values) if values else None
+    values = s.get("ratings", [])
+    reward = math.fsum(values) / len(values) if values else None
     extra = {"answer_id": a["answer_id"], "index": a["index"], "model": a["model"], "version": a["version"],
              "created": a["created"], "endpoint": a["endpoint"],
              "prompt_kind": "chat" if isinstance(prompt, list) else "text",

@@ -17,6 +17,8 @@ from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gpu_jobs.online.detok import prefix_lengths, token_pieces
+from gpu_jobs.online.signals import SIGNALS, fields as signal_fields, signal_problem
 from gpu_jobs.online.tools import (MAX_CALL_ID, MAX_CALLS, MAX_TOOLS, TOOL_CHOICES, ToolCall, ToolSpec, content_of,
                                    tools_problem)
 
@@ -247,8 +249,8 @@ def make_choices(rows: list[dict], tokenizer, stops: list[str] | None) -> list[d
         cut = min((text.find(s) for s in stops or () if s in text), default=-1)
         if cut >= 0:
             text, reason = text[:cut], "stop"
-            keep = next(k for k in range(len(ids) + 1)
-                        if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= cut)
+            lengths = prefix_lengths(ids, tokenizer)  # O(L) short decodes, not one per prefix
+            keep = next(k for k, chars in enumerate(lengths) if chars >= cut)
             ids, lps = ids[:keep], lps[:keep]
         out.append({"index": i, "text": text, "token_ids": ids, "logprobs": lps, "finish_reason": reason})
     return out
@@ -284,38 +286,48 @@ def completion_response(answer_id: str, created: int, model: str, fingerprint: s
 
 
 def _pieces(choice: dict, tokenizer) -> list[str]:
-    """The choice's text split at token boundaries (what each token added), summing to the text."""
-    pieces, shown = [], ""
-    for k in range(1, len(choice["token_ids"]) + 1):
-        now = tokenizer.decode(choice["token_ids"][:k], skip_special_tokens=True)[:len(choice["text"])]
-        if len(now) > len(shown):
-            pieces.append(now[len(shown):])
-            shown = now
-    if shown != choice["text"]:
-        pieces.append(choice["text"][len(shown):])
+    """The choice's text split at token boundaries (what each token added), summing to the text;
+    incremental (detok.token_pieces): O(L) short decodes."""
+    pieces, shown, text = [], 0, choice["text"]
+    for piece in token_pieces(choice["token_ids"], tokenizer):
+        piece = piece[:max(0, len(text) - shown)]
+        if piece:
+            pieces.append(piece)
+            shown += len(piece)
+    if shown != len(text):
+        pieces.append(text[shown:])
     return pieces
 
 
 class FeedbackRequest(BaseModel):
-    """Body of POST /v1/feedback: the answer, and at least one signal."""
+    """Body of POST /v1/feedback: the answer, and at least one signal. What a signal may hold is
+    the signal registry's to say (gpu_jobs/online/signals.py), as for the stream's events."""
 
     model_config = ConfigDict(extra="forbid")
 
     answer_id: str = Field(min_length=1, max_length=128)
     index: int = Field(0, ge=0, le=INT32_MAX, description="Which choice of the answer (n > 1).")
-    score: float | None = Field(None, ge=0.0, le=1.0)
-    thumbs: str | None = Field(None, pattern="^(up|down)$")
-    preferred_over: str | None = Field(None, min_length=1, max_length=128,
-                                       description="Another answer id this one was preferred over.")
+    score: float | None = Field(None, description="A score in [0, 1].")
+    thumbs: str | None = Field(None, description="up | down.")
+    preferred_over: str | None = Field(None, description="Another answer id this one was preferred over.")
     preferred_over_index: int = Field(0, ge=0, le=INT32_MAX, description="Which choice of preferred_over.")
-    text: str | None = Field(None, max_length=10_000)
+    text: str | None = Field(None, description="A comment.")
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=256)
 
+    @field_validator(*signal_fields())
+    @classmethod
+    def _signal(cls, v, info):
+        if v is not None:
+            (signal,) = [s for s in SIGNALS.values() if s.field == info.field_name]
+            if (problem := signal.check(v)) is not None:
+                raise ValueError(problem)
+        return v
+
     @model_validator(mode="after")
     def _one_signal(self) -> "FeedbackRequest":
-        if self.score is None and self.thumbs is None and self.preferred_over is None and self.text is None:
-            raise ValueError("give one of score (0..1), thumbs (up/down), preferred_over (an answer id) or text")
+        if (problem := signal_problem(self.model_dump())) is not None:
+            raise ValueError(problem)
         return self
 
 

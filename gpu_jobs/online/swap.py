@@ -1,7 +1,7 @@
 """Hot swap: the served version follows models/<name>/CURRENT without failing or cutting a request.
 
     swap = HotSwap(source.load(), make_batcher, source=source, watch_s=5.0)
-    with swap.lease(route_key(user, session_id)) as gen:   # a request: everything it does uses gen
+    with swap.lease(voter) as gen:     # a request (voter: app.py's, from its key): everything it does uses gen
         rows = await asyncio.wrap_future(gen.batcher.submit(...))
     swap.check()                       # one poll of CURRENT and CANARY (the watcher does this every watch_s)
     swap.stats()                       # {'swaps': 1, 'swap_failures': 0, 'watch_polls': 12, ...}
@@ -24,13 +24,15 @@ counted (`watch_errors`); serving goes on. The built-in model has nothing to wat
 
 The canary (gpu_jobs/online/canary.py): while models/<name>/CANARY names a candidate other than the served
 version, a second generation holds the candidate, loaded the same way (at start, and by the
-watcher when CANARY appears or changes). A request whose route key (`route_key`: its `user`, else
-its `session_id`) falls in the record's share (`Canary.routes_to_candidate`, a pure hash of the
-canary id and the key) leases the candidate; every other request, and every request with neither
-id, leases the current generation (the baseline). When CANARY goes (a rollback), the candidate
-generation retires like an old version; when CURRENT moves to the candidate (a promote), the
-loaded candidate generation becomes the current one, with no second load. A candidate that fails
-to load is logged once and counted (`swap_failures`); everyone gets the baseline until CANARY changes.
+watcher when CANARY appears or changes). A request whose voter (who the server counts the caller
+as, from its API key: app.py) falls in the record's share (`Canary.routes_to_candidate`, an HMAC
+of the voter with the canary's secret, read with the record: canary.canary_secret) leases the
+candidate; every other voter leases the current generation (the baseline); a request with no
+voter (a server without keys) gets an arm drawn for it alone. When CANARY goes (a rollback), the
+candidate generation retires like an old version; when CURRENT moves to the candidate (a
+promote), the loaded candidate generation becomes the current one, with no second load. A
+candidate that fails to load is logged once and counted (`swap_failures`); everyone gets the
+baseline until CANARY changes. canary_stats() gives the record without its secret.
 """
 
 from __future__ import annotations
@@ -41,20 +43,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-__all__ = ["Generation", "HotSwap", "route_key"]
+__all__ = ["Generation", "HotSwap"]
 
 log = logging.getLogger("rlmill.serve")
-
-
-def route_key(user: str | None, session_id: str | None) -> str | None:
-    """What a request is routed by: "user:<user>", else "session:<session_id>", else None (baseline).
-
-    >>> route_key("alice", "s1"), route_key(None, "s1"), route_key("", None)
-    ('user:alice', 'session:s1', None)
-    """
-    if user:
-        return f"user:{user}"
-    return f"session:{session_id}" if session_id else None
 
 
 @dataclass
@@ -98,6 +89,7 @@ class HotSwap:
         self._counts = {"swaps": 0, "swap_failures": 0, "watch_polls": 0, "watch_errors": 0}
         self._canary: Generation | None = None  # the candidate's generation while a canary routes to it
         self._canary_record: Any = None  # its gpu_jobs.online.canary.Canary
+        self._canary_secret = b""  # its routing secret (canary.canary_secret): never in stats or logs
         self._canary_seen: str | None = None  # the canary id CANARY named at the last read (None: none)
         self._canary_failing = False
         self._arms = {"baseline": 0, "candidate": 0}  # requests leased per arm
@@ -128,11 +120,12 @@ class HotSwap:
         return self._canary_record
 
     @contextlib.contextmanager
-    def lease(self, key: str | None = None) -> Iterator[Generation]:
-        """The generation a request with route key `key` gets (the candidate's when a canary routes
-        `key` to it, else the current one), held (not closed) until the block ends."""
+    def lease(self, voter: str | None = None) -> Iterator[Generation]:
+        """The generation a request of `voter` gets (the candidate's when a canary routes `voter`
+        to it, else the current one), held (not closed) until the block ends."""
         with self._lock:
-            to_candidate = self._canary is not None and self._canary_record.routes_to_candidate(key)
+            to_candidate = self._canary is not None and self._canary_record.routes_to_candidate(
+                voter, self._canary_secret)
             gen = self._canary if to_candidate else self._current
             self._arms["candidate" if to_candidate else "baseline"] += 1
             gen.in_flight += 1
@@ -226,10 +219,15 @@ class HotSwap:
         """One read of models/<name>/CANARY: "same", "started" (the candidate loaded and routed
         to), "ended" (its generation retired), "failed" (the candidate did not load; not tried
         again until CANARY changes), "unreadable", or "none" (no canary, none running)."""
-        from gpu_jobs.online.canary import read_canary
+        from gpu_jobs.online.canary import canary_secret, read_canary
 
         try:
             record = read_canary(self._models())
+            active = record if record is not None and record.candidate != self._current.version else None
+            if (active.id if active else None) == self._canary_seen:
+                self._canary_failing = False
+                return "same"
+            secret = canary_secret(self._models(), active) if active is not None else b""  # once per canary
         except Exception as exc:  # storage down, a damaged record: keep serving what is routed now
             if not self._canary_failing:
                 log.warning("rlmill: cannot read models/%s/CANARY (%s: %s): routing stays as it is",
@@ -237,15 +235,12 @@ class HotSwap:
                 self._canary_failing = True
             return "unreadable"
         self._canary_failing = False
-        active = record if record is not None and record.candidate != self._current.version else None
-        if (active.id if active else None) == self._canary_seen:
-            return "same"
         self._canary_seen = active.id if active else None
         if active is None:
             return "ended" if self._end_canary() else "none"
         if self._canary is not None and self._canary.version == active.candidate:
             with self._lock:  # the same candidate under a new canary id: its engine stays
-                self._canary_record = active
+                self._canary_record, self._canary_secret = active, secret
             return "started"
         try:
             served = self.source.load(active.candidate)
@@ -259,10 +254,10 @@ class HotSwap:
             return "failed"
         new = Generation(served, self._make_batcher(served.engine))
         with self._lock:
-            old, self._canary, self._canary_record = self._canary, new, active
+            old, self._canary, self._canary_record, self._canary_secret = self._canary, new, active, secret
         if old is not None:
             self._retire(old)
-        log.warning("rlmill: canary %s: %.0f%% of users/sessions now go to %s version %s (the rest to %s)", active.id,
+        log.warning("rlmill: canary %s: %.0f%% of voters now go to %s version %s (the rest to %s)", active.id,
                     100 * active.share, self.source.name, active.candidate, self._current.version)
         return "started"
 

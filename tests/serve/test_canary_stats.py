@@ -1,8 +1,11 @@
 """The canary's pure parts: the stated test on hand-computed arms (gpu_jobs/online/canary_stats.py),
-the sticky split, and the CANARY record's create-only life (gpu_jobs/online/canary.py). No servers."""
+what a sample is (one per distinct voter and arm, one vote per answer; the signal registry), the
+keyed sticky split and its secret, and the CANARY record's create-only life
+(gpu_jobs/online/canary.py). No servers."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -88,12 +91,87 @@ def test_arm_values_from_feedback_rows():
             {"version": "v0", "created": 12.0, "score": 1.0},  # another version
             {"version": "v2", "created": 12.0, "text": "meh"},  # no score
             {"version": "v1", "created": 10.5, "thumbs": "down"}]
-    rows = [{**r, "answer_id": f"a{i}"} for i, r in enumerate(rows)]
+    rows = [{**r, "answer_id": f"a{i}"} for i, r in enumerate(rows)]  # anonymous: each answer its own voter
     assert split_arms(rows, "v1", "v2", since=10.0) == ([0.5, 0.0], [1.0])
-    # one vote per voter and answer choice: a caller repeating a vote on its arm adds nothing
-    stuffed = [{"version": "v2", "created": 13.0 + k, "score": 0.0, "answer_id": "a1", "user": "mallory"}
+    # anonymous rows count once per answer: 50 more on answer a1, under any `user`, add nothing (the latest stands)
+    stuffed = [{"version": "v2", "created": 13.0 + k, "score": 0.0, "answer_id": "a1", "user": f"u{k}"}
                for k in range(50)]
-    assert split_arms(rows + stuffed, "v1", "v2", since=10.0) == ([0.5, 0.0], [1.0, 0.0])
+    assert split_arms(rows + stuffed, "v1", "v2", since=10.0) == ([0.5, 0.0], [0.0])
+
+
+def _votes(voter: str, version: str, answers: int, choices: int, value, t0: float = 100.0) -> list[dict]:
+    return [{"answer_id": f"{voter.replace('/', '-')}-{version}-{a}", "index": c, "version": version, "voter": voter,
+             "principal": voter.split("/")[0], "created": t0 + a + c / 1000, "score": value(a, c)}
+            for a in range(answers) for c in range(choices)]
+
+
+def test_one_sample_per_voter_and_arm_one_vote_per_answer():
+    """The rule canary_stats' docstring states: an answer of n choices is one vote (the mean of
+    the voter's ratings on its choices); a voter is one sample per arm (the mean of its votes)."""
+    from gpu_jobs.online.canary_stats import answer_votes
+
+    wide = _votes("mallory", "v2", answers=2, choices=64, value=lambda a, c: 1.0 if c < 48 else 0.0)
+    votes = answer_votes(wide, ("v1", "v2"), since=0.0)
+    assert list(votes) == [("v2", "mallory")] and [v for _, v in votes[("v2", "mallory")]] == [0.75, 0.75]
+    honest = [r for i in range(5) for r in _votes(f"web/u{i}", "v1", answers=3, choices=1, value=lambda a, c: a / 2)]
+    base, cand = split_arms(wide + honest, "v1", "v2", since=0.0)
+    assert cand == [0.75] and base == [0.5] * 5  # 128 posts: one sample; 3 answers each: one sample each
+    # a voter seen on both arms (a forged or a migrated row) weighs one sample on each, never more
+    both = _votes("bob", "v1", 4, 1, lambda a, c: 0.0) + _votes("bob", "v2", 4, 1, lambda a, c: 1.0)
+    assert split_arms(both, "v1", "v2", since=0.0) == ([0.0], [1.0])
+    # rows from before the voter field: the principal is the voter, a self-asserted user nobody
+    legacy = [{"answer_id": f"x{i}", "version": "v2", "principal": "team", "user": f"u{i}", "created": 1.0 + i,
+               "thumbs": "up"} for i in range(10)]
+    assert split_arms(legacy, "v1", "v2", since=0.0) == ([], [1.0])
+
+
+def test_the_canary_and_the_training_rows_rate_a_row_alike():
+    """One rule (signals.rating): a row's score, else its thumbs; the training row's reward and
+    the canary's sample are the same number for the same rows."""
+    from gpu_jobs.online.signals import rating
+
+    rows = [{"answer_id": "a", "index": 0, "version": "v2", "voter": "web/u1", "created": 1.0, "score": 0.25,
+             "thumbs": "up"},
+            {"answer_id": "b", "index": 0, "version": "v2", "voter": "web/u2", "created": 2.0, "score": None,
+             "thumbs": "down"},
+            {"answer_id": "c", "index": 0, "version": "v2", "voter": "web/u3", "created": 3.0, "score": 0.9,
+             "thumbs": None}]
+    assert [rating(r) for r in rows] == [0.25, 0.0, 0.9]  # the score wins, never an average with the thumbs
+    _, cand = split_arms(rows, "v1", "v2", since=0.0)
+    assert cand == _training_rewards(rows) == [0.25, 0.0, 0.9]
+
+
+def _training_rewards(feedback: list[dict]) -> list[float]:
+    """dataset.training_rows' reward of each rated choice, for `feedback` as committed rows."""
+    from unittest import mock
+
+    from gpu_jobs.online import dataset
+
+    answers = [{"answer_id": f["answer_id"], "index": f["index"], "model": "arith", "version": f["version"],
+                "created": f["created"], "endpoint": "completions", "prompt": '"1+1="', "text": "2",
+                "token_ids": [5], "prompt_ids": [4]} for f in feedback]
+    full = [{**dict.fromkeys(("score", "thumbs", "text", "user", "preferred_over", "preferred_over_index")), **f}
+            for f in feedback]
+    with mock.patch.object(dataset, "read_segments", return_value=(answers, full)):
+        return [row["reward"] for row in dataset.training_rows("unused", "arith")]
+
+
+def test_the_signal_registry():
+    from gpu_jobs.online.signals import SIGNALS, Signal, fields, register_signal, signal_problem
+    from gpu_jobs.registry import DuplicateNameError, UnknownNameError
+
+    assert fields() == ("score", "thumbs", "preferred_over", "text")
+    with pytest.raises(DuplicateNameError, match="feedback signal 'score' is already registered"):
+        register_signal(Signal("score", "score", lambda v: None, float, "again"))
+    with pytest.raises(UnknownNameError, match="valid names are: preference, score, text, thumbs"):
+        SIGNALS["stars"]
+    huge = signal_problem({"score": 10 ** 400})  # an int past any float: refused, never converted
+    assert huge.startswith("score 1000") and huge.endswith("is outside [0, 1]")
+    assert signal_problem({"score": float("nan")}) == "score nan is outside [0, 1]"
+    assert signal_problem({"score": True}) == "score True is outside [0, 1]"
+    assert signal_problem({"thumbs": "up", "text": "x" * 10_001}).startswith("text is not text of at most 10000")
+    assert signal_problem({"preferred_over": "../x"}).startswith("invalid preferred_over")
+    assert signal_problem({}).startswith("give one of score") and signal_problem({"text": "ok"}) is None
 
 
 # ------------------------------------------------------------------------------------ the split
@@ -102,21 +180,46 @@ def _record(share: float = 0.1, canary_id: str = "v2-abc") -> Canary:
                   confidence=0.95, margin=0.05, max_duration_s=60.0, started="2026-12-02T10:00:00+00:00")
 
 
-def test_the_split_is_sticky_and_takes_its_share():
-    c = _record(0.1)
-    ids = [f"user:u{i}" for i in range(10_000)]
-    chosen = {k for k in ids if c.routes_to_candidate(k)}
-    # Binomial(10000, 0.1): sd 30; 1000 +- 5 sd. A hash, so the count is the same on every run.
+def test_the_split_is_sticky_keyed_and_takes_its_share():
+    c, secret = _record(0.1), b"s" * 32
+    ids = [f"web/u{i}" for i in range(10_000)]
+    chosen = {k for k in ids if c.routes_to_candidate(k, secret)}
+    # Binomial(10000, 0.1): sd 30; 1000 +- 5 sd. A keyed hash, so the count is the same on every run.
     assert 850 <= len(chosen) <= 1150, len(chosen)
-    again = Canary.from_json(c.to_json())  # a restarted server reads the same record
-    assert {k for k in ids if again.routes_to_candidate(k)} == chosen
-    assert not c.routes_to_candidate(None)  # no id: the baseline
+    again = Canary.from_json(c.to_json())  # a restarted server reads the same record and secret
+    assert {k for k in ids if again.routes_to_candidate(k, secret)} == chosen
+    # without the secret nobody can tell: another key draws an independent share
+    guessed = {k for k in ids if c.routes_to_candidate(k, b"g" * 32)}
+    assert 50 <= len(chosen & guessed) <= 150, len(chosen & guessed)  # ~ 10000 * 0.1 * 0.1
+    # no voter (anonymous): an arm drawn per request, about `share` of them to the candidate
+    assert 850 <= sum(c.routes_to_candidate(None, secret) for _ in range(10_000)) <= 1150
     other = _record(0.1, "v2-def")  # a new canary id draws a new share: independent of the old one
-    overlap = len(chosen & {k for k in ids if other.routes_to_candidate(k)})
-    assert 50 <= overlap <= 150, overlap  # ~ 10000 * 0.1 * 0.1
-    assert all(0.0 <= split_point("x", k) < 1.0 for k in ids[:100])
+    overlap = len(chosen & {k for k in ids if other.routes_to_candidate(k, secret)})
+    assert 50 <= overlap <= 150, overlap
+    assert all(0.0 <= split_point(secret, "x", k) < 1.0 for k in ids[:100])
     wider = _record(0.3)  # a larger share keeps everyone the smaller one had
-    assert chosen <= {k for k in ids if wider.routes_to_candidate(k)}
+    assert chosen <= {k for k in ids if wider.routes_to_candidate(k, secret)}
+
+
+def test_the_routing_secret_is_kept_apart_from_everything_shown(tmp_path, monkeypatch):
+    from gpu_jobs.online.canary import SECRET_ENV, canary_secret
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    models = ModelLayout(str(tmp_path), "arith")
+    models.promote("v1")
+    c = start_canary(models, "v2", CanaryPolicy(share=0.5))
+    secret = canary_secret(models, c)
+    assert len(secret) == 64 and canary_secret(models, c) == secret  # created with the canary, then read
+    assert secret.decode() not in c.to_json()
+    end_canary(models, c, "rollback", {})
+    assert secret.decode() not in json.dumps(read_outcome(models, c.id))
+    old = _record(0.5, "v2-old")  # a canary started before secrets: one is made at its first read
+    assert canary_secret(models, old) == canary_secret(models, old) != secret
+    monkeypatch.setenv(SECRET_ENV, "x" * 32)
+    assert canary_secret(models, c) == b"x" * 32
+    monkeypatch.setenv(SECRET_ENV, "short")
+    with pytest.raises(ValueError, match="give at least 16 random ones"):
+        canary_secret(models, c)
 
 
 # ------------------------------------------------------------------------------------ the record

@@ -218,34 +218,36 @@ def parse_calls(text: str, tools: Mapping[str, dict[str, Any]]) -> list[Call | C
 def _one_call(body: str, tools: Mapping[str, dict[str, Any]]) -> Call | CallError:
     try:
         obj = json.loads(body)
-    except ValueError as e:
-        return CallError(f"error: the tool call is not valid JSON ({e})")
+    except (ValueError, RecursionError) as e:  # `[` x 1000 is nested past json's recursion limit
+        return CallError(f"error: the tool call is not valid JSON ({_why(e)})")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return CallError('error: a tool call is {"name": <function-name>, "arguments": <args-json-object>}')
     name, args = obj["name"], obj.get("arguments", {})
     if name not in tools:
-        return CallError(f"error: unknown tool {name!r}; tools: {', '.join(sorted(tools))}")
+        return CallError(f"error: unknown tool {name[:64]!r}; tools: {', '.join(sorted(tools))}")
     if isinstance(args, str):  # OpenAI's wire format sends arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError as e:
-            return CallError(f"error: arguments of {name!r} are not valid JSON ({e})")
+        except (ValueError, RecursionError) as e:
+            return CallError(f"error: arguments of {name!r} are not valid JSON ({_why(e)})")
     problem = check_arguments(args, tools[name]["function"].get("parameters") or {"type": "object"})
     return CallError(f"error: {name}: {problem}") if problem else Call(name, args)
 
 
+def _why(exc: Exception) -> str:
+    return "nested too deep" if isinstance(exc, RecursionError) else " ".join(str(exc).split())[:200]
+
+
 def check_arguments(arguments: Any, schema: Mapping[str, Any]) -> str | None:
-    """None when `arguments` satisfy the JSON schema, else the most relevant violation as one
-    line (jsonschema's best match).
+    """None when `arguments` satisfy the tool's JSON schema, else the first violation as one
+    line. The schema must be of the subset gpu_jobs.chat.json_schema states (its check is then
+    linear and bounded); one outside it is the violation, named.
 
     >>> check_arguments({"x": 1}, {"type": "object", "required": ["y"]})
     "'y' is a required property"
     """
-    import jsonschema
+    from gpu_jobs.chat.json_schema import schema_problem, validate
 
-    validator_cls = jsonschema.validators.validator_for(schema)
-    error = jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(arguments))
-    if error is None:
-        return None
-    where = "/".join(str(p) for p in error.absolute_path)
-    return f"{where}: {error.message}" if where else error.message
+    if (problem := schema_problem(schema)) is not None:
+        return f"the tool's schema cannot be checked: {problem}"
+    return validate(arguments, dict(schema))

@@ -20,9 +20,10 @@ an answer older than the retention window 410. Keys, rate limits and the body ca
 the Gate middleware before the body is parsed (limits.py, auth.py); tokenisation runs off the
 event loop (a worker thread), so one huge prompt never stalls the others.
 
-Votes: one per (answer, choice, voter) while the answer is in the index (answers.py), the voter
-being the key's principal, else the request's `user`, else its `session_id`, else the client
-address. Events record the principal (None without keys), never the key.
+Voters (auth.request_voter): a key's principal, or "<principal>/<user>" for a key marked
+asserts_users; without keys nobody (anonymous). Events record the principal and the voter, never
+the key. Votes: one per (answer, choice, voter) while the answer is in the index (answers.py);
+without keys per `user`, else `session_id`, else the client address.
 
 A request holds the generation (version) that was current when it arrived, from tokenizing its
 prompt to publishing its event (swap.py): a hot swap never cuts it, and its event names the
@@ -33,9 +34,10 @@ streamed answer (`stream: true`) sends each token's text as the engine samples i
 reports every decoding step; streaming.py) and logs its event once, at its end (`X-Rlmill-Event:
 at-end`), holding its version until then.
 
-During a canary (models/<name>/CANARY, swap.py) a request's generation is picked by its `user`,
-else its `session_id`: the same id always gets the same arm; a request with neither goes to the
-baseline (the current version). Its answer's `system_fingerprint` and event name the version of
+During a canary (models/<name>/CANARY, swap.py) a request's generation is picked by its voter
+(an HMAC with the canary's secret: the same voter always the same arm, a `user` a plain key sends
+changes nothing); an anonymous request gets an arm of its own. /health names the canary only to
+the metrics role. Its answer's `system_fingerprint` and event name the version of
 its arm, which is how the rl-canary flow counts each arm's feedback.
 
 Chat takes OpenAI's `tools` and `tool_choice` ("auto" | "none"), and messages with `tool_calls`
@@ -57,6 +59,7 @@ import contextlib
 import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +68,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpu_jobs.online.auth import has_role, request_voter
 from gpu_jobs.online.answers import AnswerIndex, KnownAnswer, id_time, new_answer_id
 from gpu_jobs.online.batching import Batcher, QueueFull
 from gpu_jobs.online.events import answer_event, feedback_event
@@ -73,8 +77,8 @@ from gpu_jobs.online.protocol import (ApiError, ChatRequest, CompletionRequest, 
                                       chat_response, check_token_ids, completion_response, error_body, make_choices,
                                       refused_param, sampling_of)
 from gpu_jobs.online.streaming import sse_answer
-from gpu_jobs.online.swap import Generation, HotSwap, route_key
-from gpu_jobs.online.tools import shape_choices, well_formed
+from gpu_jobs.online.swap import Generation, HotSwap
+from gpu_jobs.online.tools import judge_checked, shape_checked
 from gpu_jobs.chat.hermes import render_chat
 
 __all__ = ["Server", "ServeSettings", "create_app"]
@@ -106,6 +110,9 @@ class Server:
         self.models = HotSwap(served, self._batcher, source=source, watch_s=settings.watch_s)
         self.answers = AnswerIndex(settings.answer_index_size)
         self.rates = RateLimiter(settings.limits)
+        # the model's tool calls checked against their schemas: never on the event loop or in
+        # the pool tokenisation uses (tools.shape_checked)
+        self.checks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rlmill-tool-checks")
         self.refused: dict[int, int] = {}  # status -> requests the Gate refused (keys, rates, body size)
         self.counts = {"answers": 0, "feedback": 0, "events_not_logged": 0, "refused_votes": 0, "timeouts": 0,
                        "queue_full": 0, "recalled_answers": 0, "tool_calls": 0, "malformed_tool_calls": 0,
@@ -151,6 +158,7 @@ class Server:
         """Close the engines (each batcher finishes what it holds), then send the queued events
         to the broker for up to `events_timeout_s` (what is left is counted as dropped)."""
         self.models.close()
+        self.checks.shutdown(wait=False, cancel_futures=True)
         if self.publisher is not None:
             self.publisher.close(events_timeout_s)
 
@@ -211,8 +219,10 @@ def create_app(server: Server) -> FastAPI:
     limits = server.settings.limits
 
     @app.get("/health")
-    async def health():
-        c = server.models.canary
+    async def health(request: Request):
+        # The canary's details are an operator's (the metrics role): told to anyone, they say which
+        # answers come from the candidate. The routing secret is never here.
+        c = server.models.canary if has_role(server.keys, request.scope, "metrics") else None
         canary = None if c is None else {"id": c.id, "candidate": c.candidate, "share": c.share}
         return {"status": "ok", "model": server.served.name, "version": server.served.version, "canary": canary}
 
@@ -231,23 +241,27 @@ def create_app(server: Server) -> FastAPI:
         req.check_size(limits.max_prompt_chars)
         prompt = req.single_prompt()
         with contextlib.ExitStack() as lease:  # a streamed answer takes the lease over (_streamed)
-            gen = lease.enter_context(server.models.lease(route_key(req.user, req.session_id)))
+            voter = request_voter(server.keys, principal_of(request.scope), req.user)
+            gen = lease.enter_context(server.models.lease(voter))
             tok = gen.served.tokenizer
             if isinstance(prompt, list):
                 ids = list(prompt)
                 check_token_ids(ids, gen.served.vocab)
             else:  # off the event loop: a long prompt must not stall the other requests
                 ids = list(await asyncio.to_thread(tok.encode, prompt, add_special_tokens=False))
-            return await _answer(server, gen, "completion", req, prompt, ids, principal_of(request.scope), lease)
+            return await _answer(server, gen, "completion", req, prompt, ids, principal_of(request.scope), lease,
+                                 voter=voter)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         req.check_size(limits.max_prompt_chars, limits.max_messages)
         messages = [m.logged() for m in req.messages]
         with contextlib.ExitStack() as lease:
-            gen = lease.enter_context(server.models.lease(route_key(req.user, req.session_id)))
+            voter = request_voter(server.keys, principal_of(request.scope), req.user)
+            gen = lease.enter_context(server.models.lease(voter))
             ids = await asyncio.to_thread(_render, messages, gen.served.tokenizer, req.tool_list())
-            return await _answer(server, gen, "chat", req, messages, ids, principal_of(request.scope), lease)
+            return await _answer(server, gen, "chat", req, messages, ids, principal_of(request.scope), lease,
+                                 voter=voter)
 
     @app.post("/v1/feedback")
     async def feedback(req: FeedbackRequest, request: Request):
@@ -305,7 +319,7 @@ async def _generate(server: Server, gen: Generation, req: Any, prompt_ids: list[
 
 
 async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: Any, prompt_ids: list[int],
-                  principal: str | None, lease: contextlib.ExitStack):
+                  principal: str | None, lease: contextlib.ExitStack, voter: str | None = None):
     """Generate on `gen` (held by the caller through `lease`), publish the event, then answer;
     a streamed answer (`stream: true`) sends its tokens as they come and publishes at its end,
     holding the lease until then."""
@@ -324,7 +338,7 @@ async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: 
             answer_id, endpoint="chat.completions" if kind == "chat" else "completions", model=s.name,
             version=s.version, created=created, latency_s=time.monotonic() - started, prompt=prompt,
             prompt_ids=prompt_ids, choices=choices, sampling=settings, user=req.user, session_id=req.session_id,
-            principal=principal, tools=tools))
+            principal=principal, tools=tools, voter=voter))
 
     shape = _shaper(server, req, tools) if tools and req.calls_wanted() else None
     if req.stream:
@@ -343,8 +357,8 @@ def _shaper(server: Server, req: Any, tools: list[dict]) -> Any:
     place) and counts them: one step, so a streamed answer ends as the non-streamed one."""
 
     async def shape(choices: list[dict]) -> None:
-        # off the event loop: a tool's schema checks the arguments
-        bad, dropped = await asyncio.to_thread(shape_choices, choices, tools, req.parallel_calls())
+        # off the event loop, within a deadline: a tool's schema checks the arguments
+        bad, dropped = await shape_checked(choices, tools, req.parallel_calls(), server.checks)
         server.counts["malformed_tool_calls"] += bad
         server.counts["dropped_tool_calls"] += dropped
         server.counts["tool_calls"] += sum(len(c.get("tool_calls") or ()) for c in choices)
@@ -366,7 +380,7 @@ def _streamed(server: Server, gen: Generation, kind: str, req: Any, prompt_ids: 
             "created": created, "model": s.name, "system_fingerprint": f"{s.name}@{s.version}"}
     usage = bool(req.stream_options and req.stream_options.include_usage)
     tools = req.tool_list() if shape is not None else None
-    judge = None if tools is None else functools.partial(well_formed, tools=tools)
+    judge = None if tools is None else functools.partial(judge_checked, tools=tools, executor=server.checks)
     body = sse_answer(kind, head, prompt_ids, req.n, s.tokenizer, req.stop, tokens, sent,
                       server.settings.limits.request_timeout_s, log_answer, usage, lease.pop_all(), shape, judge)
     # The event is logged at the end of the stream, after the headers: the header says so.
@@ -394,10 +408,11 @@ async def _known(server: Server, answer_id: str, field: str) -> KnownAnswer:
     return known
 
 
-def _voter(req: FeedbackRequest, scope: dict) -> str:
-    """Who a vote counts for: the key's principal, else the user, else the session, else the address."""
-    if (principal := principal_of(scope)) is not None:
-        return f"principal:{principal}"
+def _voter(req: FeedbackRequest, scope: dict, voter: str | None) -> str:
+    """Whose repeat a second vote on a choice is: the request's voter (from its key), else -- a
+    server without keys -- the user, else the session, else the address."""
+    if voter is not None:
+        return f"voter:{voter}"
     return f"user:{req.user}" if req.user else f"session:{req.session_id}" if req.session_id else client_key(scope)
 
 
@@ -410,7 +425,8 @@ async def _feedback(server: Server, req: FeedbackRequest, scope: dict):
         if req.preferred_over_index >= other.n_choices:
             raise ApiError(422, f"field 'preferred_over_index': answer {req.preferred_over} has {other.n_choices} "
                                 "choice(s)", "preferred_over_index")
-    vote = server.answers.vote(req.answer_id, req.index, _voter(req, scope))
+    voter = request_voter(server.keys, principal_of(scope), req.user)
+    vote = server.answers.vote(req.answer_id, req.index, _voter(req, scope, voter))
     if vote != "ok":
         server.counts["refused_votes"] += 1
         why = ("this voter already gave feedback on this choice of this answer" if vote == "duplicate" else
@@ -421,7 +437,7 @@ async def _feedback(server: Server, req: FeedbackRequest, scope: dict):
     event = feedback_event(req.answer_id, model=known.model, version=known.version, index=req.index,
                            score=req.score, thumbs=req.thumbs, preferred_over=req.preferred_over,
                            preferred_over_index=req.preferred_over_index, text=req.text, user=req.user,
-                           session_id=req.session_id, principal=principal_of(scope))
+                           session_id=req.session_id, principal=principal_of(scope), voter=voter)
     server.counts["feedback"] += 1
     logged = await server.publish(event)
     return JSONResponse({"id": event["event_id"], "object": "feedback", "answer_id": req.answer_id,

@@ -6,16 +6,17 @@ tool call could be starting.
     text.add(0, token_id)      # -> "4": what choice 0's text gained and can be sent now ("" if nothing)
     text.rest(0, "46")         # -> "6": what is left to send once the final text is known
 
-    calls = ToolText(lambda block: tools.well_formed(block, tools_list))
-    calls.add("Sure <tool")    # -> "Sure": content that no call can change any more
+    calls = ToolText(functools.partial(tools.judge_checked, tools=tools_list, executor=pool))
+    await calls.add("Sure <tool")    # -> "Sure": content that no call can change any more
     final_deltas("chat", shaped_choice, calls.sent, tokenizer)   # the rest, the calls, the finish
 
 Why hold back: a stop string cuts the final text before it (protocol.make_choices), so the last
 len(longest stop) - 1 characters may still be cut and are not sent until the answer ends; a
 choice whose text contains a stop string sends nothing more. A character whose bytes span two
-tokens decodes to U+FFFD until its last token arrives, so a trailing U+FFFD waits too. Each step
-decodes the choice's tokens so far (fast tokenizers: well under a millisecond for hundreds of
-tokens), so what is sent is always a prefix of the final text.
+tokens decodes to U+FFFD until its last token arrives, so it waits too. Each step decodes only the
+tokens since the choice's last complete character (detok.py: offsets, as vLLM and TGI do), so a
+streamed answer of L tokens costs O(L) short decodes, and what is sent is always a prefix of the
+final text.
 
 With tools (vLLM's Hermes tool parser streams the same way) the content is sent while the text
 cannot be the start of a `<tool_call>`: only a suffix that is a prefix of `<tool_call>` (and the
@@ -41,6 +42,7 @@ import logging
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from gpu_jobs.online.detok import Detokenizer
 from gpu_jobs.online.tools import MAX_CALLS, content_of
 from gpu_jobs.chat.hermes import TAG
 
@@ -52,12 +54,14 @@ log = logging.getLogger("rlmill.serve")
 
 
 class TokenText:
-    """The streamed text of `n` choices (see the module docstring)."""
+    """The streamed text of `n` choices (see the module docstring); each choice's text is built
+    incrementally (detok.Detokenizer), so a token costs a decode of a few tokens, and the stop
+    strings are looked for only where the new text could complete one."""
 
     def __init__(self, n: int, tokenizer: Any, stops: list[str] | None):
         self.tokenizer, self.stops = tokenizer, [s for s in stops or () if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.texts = [Detokenizer(tokenizer) for _ in range(n)]
         self.shown = [""] * n
         self.stopped = [False] * n
 
@@ -65,18 +69,22 @@ class TokenText:
         """Take one sampled token of `choice`; the text it lets us send now."""
         if self.stopped[choice]:
             return ""
-        self.ids[choice].append(token)
-        text = self.tokenizer.decode(self.ids[choice], skip_special_tokens=True)
-        if any(s in text for s in self.stops):
+        decoded = self.texts[choice]
+        piece = decoded.add(token)
+        if not piece:
+            return ""
+        text = decoded.text
+        tail = text[max(0, len(text) - len(piece) - self.hold):]  # a new stop ends inside it
+        if any(s in tail for s in self.stops):
             self.stopped[choice] = True  # the final text ends before the stop: the rest comes at the end
             return ""
-        safe = text[:len(text) - self.hold] if self.hold else text
-        safe = safe.rstrip("\ufffd")
-        shown = self.shown[choice]
-        if len(safe) <= len(shown) or not safe.startswith(shown):
+        safe = len(text) - self.hold
+        shown = len(self.shown[choice])
+        if safe <= shown:
             return ""
-        self.shown[choice] = safe
-        return safe[len(shown):]
+        out = text[shown:safe]
+        self.shown[choice] += out
+        return out
 
     def rest(self, choice: int, final: str) -> str:
         """What remains to send of `choice` whose final text is `final`."""
@@ -108,25 +116,37 @@ def sendable(text: str, judge: Callable[[str], bool]) -> str:
     return text[:start].rstrip()
 
 
+class _Unjudged(Exception):
+    """sendable needs the verdict on a block not judged yet."""
+
+    def __init__(self, block: str):
+        self.block = block
+
+
 class ToolText:
     """The content streamed of one chat choice with tools (see the module docstring): `add`
     takes the text a token added (TokenText.add) and returns the content to send now; `sent` is
-    all the content sent so far. Each closed block is judged once."""
+    all the content sent so far. Each closed block is judged once, by the async `judge`
+    (tools.judge_checked: off the event loop, with a deadline)."""
 
-    def __init__(self, judge: Callable[[str], bool]):
+    def __init__(self, judge: Callable[[str], Awaitable[bool]]):
         self.check, self.judged = judge, {}
         self.text = self.sent = ""
 
-    def judge(self, block: str) -> bool:
-        """judge(block), asked once per block: the text is judged again after every token."""
+    def _known(self, block: str) -> bool:
         if block not in self.judged:
-            self.judged[block] = self.check(block)
+            raise _Unjudged(block)
         return self.judged[block]
 
-    def add(self, piece: str) -> str:
+    async def add(self, piece: str) -> str:
         """Take the text a token added; the content it lets us send now ("" if none)."""
         self.text += piece
-        now = sendable(self.text, self.judge)
+        while True:
+            try:
+                now = sendable(self.text, self._known)
+                break
+            except _Unjudged as need:  # a block closed: judged once, then the text is read again
+                self.judged[need.block] = bool(await self.check(need.block))
         if len(now) <= len(self.sent) or not now.startswith(self.sent):
             return ""
         out, self.sent = now[len(self.sent):], now
@@ -177,7 +197,7 @@ async def sse_answer(kind: str, head: dict, prompt_ids: list[int], n: int, token
                      tokens: asyncio.Queue, sent: Future, timeout_s: float | None,
                      finish: Callable[[list[dict]], Awaitable[Any]], include_usage: bool,
                      held: contextlib.ExitStack, shape: Callable[[list[dict]], Awaitable[Any]] | None = None,
-                     judge: Callable[[str], bool] | None = None) -> AsyncIterator[str]:
+                     judge: Callable[[str], Awaitable[bool]] | None = None) -> AsyncIterator[str]:
     """The events of one streamed answer: each choice's text as its tokens arrive on `tokens`
     ((choice, token) pairs, then None once `sent` resolved), then what the final choices
     (protocol.make_choices) add, finish reasons, usage, and `[DONE]`. With tools, `judge` (is a
@@ -205,7 +225,7 @@ async def sse_answer(kind: str, head: dict, prompt_ids: list[int], n: int, token
                 break
             piece = text.add(*item)
             if piece and calls is not None:
-                piece = calls[item[0]].add(piece)
+                piece = await calls[item[0]].add(piece)
             if piece:
                 yield chunk(head, [delta(kind, item[0], piece)])
         try:

@@ -18,22 +18,31 @@ are dropped (counted; the text logged for training keeps them, as the model wrot
 
 The same bounds (tool count, names, schema size and depth, calls per message, id and arguments
 length) check a request (a 400 naming the field) and an answer event on the stream (quarantine).
+A schema is of the subset gpu_jobs.chat.json_schema states (type, properties, required, enum,
+items, description/title/default, minimum/maximum/exclusive bounds, minLength/maxLength,
+minItems/maxItems, additionalProperties true/false); any other keyword ($ref, $defs, allOf,
+anyOf, oneOf, pattern, patternProperties, if/then, format, ...) is a 400 naming it and its path.
+The model's calls are checked against it off the event loop, in the server's check executor,
+within CHECK_DEADLINE_S (shape_checked, judge_checked); a check is linear in the arguments' size
+and stops after json_schema.MAX_STEPS steps anyway.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import math
 import re
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gpu_jobs.chat import json_schema
 from gpu_jobs.chat.hermes import Call, parse_calls
 
 __all__ = ["MAX_CALLS", "MAX_TOOLS", "TOOL_CHOICES", "ToolCall", "ToolSpec", "calls_problem", "content_of",
-           "message_problem", "schema_problem", "shape_choice", "shape_choices", "tools_problem", "well_formed"]
+           "judge_checked", "message_problem", "schema_problem", "shape_checked", "shape_choice", "shape_choices",
+           "tools_problem", "well_formed"]
 
 NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function name
 _NAME = re.compile(NAME)
@@ -41,7 +50,8 @@ MAX_TOOLS = 64  # tools in one request
 MAX_TOOL_CHARS = 16_384  # one tool's JSON
 MAX_TOOLS_CHARS = 131_072  # all the tools' JSON together
 MAX_DESCRIPTION = 4096
-MAX_SCHEMA_DEPTH = 16  # nesting of a tool's parameters
+MAX_SCHEMA_DEPTH = json_schema.MAX_SCHEMA_DEPTH  # nesting of a tool's parameters
+CHECK_DEADLINE_S = 2.0  # one answer's argument checks, in the check executor; past it the calls are text
 MAX_CALLS = 16  # tool calls in one message or one answer
 MAX_CALL_ID = 128
 MAX_ARGUMENTS_CHARS = 100_000
@@ -52,32 +62,11 @@ _BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 # ------------------------------------------------------------------ bounds (requests and events)
 def schema_problem(schema: Any) -> str | None:
-    """Why `schema` cannot be a tool's parameters, or None: a JSON object nested at most
-    MAX_SCHEMA_DEPTH deep, finite numbers only, `$ref`s inside the schema only (never fetched),
-    and a valid JSON schema (jsonschema's check_schema)."""
-    if not isinstance(schema, dict):
-        return "parameters must be a JSON schema object"
-    stack = [(schema, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > MAX_SCHEMA_DEPTH:
-            return f"parameters are nested more than {MAX_SCHEMA_DEPTH} deep"
-        if isinstance(value, float) and not math.isfinite(value):
-            return "parameters hold a number that is not finite"
-        if isinstance(value, dict):
-            ref = value.get("$ref", "#")
-            if not isinstance(ref, str) or not ref.startswith("#"):
-                return "parameters may only use $refs inside the schema ('#/...')"
-            stack.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((v, depth + 1) for v in value)
-    import jsonschema
-
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.exceptions.SchemaError as exc:
-        return f"parameters are not a valid JSON schema ({' '.join(str(exc.message).split())[:200]})"
-    return None
+    """Why `schema` cannot be a tool's parameters, or None: a schema of the subset
+    gpu_jobs.chat.json_schema states (type, properties, required, enum, items, bounds,
+    additionalProperties true/false, annotations), at most MAX_SCHEMA_DEPTH deep; any other
+    keyword ($ref, allOf, pattern, ...) is refused by name and path. Linear in the schema's size."""
+    return json_schema.schema_problem(schema)
 
 
 def tools_problem(tools: Any) -> str | None:
@@ -238,3 +227,30 @@ def shape_choices(choices: list[dict], tools: list[dict], parallel: bool = True)
         if calls:
             c["tool_calls"], c["finish_reason"] = calls, "tool_calls"
     return malformed, dropped
+
+
+async def shape_checked(choices: list[dict], tools: list[dict], parallel: bool, executor: Any,
+                        deadline_s: float = CHECK_DEADLINE_S) -> tuple[int, int]:
+    """shape_choices with its argument checks in `executor`, off the event loop, within
+    `deadline_s`: past it the answer stays text and each of its `<tool_call>` blocks counts as
+    malformed. The choices change on the event loop only, after the checks returned."""
+    loop = asyncio.get_running_loop()
+    work = [(c["text"], c["finish_reason"]) for c in choices]
+    try:
+        shaped = await asyncio.wait_for(loop.run_in_executor(
+            executor, lambda: [shape_choice(text, reason, tools, parallel) for text, reason in work]), deadline_s)
+    except TimeoutError:
+        return sum(max(1, text.count("<tool_call>")) for text, _ in work), 0
+    for c, (calls, _, _) in zip(choices, shaped):
+        if calls:
+            c["tool_calls"], c["finish_reason"] = calls, "tool_calls"
+    return sum(bad for _, bad, _ in shaped), sum(extra for _, _, extra in shaped)
+
+
+async def judge_checked(block: str, tools: list[dict], executor: Any, deadline_s: float = CHECK_DEADLINE_S) -> bool:
+    """well_formed(block, tools) in `executor` within `deadline_s` (past it: not well formed)."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await asyncio.wait_for(loop.run_in_executor(executor, well_formed, block, tools), deadline_s)
+    except TimeoutError:
+        return False

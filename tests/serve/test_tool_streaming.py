@@ -9,8 +9,10 @@ non-streamed one, and so are their logged events."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -20,7 +22,7 @@ from gpu_jobs.models import build_tokenizer
 from gpu_jobs.online.app import Server
 from gpu_jobs.online.protocol import _message
 from gpu_jobs.online.streaming import ToolText, final_deltas
-from gpu_jobs.online.tools import shape_choices, well_formed
+from gpu_jobs.online.tools import judge_checked, shape_choices
 from gpu_jobs.chat.hermes import openai_tool
 from tests.serve.conftest import Capture
 
@@ -66,8 +68,12 @@ def _accumulate(deltas: list[dict]) -> tuple[str | None, list[dict], str | None]
 ])
 def test_the_splitter_adds_up_to_the_non_streamed_answer(pieces, reason, live):
     tok = build_tokenizer()
-    stream = ToolText(functools.partial(well_formed, tools=TOOLS))
-    assert [stream.add(p) for p in pieces] == live
+    with ThreadPoolExecutor(1) as pool:
+        stream = ToolText(functools.partial(judge_checked, tools=TOOLS, executor=pool))
+
+        async def feed():
+            return [await stream.add(p) for p in pieces]
+        assert asyncio.run(feed()) == live
     text = "".join(pieces)
     choice = {"index": 0, "text": text, "token_ids": tok.encode(text, add_special_tokens=False),
               "logprobs": [], "finish_reason": reason}

@@ -95,15 +95,9 @@ def add_serve_parsers(sub) -> None:
     dataset.add_argument("--model", required=True)
     dataset.add_argument("--out", required=True, help="the .parquet file to write (any storage URL)")
     dataset.set_defaults(fn=cmd_feedback_dataset)
-    forget = fsub.add_parser("forget", help="a user's answers and feedback train nothing from now on (recorded)",
-                             description="Record (create-only, under <root>/feedback/_forget/) that USER's answers "
-                                         "and feedback must not be used: every training window, dataset and canary "
-                                         "read after this leaves them out. Prints what is on file of theirs and "
-                                         "which versions were already trained on it (rlmill models lineage).")
-    forget.add_argument("--root", required=True, help="storage root (folder or s3://)")
-    forget.add_argument("--user", required=True, help="the `user` the requests carried")
-    forget.add_argument("--reason", default=None, help="why (kept in the record)")
-    forget.set_defaults(fn=cmd_feedback_forget)
+    from flows.cli_forget import add_governance_parsers
+
+    add_governance_parsers(fsub)  # forget, retain
 
 
 def _add_limit_flags(parser) -> None:
@@ -112,9 +106,10 @@ def _add_limit_flags(parser) -> None:
 
     group = parser.add_argument_group("limits (per request and per caller)")
     for f in dataclasses.fields(ServeLimits):
-        shown = f"{f.default:g}" if isinstance(f.default, float) else f"{f.default}"
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f"limit_{f.name}", type=type(f.default),
-                           default=f.default, metavar="N", help=f"{f.metadata['help']} (default {shown})")
+        shown = f.metadata.get("shown") or (f"{f.default:g}" if isinstance(f.default, float) else f"{f.default}")
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f"limit_{f.name}",
+                           type=f.metadata.get("type", type(f.default)), default=f.default, metavar="N",
+                           help=f"{f.metadata['help']} (default {shown})")
 
 
 def _limits(args: argparse.Namespace):
@@ -167,13 +162,30 @@ def _publisher(url: str, queue_size: int):
     if url.lower() == "none":
         print("rlmill: --redis none: answers and feedback are not logged", flush=True)
         return None
-    from gpu_jobs.online.broker import BrokerUnreachable, EventPublisher, connect
+    from gpu_jobs.online.broker import BrokerUnreachable, EventPublisher, connect, url_password_problem
 
+    if (problem := url_password_problem(url, "--redis")) is not None:
+        raise UserError(problem)
+    key = _event_key("serve")
     try:
         connect(url)
     except BrokerUnreachable as exc:
         raise UserError(f"{exc}, or --redis none to serve without logging") from None
-    return EventPublisher(url, max_queue=queue_size)
+    return EventPublisher(url, max_queue=queue_size, event_key=key)
+
+
+def _event_key(who: str) -> bytes | None:
+    """The key serve signs events with and the consumer checks them with (gpu_jobs/online/signing.py),
+    or None: then one warning line says they are unsigned and how to set it."""
+    from gpu_jobs.online.signing import UNSIGNED_WARNING, SigningKeyError, event_key
+
+    try:
+        key = event_key()
+    except SigningKeyError as exc:
+        raise UserError(str(exc)) from None
+    if key is None:
+        print(f"rlmill: warning ({who}): {UNSIGNED_WARNING}", file=sys.stderr, flush=True)
+    return key
 
 
 def _check_numbers(args) -> None:
@@ -227,7 +239,8 @@ def cmd_serve(args) -> None:
                              watch_s=args.watch_s, limits=limits)
     from gpu_jobs.online.recall import AnswerRecall
 
-    recall = AnswerRecall(None if publisher is None else args.redis, args.root, served.name)
+    recall = AnswerRecall(None if publisher is None else args.redis, args.root, served.name,
+                          event_key=None if publisher is None else publisher.event_key)
     server = Server(served, publisher, settings, source=source, keys=keys, recall=recall)
     watch = (f"; watching models/{served.name}/CURRENT every {args.watch_s:g} s" if server.models.watching else "")
     if (canary := server.models.canary) is not None:
@@ -277,11 +290,14 @@ def _die_after_commit(result) -> None:
 
 
 def cmd_feedback_consume(args) -> None:
-    from gpu_jobs.online.broker import BrokerUnreachable
+    from gpu_jobs.online.broker import BrokerUnreachable, url_password_problem
     from gpu_jobs.online.consumer import consume
 
     if not args.linger_ms >= 0:  # NaN too
         raise UserError(f"--linger-ms {args.linger_ms:g} is negative: give the milliseconds a batch may wait, or 0")
+    if (problem := url_password_problem(args.redis, "--redis")) is not None:
+        raise UserError(problem)
+    key = _event_key("feedback consume")
     hook = _die_after_commit if os.environ.get("RLMILL_FAILPOINT") == FAILPOINT_AFTER_COMMIT else None
     stop, signalled = threading.Event(), []
 
@@ -294,7 +310,7 @@ def cmd_feedback_consume(args) -> None:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         r = consume(args.root, args.redis, consumer=args.consumer, follow=args.follow, after_commit=hook,
-                    linger_s=args.linger_ms / 1000, stop=stop)
+                    linger_s=args.linger_ms / 1000, stop=stop, event_key=key)
     except BrokerUnreachable as exc:
         raise UserError(str(exc)) from None
     finally:
@@ -320,21 +336,3 @@ def cmd_feedback_dataset(args) -> None:
     if n == 0:
         print(f"rlmill: no feedback for model {args.model!r} under {args.root}/feedback yet: "
               "run `rlmill feedback consume` first", flush=True)
-
-
-def cmd_feedback_forget(args) -> None:
-    import getpass
-
-    from gpu_jobs.online.governance import forget_user
-    from storage.errors import InvalidNameError
-
-    try:
-        request = forget_user(args.root, args.user, requested_by=getpass.getuser(), reason=args.reason)
-    except (ValueError, InvalidNameError) as exc:
-        raise UserError(str(exc)) from None
-    rows = ", ".join(f"{n} row(s) of {m}" for m, n in request.rows.items()) or "no rows on file"
-    print(f"rlmill: {args.user!r} forgotten ({request.uri}): {rows} will train nothing from now on", flush=True)
-    for model, versions in request.reached.items():
-        if versions:
-            print(f"rlmill: versions of {model} already trained on their rows: {', '.join(versions)} "
-                  "(retrain without them, or roll back: rlmill models rollback)", flush=True)

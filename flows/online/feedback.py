@@ -61,7 +61,7 @@ from prefect.cache_policies import NONE as NO_CACHE
 
 from flows.reporting import artifact_key
 from storage.fs import redact_url
-from gpu_jobs.online.broker import DEFAULT_REDIS, GROUP, STREAM, BrokerUnreachable, connect
+from gpu_jobs.online.broker import DEFAULT_REDIS, GROUP, STREAM, BrokerUnreachable, connect, url_password_problem
 from gpu_jobs.online.consumer import (FEEDBACK_DIR, QUARANTINE_DIR, QUARANTINE_KIND, ConsumeResult, GroupLag, Segment,
                                       consume, group_lag)
 
@@ -148,6 +148,7 @@ def counts_table(result: ConsumeResult, before: GroupLag, after: GroupLag, quara
     """The drain's numbers as `what | value` rows (the rlmill-feedback-counts table artifact)."""
     rows = [("events read", result.read), ("answers committed", result.answers),
             ("feedback committed", result.feedback), ("duplicates skipped", result.duplicates),
+            ("feedback stored with its answer's version (it named another)", result.versions_corrected),
             ("quarantined", result.quarantined),
             *((f"quarantined: {why}", n) for why, n in sorted(result.reasons.items())),
             ("segments committed", len(result.segments)),
@@ -267,6 +268,8 @@ def check_inputs(root: Any, redis_url: Any, window_s: Any, consumer: Any, ready_
     if not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://", "unix://")):
         shown = redact_url(redis_url) if isinstance(redis_url, str) else redis_url
         return f"redis_url={shown!r}: give the broker's URL, e.g. {DEFAULT_REDIS}"
+    if (problem := url_password_problem(redis_url, "redis_url")) is not None:  # parameters show in the UI
+        return problem
     if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not math.isfinite(window_s) \
             or window_s < 0:
         return f"window_s={window_s!r}: give the seconds a run keeps reading (>= 0; 0 reads what waits and ends)"
@@ -277,6 +280,20 @@ def check_inputs(root: Any, redis_url: Any, window_s: Any, consumer: Any, ready_
     if isinstance(ready_after_s, bool) or not isinstance(ready_after_s, (int, float)) \
             or not math.isfinite(ready_after_s) or ready_after_s < 0:
         return f"ready_after_s={ready_after_s!r}: give the seconds the oldest untrained feedback may wait (>= 0)"
+    return None
+
+
+def _key_problem() -> str | None:
+    """Why the worker's event key cannot be used (one line), or None; no key at all is one warning
+    line. The drain reads the key from the worker's environment itself: a key passed as a
+    parameter would show in the UI."""
+    from gpu_jobs.online.signing import UNSIGNED_WARNING, SigningKeyError, event_key
+
+    try:
+        if event_key() is None:
+            get_run_logger().warning("rlmill: %s", UNSIGNED_WARNING)
+    except SigningKeyError as exc:
+        return f"{exc} (in the worker's environment)"
     return None
 
 
@@ -298,7 +315,9 @@ def rl_feedback(root: str = ".rlmill", redis_url: str = DEFAULT_REDIS, window_s:
     """Commit the answer and feedback events waiting on the stream as Parquet segments under
     <root>/feedback/ (see the module docstring for why one run per drain).
 
-    root: storage root (folder or s3://); redis_url: the broker `rlmill serve` publishes to;
+    root: storage root (folder or s3://); redis_url: the broker `rlmill serve` publishes to,
+    without a password (set RLMILL_REDIS_PASSWORD in the worker's environment; events are checked
+    with the worker's RLMILL_EVENT_KEY_FILE or RLMILL_EVENT_KEY, as serve signs them);
     window_s: how long the run keeps reading (it commits what waits, then events as they arrive;
     0 = read what waits and end); consumer: this consumer's name in the group -- keep it the same
     for every run, so a run reads what a crashed one left pending; stream, group: Redis names;
@@ -307,6 +326,8 @@ def rl_feedback(root: str = ".rlmill", redis_url: str = DEFAULT_REDIS, window_s:
     whose oldest waited ready_after_s seconds (ready_rows=0: never). A wrong parameter or an unreachable broker ends the run Failed with one line and the fix.
     """
     if (line := check_inputs(root, redis_url, window_s, consumer, ready_rows, ready_after_s)) is not None:
+        return _failed(line)
+    if (line := _key_problem()) is not None:
         return _failed(line)
     try:  # a broker that is not there at all is said at once; the tasks' retries are for blips
         connect(redis_url)
@@ -331,7 +352,8 @@ def rl_feedback(root: str = ".rlmill", redis_url: str = DEFAULT_REDIS, window_s:
     for model, why in ready.items():
         get_run_logger().info("feedback window of %s ready (%s): announced %s", model, why, READY_EVENT)
     return {"ready": ready, "read": result.read, "answers": result.answers, "feedback": result.feedback,
-            "duplicates": result.duplicates, "quarantined": result.quarantined, "reasons": dict(result.reasons),
+            "duplicates": result.duplicates, "versions_corrected": result.versions_corrected,
+            "quarantined": result.quarantined, "reasons": dict(result.reasons),
             "segments": [s.uri for s in segments], "waiting": after.waiting, "lag": after.lag,
             "pending": after.pending, "oldest_waiting_age_s": after.oldest_waiting_age_s}
 

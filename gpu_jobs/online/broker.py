@@ -1,6 +1,6 @@
 """Redis Streams between serving and storage: the publisher side.
 
-    publisher = EventPublisher("redis://127.0.0.1:6379/0", max_queue=10_000)
+    publisher = EventPublisher("redis://127.0.0.1:6379/0", max_queue=10_000, event_key=event_key())
     status = await publisher.publish_async(event, wait_s=0.25)   # "logged" | "buffered" | "dropped"
     publisher.publish(event)       # never waits: "buffered" (queued) or "dropped"
     publisher.stats()              # {'queued': 0, 'published': 1, 'logged': 1, 'buffered': 0, 'dropped': 0, ...}
@@ -16,6 +16,10 @@ events it holds and retries them (nothing taken off the queue is lost), the queu
 no longer fits is dropped: counted (`dropped`, served on /metrics) and logged, the first time and
 every DROP_LOG_EVERY-th after. So every answered request is in the stream, or counted as buffered
 (lost only if the process dies before the broker comes back), or counted as dropped.
+
+With `event_key` (signing.event_key(): $RLMILL_EVENT_KEY_FILE or $RLMILL_EVENT_KEY) each entry is
+{"event": <json>, "sig": <HMAC of those bytes>}, so a consumer with the same key stores only what
+serve sent (signing.py); without one, {"event": <json>}.
 
 The thread sends what has queued up in one pipeline (up to BATCH events), so a busy server pays
 one round trip per batch, not per event. A retried XADD whose first reply was lost can add an
@@ -33,9 +37,10 @@ import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 
-from gpu_jobs.online.events import encode
+from gpu_jobs.online.wire import encode
 
-__all__ = ["DEFAULT_REDIS", "STREAM", "GROUP", "BrokerUnreachable", "EventPublisher", "connect"]
+__all__ = ["DEFAULT_REDIS", "STREAM", "GROUP", "PASSWORD_ENV", "BrokerUnreachable", "EventPublisher", "connect",
+           "url_password_problem"]
 
 log = logging.getLogger("rlmill.serve")
 
@@ -76,6 +81,29 @@ def connect(url: str, timeout_s: float = 2.0, check: bool = True):
     return client
 
 
+def url_password_problem(url: str, where: str) -> str | None:
+    """Why broker URL `url`, given as `where` (a command-line flag, a flow parameter), is refused:
+    a password in it (`redis://:pw@host`, `user:pw@`, `?password=`) would show in process listings,
+    shell history and the Prefect UI; None when it holds none. The password goes in
+    RLMILL_REDIS_PASSWORD (connect reads it).
+
+    >>> url_password_problem("redis://127.0.0.1:6379/0", "--redis") is None
+    True
+    """
+    from urllib.parse import parse_qs, urlsplit
+
+    try:
+        parts = urlsplit(url)
+        held = parts.password is not None or "password" in parse_qs(parts.query)
+        shown = f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
+    except ValueError:  # not a URL at all: connect says so
+        return None
+    if not held:
+        return None
+    return (f"{where} {shown!r} holds a password, which would show where the URL is shown (process "
+            f"listings, the Prefect UI): give the URL without it and set {PASSWORD_ENV} instead")
+
+
 class EventPublisher:
     """A bounded queue and one thread XADDing to `stream` (approximately capped at `maxlen`).
 
@@ -83,10 +111,11 @@ class EventPublisher:
     failed (the thread keeps retrying it; a waiter stops waiting and counts it as buffered)."""
 
     def __init__(self, url: str, *, stream: str = STREAM, max_queue: int = 10_000, maxlen: int | None = None,
-                 timeout_s: float = 2.0):
+                 timeout_s: float = 2.0, event_key: bytes | None = None):
         from storage.fs import redact_url
 
         self.url, self.stream, self.maxlen = redact_url(url), stream, maxlen  # self.url is for messages
+        self._key = event_key  # signs every entry (signing.py); None: unsigned
         self._client = connect(url, timeout_s, check=False)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._counts = {"published": 0, "logged": 0, "buffered": 0, "dropped": 0, "send_errors": 0,
@@ -96,6 +125,11 @@ class EventPublisher:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlmill-event-publisher", daemon=True)
         self._thread.start()
+
+    @property
+    def event_key(self) -> bytes | None:
+        """The key entries are signed with (None: unsigned)."""
+        return self._key
 
     def submit(self, event: dict) -> Future | None:
         """Queue `event`; its Future (see the class docstring), or None when the queue is full
@@ -167,7 +201,7 @@ class EventPublisher:
 
     def _send(self, batch: list[tuple[dict, Future]]) -> None:
         """XADD the batch until it succeeds or the publisher closes; no event is lost meanwhile."""
-        fields = [encode(event) for event, _ in batch]
+        fields = [encode(event, self._key) for event, _ in batch]
         while True:
             try:
                 pipe = self._client.pipeline(transaction=False)

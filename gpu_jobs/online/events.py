@@ -4,7 +4,7 @@
     >>> check_event(e) is None, check_event({**e, "score": 2.0})
     (True, 'score 2.0 is outside [0, 1]')
 
-Two kinds, one JSON object each on the stream (field "event"):
+Two kinds, one JSON object each on the stream (field "event", parsed within bounds by wire.py):
 - answer: event_id, answer_id, endpoint ("chat.completions" | "completions"), model, version,
   created (Unix s), latency_s, prompt (chat messages {role, content[, tool_calls][, tool_call_id]}
   or text), prompt_ids, choices [{index, text, token_ids, logprobs, finish_reason[, tool_calls]}],
@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
 from gpu_jobs.online.answers import new_event_id
+from gpu_jobs.online.signals import fields as signal_fields, signal_problem
 from gpu_jobs.online.tools import calls_problem, message_problem, tools_problem
+from gpu_jobs.online.wire import MAX_ENTRY_BYTES, Unreadable, decode, encode  # noqa: F401 -- re-exported
 
 __all__ = ["ANSWER_SCHEMA", "FEEDBACK_SCHEMA", "QUARANTINE_SCHEMA", "answer_event", "feedback_event",
            "check_event", "event_problem", "gate_columns", "gate_expectations", "encode", "decode", "answers_table",
@@ -58,7 +59,7 @@ FEEDBACK_SCHEMA = pa.schema([
 QUARANTINE_SCHEMA = pa.schema([
     ("event_id", pa.string()), ("stream_id", pa.string()), ("reason", pa.string()), ("event", pa.string()),
 ])
-SIGNALS = ("score", "thumbs", "preferred_over", "text")
+SIGNALS = signal_fields()  # the feedback signals' fields; each one's check is signals.py's
 ENDPOINTS = ("chat.completions", "completions")
 _COMMON = {"kind", "event_id", "answer_id", "model", "version", "created", "user", "session_id", "principal",
            "voter"}
@@ -69,7 +70,6 @@ CHOICE_FIELDS = {"index", "text", "token_ids", "logprobs", "finish_reason", "too
 # half-stored (e.g. an index past int32 no longer reaches Parquet's int32 column).
 MAX_ID_CHARS = 128
 MAX_VOTER_CHARS = 2 * MAX_ID_CHARS + 1  # "<principal>:<user>" at most
-MAX_ENTRY_BYTES = 4 << 20
 MAX_TEXT_CHARS = 100_000
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 256
@@ -77,6 +77,7 @@ MAX_TOKENS = 131_072
 MAX_CHOICES = 128
 MAX_EVENT_AGE_S = 30 * 86400.0  # created at most this long before the entry reached the stream
 MAX_CLOCK_SKEW_S = 3600.0  # ... and at most this long after it
+MAX_INT = 2**64  # no field holds a bigger integer (decode refuses past 20 digits already)
 
 
 def answer_event(answer_id: str, *, endpoint: str, model: str, version: str, created: float, latency_s: float,
@@ -102,47 +103,6 @@ def feedback_event(answer_id: str, *, model: str, version: str, index: int = 0, 
             "preferred_over": preferred_over,
             "preferred_over_index": preferred_over_index if preferred_over else None, "text": text,
             "user": user, "session_id": session_id, "principal": principal, "voter": voter}
-
-
-def encode(event: dict) -> dict[str, str]:
-    """The stream entry's fields."""
-    return {"event": json.dumps(event, separators=(",", ":"))}
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """A stream entry that holds no event: the gate refuses it with `reason`; `raw` is what it
-    held, as text (cut), for the quarantine row."""
-
-    reason: str
-    raw: dict[str, str]
-
-
-def decode(fields: Any) -> Any:
-    """The event of a stream entry, or Unreadable: the entry must be exactly one field "event"
-    holding UTF-8 JSON of at most MAX_ENTRY_BYTES. Never raises, whatever the entry holds."""
-    if not isinstance(fields, dict) or not fields:
-        return Unreadable("an empty entry (trimmed from the stream before it was read)", {})
-    raw = {_text(k)[:64]: _text(v)[:200] for k, v in list(fields.items())[:8]}
-    if len(fields) != 1 or _text(next(iter(fields))) != "event":
-        return Unreadable(f"an entry with fields {', '.join(map(repr, raw))}, not one field 'event'", raw)
-    value = next(iter(fields.values()))
-    value = value if isinstance(value, (bytes, str)) else str(value)
-    if len(value) > MAX_ENTRY_BYTES:
-        return Unreadable(f"an entry of {len(value)} bytes (at most {MAX_ENTRY_BYTES})", raw)
-    try:
-        text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-        return json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        return Unreadable(f"an entry that is not UTF-8 JSON ({type(exc).__name__})", raw)
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _check_kind(e: Any, received: float) -> str | None:
@@ -211,7 +171,11 @@ def event_problem(e: Any, received: float | None = None) -> tuple[str, str] | No
     when None."""
     received = time.time() if received is None else received
     for name, check in CHECKS:
-        if (reason := check(e, received)) is not None:
+        try:
+            reason = check(e, received)
+        except Exception as exc:  # noqa: BLE001 -- RecursionError, MemoryError, ...: that event's problem
+            reason = f"the {name} check failed on it ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
+        if reason is not None:
             return name, reason
     return None
 
@@ -316,18 +280,11 @@ def _check_prompt(prompt: Any) -> str | None:
 def _check_feedback(e: dict) -> str | None:
     if not any(e.get(k) is not None for k in SIGNALS):
         return f"feedback without a signal (one of {', '.join(SIGNALS)})"
-    score = e.get("score")
-    if score is not None and (not _is_number(score) or not 0.0 <= score <= 1.0):
-        return f"score {_short(score)} is outside [0, 1]"
-    if e.get("thumbs") not in (None, "up", "down"):
-        return f"thumbs {_short(e.get('thumbs'))} is not 'up' or 'down'"
+    if (reason := signal_problem(e)) is not None:  # each signal's own check (gpu_jobs/online/signals.py)
+        return reason
     if not _is_int(e.get("index", 0)) or not 0 <= e.get("index", 0) < MAX_CHOICES:
         return f"choice index {_short(e.get('index'))} is not an int in [0, {MAX_CHOICES})"
-    if (reason := _optional_text(e.get("text"), "text", MAX_TEXT_CHARS)) is not None:
-        return reason
     if e.get("preferred_over") is not None:
-        if (reason := _id(e["preferred_over"], "preferred_over")) is not None:
-            return reason
         other = e.get("preferred_over_index", 0)
         if other is not None and (not _is_int(other) or not 0 <= other < MAX_CHOICES):
             return f"preferred_over_index {_short(other)} is not an int in [0, {MAX_CHOICES})"
@@ -337,11 +294,15 @@ def _check_feedback(e: dict) -> str | None:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A number the checks can do arithmetic on: a float, or an int within +-MAX_INT (a bigger one
+    cannot become a float, and no field holds one)."""
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, float) or (isinstance(x, int) and -MAX_INT <= x <= MAX_INT)
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, int) and not isinstance(x, bool) and -MAX_INT <= x <= MAX_INT
 
 
 def _id(value: Any, what: str) -> str | None:
@@ -382,7 +343,12 @@ def _token_ids(ids: Any, what: str) -> str | None:
 
 def _short(value: Any, most: int = 40) -> str:
     """repr of a value from the network, cut to `most` characters (a reason stays one short line)."""
-    text = repr(value)
+    if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:  # its repr alone may take seconds, or raise
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 -- a value that cannot even be shown is named by its type
+        return f"a {type(value).__name__}"
     return text if len(text) <= most else text[:most] + f"...({len(text)} chars)"
 
 

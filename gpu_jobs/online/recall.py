@@ -39,6 +39,7 @@ class AnswerRecall:
     model: str
     stream: str = "rlmill:events"
     storage: Any = None
+    event_key: bytes | None = None  # with serve's signing key, an entry it did not sign is not recalled
 
     def find(self, answer_id: str) -> KnownAnswer | None:
         born = id_time(answer_id)
@@ -62,7 +63,7 @@ class AnswerRecall:
         client = connect(self.redis_url, check=False)
         start, end = int((born - SCAN_BEFORE_S) * 1000), int((born + SCAN_AFTER_S) * 1000)
         for _, fields in client.xrange(self.stream, min=f"{max(0, start)}-0", max=f"{end}-0", count=SCAN_MAX):
-            e = decode(fields)
+            e = decode(fields, self.event_key)
             if isinstance(e, dict) and e.get("kind") == "answer" and e.get("answer_id") == answer_id \
                     and isinstance(e.get("choices"), list) and isinstance(e.get("created"), (int, float)):
                 return KnownAnswer(answer_id, float(e["created"]), str(e["model"]), str(e["version"]),

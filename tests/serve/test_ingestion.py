@@ -67,13 +67,13 @@ def _poison(answer: dict, other: dict) -> list[tuple[dict, str]]:
     return [
         ({"event": json.dumps({**fb, "event_id": "evt-big", "preferred_over": other["answer_id"],
                                "preferred_over_index": 2147483648})}, "preferred_over_index 2147483648"),
-        ({b"foo": b"bar"}, "not one field 'event'"),
+        ({b"foo": b"bar"}, "not 'event' (and 'sig')"),
         ({"event": json.dumps({k: v for k, v in fb.items() if k != "created"} | {"event_id": "evt-nc"})},
          "no valid created timestamp"),
         ({"event": json.dumps({**fb, "event_id": "evt-future", "created": 1e12})}, "created 1000000000000.0"),
         ({"event": json.dumps({**fb, "event_id": "x/../.."})}, "invalid event id"),
         ({"event": b"\xff\xfe not utf-8"}, "not UTF-8 JSON"),
-        ({"event": "[" * 100_000}, "not UTF-8 JSON"),
+        ({"event": "[" * 100_000}, "nested more than 32 deep"),
         ({"event": json.dumps({**fb, "event_id": "evt-nan"}).replace('"score": 0.5', '"score": NaN')}, "not UTF-8 JSON"),
         ({"event": json.dumps({**answer, "event_id": "evt-tok", "prompt_ids": [-1]})}, "token ids"),
     ]
@@ -121,7 +121,7 @@ def test_the_consume_command_exits_0_on_poison(broker, tmp_path):
 
 def test_a_row_that_cannot_be_stored_is_quarantined_alone(broker, tmp_path, monkeypatch):
     """Any failure of one event up to its Parquet row quarantines that event; the batch goes on."""
-    import gpu_jobs.online.consumer as consumer
+    import gpu_jobs.online.ingest as consumer
 
     url, r = broker
     stream = _stream()
@@ -166,24 +166,24 @@ def test_an_entry_the_consumer_keeps_dying_on_is_dead_lettered(broker, tmp_path)
 def test_a_storage_failure_is_not_the_entries_fault(broker, tmp_path, monkeypatch):
     """A failure the consumer catches (object storage down) gives the delivery back: retried
     runs during an outage never dead-letter valid events."""
-    import gpu_jobs.online.consumer as consumer
+    import gpu_jobs.online.ingest as consumer
 
     url, r = broker
     stream = _stream()
     a = _answer()
     r.xadd(stream, encode(a))
-    real = consumer._commit_segment
+    real = consumer.commit_segment
 
     def down(*args, **kwargs):
         raise OSError("object storage is down")
 
-    monkeypatch.setattr(consumer, "_commit_segment", down)
+    monkeypatch.setattr(consumer, "commit_segment", down)
     for _ in range(4):
         with pytest.raises(OSError):
             consume(str(tmp_path), url, stream=stream, group="g", max_deliveries=2)
     [row] = r.xpending_range(stream, "g", "-", "+", 10)
     assert row["times_delivered"] <= 1  # given back each time
-    monkeypatch.setattr(consumer, "_commit_segment", real)
+    monkeypatch.setattr(consumer, "commit_segment", real)
     result = consume(str(tmp_path), url, stream=stream, group="g", max_deliveries=2)
     assert (result.answers, result.dead_lettered) == (1, 0)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from storage import ModelLayout, url_to_fs
-from gpu_jobs.online.windows import Window, WindowLog
+from storage import ModelLayout, join, url_to_fs
+from gpu_jobs.online.windows import Piece, Window, WindowLog, current_uris
 
 __all__ = ["REPLAY_SOURCES", "check_replay", "replay_counts", "sample_rows", "older_rows", "cold_start_rows"]
 
@@ -69,7 +69,13 @@ def older_rows(root: str, model: str, window: Window, storage: Any) -> list[dict
     from gpu_jobs.online.dataset import training_rows
 
     uris = [u for w in WindowLog(ModelLayout(root, model, storage)).windows() if w.seq < window.seq for u in w.uris]
-    return training_rows(root, model, storage, feedback_from=uris) if uris else []
+    if not uris:
+        return []
+    from gpu_jobs.online.consumer import FEEDBACK_DIR, segment_manifests
+
+    pieces = [Piece(m.uri, aliases=tuple(m.extra.get("replaces", ())))  # a segment rewritten by a forget
+              for m in segment_manifests(join(root, FEEDBACK_DIR, model), storage)]
+    return training_rows(root, model, storage, feedback_from=current_uris(uris, pieces))
 
 
 def cold_start_rows(files: list[str], preference: str | None, storage: Any) -> list[dict[str, Any]]:

@@ -23,7 +23,9 @@ Why this is exactly once:
   claimed again.
 
 The log knows nothing about what a piece holds: the caller lists them (`Piece`: URI, row counts,
-commit time) -- for feedback, gpu_jobs.online.consumer.segment_manifests.
+commit time) -- for feedback, gpu_jobs.online.consumer.segment_manifests. A piece committed to
+replace others (`aliases`: rlmill feedback forget rewrites a segment under a new URI) is held where
+one it replaces is held, and `current_uris` maps a window's URIs to the pieces that hold them now.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from storage.errors import ObjectExistsError
 from storage.fs import join, url_to_fs, write_once
 from storage.layout import ModelLayout, check_name
 
-__all__ = ["Piece", "Window", "WindowLog", "Readiness", "readiness", "backlog", "WINDOWS_DIR"]
+__all__ = ["Piece", "Window", "WindowLog", "Readiness", "readiness", "backlog", "current_uris", "WINDOWS_DIR"]
 
 WINDOWS_DIR = "windows"
 _DONE = ".done"
@@ -48,19 +50,26 @@ log = logging.getLogger("rlmill")
 
 @dataclass(frozen=True)
 class Piece:
-    """One committed manifest a window can hold: its URI, row counts by table, commit time (Unix s)."""
+    """One committed manifest a window can hold: its URI, row counts by table, commit time (Unix s),
+    and the URIs of the pieces it replaced (a rewrite without a forgotten party's rows)."""
 
     uri: str
     rows: dict[str, int] = field(default_factory=dict)
     committed_at: float = 0.0
+    aliases: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"uri": self.uri, "rows": dict(self.rows), "committed_at": self.committed_at}
+        return {"uri": self.uri, "rows": dict(self.rows), "committed_at": self.committed_at,
+                **({"aliases": list(self.aliases)} if self.aliases else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Piece":
         return cls(str(d["uri"]), {str(k): int(v) for k, v in (d.get("rows") or {}).items()},
-                   float(d.get("committed_at") or 0.0))
+                   float(d.get("committed_at") or 0.0), tuple(str(a) for a in d.get("aliases") or ()))
+
+    def held_in(self, held: set[str]) -> bool:
+        """Whether a window holds this piece, or one it replaced."""
+        return self.uri in held or any(a in held for a in self.aliases)
 
 
 @dataclass(frozen=True)
@@ -152,7 +161,7 @@ class WindowLog:
     def unheld(self, pieces: Iterable[Piece]) -> list[Piece]:
         """The pieces no committed window holds, in the order given."""
         held = {u for w in self.windows() for u in w.uris}
-        return [p for p in pieces if p.uri not in held]
+        return [p for p in pieces if not p.held_in(held)]
 
     # ------------------------------------------------------------------ writing
     def claim(self, pieces: Iterable[Piece], run_id_for: Callable[[int], str]) -> Window | None:
@@ -163,7 +172,7 @@ class WindowLog:
         while True:
             windows, _ = self.read()
             held = {u for w in windows for u in w.uris}
-            new = tuple(p for p in pieces if p.uri not in held)
+            new = tuple(p for p in pieces if not p.held_in(held))
             if not new:
                 return None
             seq = windows[-1].seq + 1 if windows else 1
@@ -223,8 +232,19 @@ def backlog(log_: WindowLog, pieces: Iterable[Piece], table: str, now: float) ->
     still owes them, so they keep the rule true until it is resumed)."""
     windows, done = log_.read()
     held = {u for w in windows for u in w.uris}
-    waiting = [p for p in pieces if p.uri not in held and p.rows.get(table, 0) > 0]
+    waiting = [p for p in pieces if not p.held_in(held) and p.rows.get(table, 0) > 0]
     waiting += [p for w in windows if w.seq not in done for p in w.pieces if p.rows.get(table, 0) > 0]
     if not waiting:
         return 0, None
     return sum(p.rows.get(table, 0) for p in waiting), max(0.0, now - min(p.committed_at for p in waiting))
+
+
+def current_uris(uris: Iterable[str], pieces: Iterable[Piece]) -> list[str]:
+    """`uris` (a window's) as the pieces that hold them now: a URI a later piece replaced becomes
+    that piece's; one no piece holds any more (removed by retention) stays as it is.
+
+    >>> current_uris(["s/1", "s/2"], [Piece("s/1.forget-a", aliases=("s/1",)), Piece("s/2")])
+    ['s/1.forget-a', 's/2']
+    """
+    now = {a: p.uri for p in pieces for a in (p.uri, *p.aliases)}
+    return list(dict.fromkeys(now.get(u, u) for u in uris))

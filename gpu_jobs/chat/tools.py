@@ -171,12 +171,15 @@ class ToolSet:
             return tool_error(e)
 
     def _run_in_sandbox(self, calls: Sequence[tuple[str, Any]]) -> list[str]:
+        from gpu_jobs.reward.custom import local_source
         from gpu_jobs.reward.sandbox import Failed, SandboxSpec, run_guarded
         from gpu_jobs.chat import tool_worker
 
         if not calls:
             return []
         users = {n: (*e.spec.rpartition(":")[::2], e.config) for n, e in self.entries.items() if ":" in e.spec}
+        for path, _, _ in users.values():
+            local_source(path)  # a storage URL is fetched here: the workers hold no credentials
         spec = SandboxSpec(work=tool_worker.call_tool, timeout_s=self.timeout_s, num_workers=self.num_workers,
                            what="tool call", init=tool_worker.init_tools,
                            init_args=(users, self.max_output_chars, self.truncate_side))

@@ -21,6 +21,7 @@ per task.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -35,6 +36,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
+from .custom import SHARED_ENV, fetched_copies
 from .isolation import SandboxContext, SandboxLimits, confine, kill_group, limit_cpu_for_task, scrubbed_env
 
 __all__ = ["Failed", "SandboxLimits", "SandboxSpec", "network_unavailable", "run_guarded"]
@@ -107,7 +109,11 @@ class _Pool:
     def __init__(self, spec: SandboxSpec, n_workers: int):
         self.spec = spec
         self.home = tempfile.mkdtemp(prefix="rlmill-sandbox-")  # the workers' HOME and TMPDIR
-        context = SandboxContext(scrubbed_env(self.home, spec.limits.env))
+        env = scrubbed_env(self.home, spec.limits.env)
+        copies = fetched_copies()
+        if copies:  # the user's files this process fetched from storage: workers need no credentials
+            env[SHARED_ENV] = json.dumps(copies)
+        context = SandboxContext(env)
         self.executor = ProcessPoolExecutor(max_workers=n_workers, mp_context=context, initializer=_worker_init,
                                             initargs=(spec.init, spec.init_args, spec.limits))
         # Start every worker (and load the user's file) before any task's clock runs, so a

@@ -10,7 +10,9 @@ parameter shapes. A folder without it is an unfinished save and is not loaded
 
 Every file is checked on load by storage's verifier: a file damaged after the save raises
 ``storage.CorruptShardError`` (naming it) before any weight changes, so a resume can fall back
-to an older checkpoint (gpu_jobs.stages.resume).
+to an older checkpoint (gpu_jobs.stages.resume). Every torch file is read with
+``weights_only=True``, DeepSpeed's own loads included (gpu_jobs.train.safe_load): a file in
+storage is data, never code that runs on load.
 
 Same world size and ZeRO stage (or ZeRO-0 on both sides): ``engine.load_checkpoint`` restores
 weights and optimizer bit for bit. Another world size or ZeRO stage (``zero_stage: auto`` is 0 on
@@ -40,6 +42,7 @@ import numpy as np
 
 from .ranks import dist
 from .errors import TrainInputError
+from .safe_load import load_weights_only, weights_only_loads
 
 log = logging.getLogger("gpu_jobs.train")
 
@@ -180,23 +183,31 @@ def load_engine_state(module: Any, url: str) -> dict[str, Any]:
         for f in manifest.files:  # every file checked before any weight changes
             download_file(manifest, f, os.path.join(tmp, *f.path.split("/")), storage)
         folder = os.path.join(tmp, state["folder"])
-        saved = (state["world_size"], state["zero_stage"], state.get("pipeline_parallel_size", 1))
-        mine = (module.world_size, module.config.resolved_zero_stage(module.world_size // module.config.pipeline_parallel_size), module.config.pipeline_parallel_size)
-        # ZeRO-0 data-parallel states are whole on every rank, so any world size can load them.
-        full_copies = saved[1:] == mine[1:] == (0, 1)
-        if saved == mine or full_copies:
-            module.engine.load_checkpoint(
-                folder, tag=state["tag"], load_optimizer_states=module.optimizer is not None,
-                load_lr_scheduler_states=False, load_module_strict=not state.get("frozen_excluded", False),
-            )
-        elif module.optimizer is not None and saved[2] == mine[2] == 1:
-            _load_resharded(module, folder, state, url, mine)
-        else:
-            _load_consolidated(module, folder, state, url)
+        with weights_only_loads():  # DeepSpeed's loaders pass weights_only=False themselves
+            _load_folder(module, folder, state, url)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     return state
+
+
+def _load_folder(module: Any, folder: str, state: dict[str, Any], url: str) -> None:
+    """The downloaded checkpoint folder into ``module``, the way its layout allows."""
+    saved = (state["world_size"], state["zero_stage"], state.get("pipeline_parallel_size", 1))
+    mine = (module.world_size, module.config.resolved_zero_stage(module.world_size // module.config.pipeline_parallel_size), module.config.pipeline_parallel_size)
+    # ZeRO-0 data-parallel states are whole on every rank, so any world size can load them.
+    full_copies = saved[1:] == mine[1:] == (0, 1)
+    if state.get("fresh_optimizer"):  # a run forked with --fresh-optimizer (gpu_jobs/stages/fork.py)
+        _load_weights(module, folder, state)
+    elif saved == mine or full_copies:
+        module.engine.load_checkpoint(
+            folder, tag=state["tag"], load_optimizer_states=module.optimizer is not None,
+            load_lr_scheduler_states=False, load_module_strict=not state.get("frozen_excluded", False),
+        )
+    elif module.optimizer is not None and saved[2] == mine[2] == 1:
+        _load_resharded(module, folder, state, url, mine)
+    else:
+        _load_consolidated(module, folder, state, url)
 
 
 def _load_resharded(module: Any, folder: str, state: dict[str, Any], url: str, mine: tuple) -> None:
@@ -221,15 +232,7 @@ def _load_resharded(module: Any, folder: str, state: dict[str, Any], url: str, m
 def _load_consolidated(module: Any, folder: str, state: dict[str, Any], url: str) -> None:
     """Weights only, from the consolidated fp32 copy; the optimizer keeps fresh moments (logged).
     For layouts reshard does not handle: pipeline-parallel states, a trainer without optimizer."""
-    import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    if state["zero_stage"] == 0:  # no ZeRO shards: DeepSpeed wrote the whole module
-        weights = torch.load(os.path.join(folder, state["tag"], "mp_rank_00_model_states.pt"), map_location="cpu",
-                             weights_only=False)["module"]
-    else:
-        weights = get_fp32_state_dict_from_zero_checkpoint(folder, tag=state["tag"])
-    module.load_weights(weights)
+    _load_weights(module, folder, state)
     if module.optimizer is None:  # a reference model: weights are all it keeps
         return
     log.warning(
@@ -239,6 +242,17 @@ def _load_consolidated(module: Any, folder: str, state: dict[str, Any], url: str
         "uninterrupted run.",
         url, state["world_size"], state["zero_stage"], module.world_size, module.config.resolved_zero_stage(module.world_size // module.config.pipeline_parallel_size),
     )
+
+
+def _load_weights(module: Any, folder: str, state: dict[str, Any]) -> None:
+    """The saved fp32 weights, consolidated, into ``module``; its optimizer keeps what it holds."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if state["zero_stage"] == 0:  # no ZeRO shards: DeepSpeed wrote the whole module
+        weights = load_weights_only(os.path.join(folder, state["tag"], "mp_rank_00_model_states.pt"))["module"]
+    else:
+        weights = get_fp32_state_dict_from_zero_checkpoint(folder, tag=state["tag"])
+    module.load_weights(weights)
 
 
 class Resumable:

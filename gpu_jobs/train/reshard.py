@@ -124,11 +124,11 @@ def _rank_of(path: str) -> int:
 
 
 def _load(path: str) -> dict[str, Any]:
-    import torch
+    from .safe_load import load_weights_only
 
-    # mmap: only the slices the merge touches are read; weights_only=False because DeepSpeed
-    # pickles its own enums and loss scaler into these files (our own files, checked by sha256).
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    # mmap: only the slices the merge touches are read; weights_only with DeepSpeed's own enums
+    # and loss scaler allowed: the files come from storage, and a sha256 proves no authorship.
+    return load_weights_only(path, mmap=True)
 
 
 def read_full_state(ckpt_dir: str, trainable: dict[str, list[int]]) -> FullState:

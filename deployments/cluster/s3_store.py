@@ -1,7 +1,7 @@
 """The s3 host's S3 server: moto, made to keep its objects across a restart with a journal on the
 host's disk, standing in for the persistent S3 a real cluster runs (MinIO, Ceph, a cloud bucket).
 
-    python -m deployments.cluster.s3_store --host 0.0.0.0 --port 5000 --journal /tmp/s3/journal.jsonl
+    python -m deployments.cluster.s3_store --host 10.231.0.11 --port 5000 --journal /tmp/s3/journal.jsonl
 
 moto keeps objects in memory only. Its recorder appends every request it receives (method, URL,
 headers, body) to a file before handling it; at boot this server replays that file into a fresh

@@ -26,8 +26,10 @@ def address(host: str, env: dict[str, str]) -> str:
     return f"{env['RLMILL_CLUSTER_SUBNET']}.{HOSTS[host].octet}"
 
 
+# Prefect and S3 listen on their host's cluster address only (not 0.0.0.0): what reaches them is
+# the cluster's own bridge, never another interface the machine might give the namespace later.
 def _server(env: dict[str, str]) -> dict[str, list[str]]:
-    env.update({"RLMILL_SERVER_HOST": "0.0.0.0", "PORT": str(API_PORT), "RLMILL_PREFECT_DB": "postgres",
+    env.update({"RLMILL_SERVER_HOST": address("api", env), "PORT": str(API_PORT), "RLMILL_PREFECT_DB": "postgres",
                 "RLMILL_PG_DIR": "/tmp/postgres", "PREFECT_UI_API_URL": env["PREFECT_API_URL"]})
     env.pop("PREFECT_API_URL")  # the server's own CLI must not call itself before it listens
     return {"prefect-server": ["bash", "scripts/prefect_local.sh", "server"]}
@@ -36,7 +38,7 @@ def _server(env: dict[str, str]) -> dict[str, list[str]]:
 def _s3(env: dict[str, str]) -> dict[str, list[str]]:
     # moto with a journal on the host's disk (deployments/cluster/s3_store.py): a rebooted s3 host
     # serves what it had stored, as a persistent S3 would.
-    return {"s3": [sys.executable, "-m", "deployments.cluster.s3_store", "--host", "0.0.0.0", "--port", str(S3_PORT),
+    return {"s3": [sys.executable, "-m", "deployments.cluster.s3_store", "--host", address("s3", env), "--port", str(S3_PORT),
                    "--journal", "/tmp/s3/journal.jsonl"]}
 
 

@@ -19,6 +19,15 @@ PYPROJECT=$(dirname "$0")/../../pyproject.toml
 VERSION=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' "$PYPROJECT")
 IMAGE=${RLMILL_IMAGE:-localhost/rlmill:$VERSION}
 FLAGS=(--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit "nproc=4096:4096")
+# The image runs as its user rlmill (uid 10001), never root. Rootless podman maps the caller to
+# that uid, so the runs in ./.rlmill stay the caller's; rootful podman (root here) hands the
+# mounted folder to uid 10001 (the volume's :U), so the container can write it.
+MOUNT_OPTS=""
+if [ "$(id -u)" = 0 ]; then
+    MOUNT_OPTS=":U"
+else
+    FLAGS+=(--userns "keep-id:uid=10001,gid=10001")
+fi
 if command -v runc >/dev/null; then
     FLAGS=(--runtime runc "${FLAGS[@]}")
 fi
@@ -29,4 +38,4 @@ fi
 command -v podman >/dev/null || { echo "rlmill: podman is not installed: apt-get install -y podman runc" >&2; exit 2; }
 podman image exists "$IMAGE" || { echo "rlmill: no image $IMAGE here: build it with make image (bash scripts/image/build.sh)" >&2; exit 2; }
 mkdir -p .rlmill
-exec podman run --rm "${FLAGS[@]}" -v "$(pwd)/.rlmill:/app/.rlmill" "$IMAGE" "$@"
+exec podman run --rm "${FLAGS[@]}" -v "$(pwd)/.rlmill:/app/.rlmill$MOUNT_OPTS" "$IMAGE" "$@"

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -70,15 +71,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpu_jobs.online.auth import has_role, request_voter
 from gpu_jobs.online.answers import AnswerIndex, KnownAnswer, id_time, new_answer_id
-from gpu_jobs.online.batching import Batcher, QueueFull
+from gpu_jobs.online.batching import Batcher, ClientGone, QueueFull, wait_rows
 from gpu_jobs.online.events import answer_event, feedback_event
-from gpu_jobs.online.limits import Gate, RateLimiter, ServeLimits, client_key, principal_of
+from gpu_jobs.online.limits import Gate, InFlight, RateLimiter, ServeLimits, client_gone, client_key, principal_of
 from gpu_jobs.online.protocol import (ApiError, ChatRequest, CompletionRequest, FeedbackRequest, ParamError,
                                       chat_response, check_token_ids, completion_response, error_body, make_choices,
                                       refused_param, sampling_of)
-from gpu_jobs.online.streaming import sse_answer
+from gpu_jobs.online.streaming import stream_body
 from gpu_jobs.online.swap import Generation, HotSwap
-from gpu_jobs.online.tools import judge_checked, shape_checked
+from gpu_jobs.online.tools import shape_checked
 from gpu_jobs.chat.hermes import render_chat
 
 __all__ = ["Server", "ServeSettings", "create_app"]
@@ -105,7 +106,10 @@ class Server:
 
     def __init__(self, served: Any, publisher: Any = None, settings: ServeSettings = ServeSettings(),
                  source: Any = None, keys: Any = None, recall: Any = None):
+        # rates left unset are on with keys, off without (ServeLimits.resolved)
+        settings = dataclasses.replace(settings, limits=settings.limits.resolved(keys is not None))
         self.publisher, self.settings, self.keys = publisher, settings, keys
+        self.in_flight = InFlight(settings.limits.max_in_flight)  # per caller: its burst is its own 429
         self.recall = recall  # a recall.AnswerRecall: answers logged before a restart, or None
         self.models = HotSwap(served, self._batcher, source=source, watch_s=settings.watch_s)
         self.answers = AnswerIndex(settings.answer_index_size)
@@ -116,7 +120,7 @@ class Server:
         self.refused: dict[int, int] = {}  # status -> requests the Gate refused (keys, rates, body size)
         self.counts = {"answers": 0, "feedback": 0, "events_not_logged": 0, "refused_votes": 0, "timeouts": 0,
                        "queue_full": 0, "recalled_answers": 0, "tool_calls": 0, "malformed_tool_calls": 0,
-                       "dropped_tool_calls": 0}
+                       "dropped_tool_calls": 0, "client_gone": 0}
 
     def _batcher(self, engine: Any) -> Batcher:
         return Batcher(engine, max_batch=self.settings.max_batch, max_wait_s=self.settings.batch_wait_ms / 1000,
@@ -240,7 +244,8 @@ def create_app(server: Server) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         req.check_size(limits.max_prompt_chars)
         prompt = req.single_prompt()
-        with contextlib.ExitStack() as lease:  # a streamed answer takes the lease over (_streamed)
+        with contextlib.ExitStack() as lease:  # a streamed answer takes the lease over (stream_body)
+            lease.enter_context(server.in_flight.hold(principal_of(request.scope) or client_key(request.scope)))
             voter = request_voter(server.keys, principal_of(request.scope), req.user)
             gen = lease.enter_context(server.models.lease(voter))
             tok = gen.served.tokenizer
@@ -257,6 +262,7 @@ def create_app(server: Server) -> FastAPI:
         req.check_size(limits.max_prompt_chars, limits.max_messages)
         messages = [m.logged() for m in req.messages]
         with contextlib.ExitStack() as lease:
+            lease.enter_context(server.in_flight.hold(principal_of(request.scope) or client_key(request.scope)))
             voter = request_voter(server.keys, principal_of(request.scope), req.user)
             gen = lease.enter_context(server.models.lease(voter))
             ids = await asyncio.to_thread(_render, messages, gen.served.tokenizer, req.tool_list())
@@ -307,11 +313,15 @@ def _submit(server: Server, gen: Generation, req: Any, prompt_ids: list[int], on
 
 async def _generate(server: Server, gen: Generation, req: Any, prompt_ids: list[int]) -> list[dict]:
     """The engine's rows for the request, within the request deadline; 429 when the engine's
-    queue is full, 504 past the deadline (the request is taken out of the queue if still there)."""
+    queue is full, 504 past the deadline; a client that left gets nothing (499 to nobody). Either
+    way the request is dropped: out of the queue, or its generation stopped (batching.wait_rows)."""
     timeout = server.settings.limits.request_timeout_s or None
     sent = _submit(server, gen, req, prompt_ids)
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(sent), timeout)
+        return await wait_rows(gen.batcher, sent, timeout, client_gone())
+    except ClientGone:
+        server.counts["client_gone"] += 1
+        raise ApiError(499, "the client closed the connection before its answer", None) from None
     except TimeoutError:
         server.counts["timeouts"] += 1
         raise ApiError(504, f"no answer within {timeout:g} s (--request-timeout-s): the engine is busy; retry "
@@ -342,7 +352,11 @@ async def _answer(server: Server, gen: Generation, kind: str, req: Any, prompt: 
 
     shape = _shaper(server, req, tools) if tools and req.calls_wanted() else None
     if req.stream:
-        return _streamed(server, gen, kind, req, prompt_ids, answer_id, int(created), log_answer, lease, shape)
+        # the event is logged at the end of the stream, after the headers: the header says so
+        body = stream_body(kind, req, s, functools.partial(_submit, server, gen, req, prompt_ids), gen.batcher.drop,
+                           answer_id, int(created), prompt_ids, log_answer, lease, shape, server.checks,
+                           server.settings.limits.request_timeout_s)
+        return StreamingResponse(body, media_type="text/event-stream", headers={EVENT_HEADER: "at-end"})
     choices = make_choices(await _generate(server, gen, req, prompt_ids), s.tokenizer, req.stop)
     if shape is not None:
         await shape(choices)
@@ -363,28 +377,6 @@ def _shaper(server: Server, req: Any, tools: list[dict]) -> Any:
         server.counts["dropped_tool_calls"] += dropped
         server.counts["tool_calls"] += sum(len(c.get("tool_calls") or ()) for c in choices)
     return shape
-
-
-def _streamed(server: Server, gen: Generation, kind: str, req: Any, prompt_ids: list[int], answer_id: str,
-              created: int, log_answer: Any, lease: contextlib.ExitStack, shape: Any = None) -> StreamingResponse:
-    """Queue the request with a token callback and stream its answer (streaming.sse_answer);
-    with `shape` (tools) its calls are held back and sent as tool_calls. A full queue is still a
-    429: it is refused before the response starts."""
-    loop = asyncio.get_running_loop()
-    tokens: asyncio.Queue = asyncio.Queue()
-    sent = _submit(server, gen, req, prompt_ids,
-                   on_token=lambda row, token: loop.call_soon_threadsafe(tokens.put_nowait, (row, token)))
-    sent.add_done_callback(lambda _: loop.call_soon_threadsafe(tokens.put_nowait, None))
-    s = gen.served
-    head = {"id": answer_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": created, "model": s.name, "system_fingerprint": f"{s.name}@{s.version}"}
-    usage = bool(req.stream_options and req.stream_options.include_usage)
-    tools = req.tool_list() if shape is not None else None
-    judge = None if tools is None else functools.partial(judge_checked, tools=tools, executor=server.checks)
-    body = sse_answer(kind, head, prompt_ids, req.n, s.tokenizer, req.stop, tokens, sent,
-                      server.settings.limits.request_timeout_s, log_answer, usage, lease.pop_all(), shape, judge)
-    # The event is logged at the end of the stream, after the headers: the header says so.
-    return StreamingResponse(body, media_type="text/event-stream", headers={EVENT_HEADER: "at-end"})
 
 
 async def _known(server: Server, answer_id: str, field: str) -> KnownAnswer:

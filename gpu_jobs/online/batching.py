@@ -15,10 +15,18 @@ with others would make the same seed give another answer. Async code awaits the 
 The queue is bounded: with `max_queue` requests waiting (not yet taken into a batch), `submit`
 raises QueueFull at once, which the API answers 429 with Retry-After, instead of holding an
 unbounded backlog that would answer everyone late.
+
+A request nobody waits for any more (its client left, its deadline passed) is `drop`ped: one still
+queued is cancelled and never batched; one already generating is marked, and with an engine that
+reports its steps (`streams_tokens`, the hf engine) its generate call stops at the next decoding
+step once every request in the call is dropped (the call raises out of its step callback; a call
+shared with a live request runs on). Elsewhere (vLLM, or a shared call) generation finishes and
+the dropped request's rows are discarded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import itertools
 import logging
@@ -29,13 +37,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Batcher", "QueueFull"]
+__all__ = ["Batcher", "ClientGone", "QueueFull", "wait_rows"]
 
 log = logging.getLogger("rlmill.serve")
 
 
 class QueueFull(RuntimeError):
     """`max_queue` requests are waiting for the engine already."""
+
+
+class ClientGone(Exception):
+    """The client of a request disconnected before its rows were ready."""
+
+
+class _Dropped(Exception):
+    """Raised from the engine's step callback: every request of the call was dropped."""
 
 
 @dataclass
@@ -56,9 +72,10 @@ class Batcher:
             raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch} and {max_queue}")
         self.engine, self.max_batch, self.max_wait_s, self.max_queue = engine, max_batch, max_wait_s, max_queue
         self._queue: queue.Queue = queue.Queue()
-        self._counts = {"requests": 0, "batches": 0, "sequences": 0}
+        self._counts = {"requests": 0, "batches": 0, "sequences": 0, "dropped_running": 0, "stopped_calls": 0}
         self._lock = threading.Lock()
         self._solo = itertools.count()
+        self._dropped: set[Future] = set()  # running requests nobody waits for (drop)
         self._thread = threading.Thread(target=self._run, name="rlmill-batcher", daemon=True)
         self._thread.start()
 
@@ -76,12 +93,21 @@ class Batcher:
         self._queue.put(req)
         return req.future
 
+    def drop(self, future: Future) -> None:
+        """Nobody waits for `future` any more: cancelled if still queued (never batched), else
+        marked so that its call stops early where it can (see the module docstring)."""
+        if not future.cancel() and not future.done():
+            with self._lock:
+                self._dropped.add(future)
+                self._counts["dropped_running"] += 1
+
     def waiting(self) -> int:
         """Requests queued and not yet taken into a batch."""
         return self._queue.qsize()
 
     def stats(self) -> dict[str, int]:
-        """requests served, batches (= generate calls) made, sequences generated."""
+        """requests served, batches (= generate calls) made, sequences generated, running
+        requests dropped, generate calls stopped early because all their requests were."""
         with self._lock:
             return dict(self._counts)
 
@@ -116,6 +142,11 @@ class Batcher:
             batch.append(req)
         return batch
 
+    def _gone(self, reqs: list[_Request]) -> bool:
+        """Whether every request of a running call was dropped."""
+        with self._lock:
+            return all(r.future in self._dropped for r in reqs)
+
     def _generate(self, reqs: list[_Request]) -> None:
         """One engine.generate call for requests sharing (n, sampling); rows go back per request."""
         live = [r for r in reqs if r.future.set_running_or_notify_cancel()]
@@ -124,16 +155,24 @@ class Batcher:
         prompts = [p for r in live for p in r.prompts]
         n, sampling = live[0].n, live[0].sampling
         try:
-            if getattr(self.engine, "streams_tokens", False) and any(r.on_token for r in live):
-                rows = self.engine.generate(prompts, n, sampling, on_tokens=_dispatch(live, n))
+            if getattr(self.engine, "streams_tokens", False):  # steps reported: a dropped call can stop
+                rows = self.engine.generate(prompts, n, sampling, on_tokens=_dispatch(live, n, self._gone))
             else:
                 rows = self.engine.generate(prompts, n, sampling)
+        except _Dropped:
+            with self._lock:
+                self._counts["stopped_calls"] += 1
+                self._dropped.difference_update(r.future for r in live)
+            for r in live:
+                r.future.set_exception(RuntimeError("dropped: nobody waits for this request"))
+            return
         except BaseException as exc:  # the requests fail; the worker keeps serving
             log.exception("generate failed for a batch of %d request(s)", len(live))
             for r in live:
                 r.future.set_exception(exc)
             return
         with self._lock:
+            self._dropped.difference_update(r.future for r in live)
             self._counts["requests"] += len(live)
             self._counts["batches"] += 1
             self._counts["sequences"] += len(rows)
@@ -144,14 +183,18 @@ class Batcher:
             start += size
 
 
-def _dispatch(reqs: list[_Request], n: int) -> Callable[[list[int], list[int]], None]:
+def _dispatch(reqs: list[_Request], n: int, gone: Callable[[list[_Request]], bool] = lambda reqs: False
+              ) -> Callable[[list[int], list[int]], None]:
     """The engine's on_tokens for one call over `reqs`' prompts (concatenated, prompt-major):
     each token goes to its request's on_token with the request's own row. A callback that fails
-    is dropped for the rest of the call (logged); generation goes on."""
+    is dropped for the rest of the call (logged); generation goes on. Once `gone(reqs)` (every
+    request dropped) it raises _Dropped, which ends the engine's call at this step."""
     starts = list(itertools.accumulate((len(r.prompts) * n for r in reqs), initial=0))
     failed: set[int] = set()
 
     def on_tokens(rows: list[int], tokens: list[int]) -> None:
+        if gone(reqs):
+            raise _Dropped
         for row, token in zip(rows, tokens):
             i = bisect.bisect_right(starts, row) - 1
             if reqs[i].on_token is None or i in failed:
@@ -162,3 +205,24 @@ def _dispatch(reqs: list[_Request], n: int) -> Callable[[list[int], list[int]], 
                 failed.add(i)
                 log.exception("a token callback failed; that request's stream gets no more tokens")
     return on_tokens
+
+
+async def wait_rows(batcher: Batcher, future: Future, timeout_s: float | None,
+                    gone: asyncio.Event | None = None) -> list[dict]:
+    """The rows `future` (from batcher.submit) gives, awaited on the event loop: TimeoutError
+    past `timeout_s` (None: no deadline), ClientGone once `gone` is set first; either way the
+    request is dropped (batcher.drop: out of the queue, or its call stopped where it can)."""
+    rows = asyncio.wrap_future(future)
+    watch = asyncio.ensure_future(gone.wait()) if gone is not None else None
+    try:
+        done, _ = await asyncio.wait({rows} | ({watch} if watch else set()), timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if rows in done:
+            return rows.result()
+        raise ClientGone if watch in done else TimeoutError
+    finally:
+        if watch is not None:
+            watch.cancel()
+        if not future.done():
+            batcher.drop(future)
+            rows.cancel()

@@ -9,7 +9,14 @@
 it) and handed to the app whole. So a caller without a key, over its rate or sending 100 MB costs
 the server a header parse, and the event loop stays free for everyone else (/health included).
 Every refusal is in OpenAI's error shape. The principal the key names goes to the app in
-scope["rlmill.principal"] (None without keys).
+scope["rlmill.principal"] (None without keys). Once the body is read the Gate watches the
+connection: `client_gone()` is the request's event that is set when its client disconnects (the
+app drops its queued or running generation then, batching.py).
+
+Rates are on by default whenever API keys are set (KEYED_RATE_LIMIT and KEYED_FEEDBACK_RATE_LIMIT
+per principal, `ServeLimits.resolved`), off without keys unless asked for. `InFlight` caps the
+requests one caller (principal, else client address) has queued or generating at once
+(`max_in_flight`): its excess is its own 429 while other callers are served.
 
 ServeLimits is the one place these limits and their defaults are declared: `rlmill serve`'s flags
 are generated from its fields (flows/cli_serve.py), help text included.
@@ -17,16 +24,25 @@ are generated from its fields (flows/cli_serve.py), help text included.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
 import json
 import math
 import threading
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["Gate", "RateLimiter", "ServeLimits", "principal_of", "client_key"]
+__all__ = ["Gate", "InFlight", "KEYED_FEEDBACK_RATE_LIMIT", "KEYED_RATE_LIMIT", "RateLimiter", "ServeLimits",
+           "client_gone", "client_key", "principal_of"]
 
 PRINCIPAL_KEY = "rlmill.principal"
+KEYED_RATE_LIMIT = 10.0  # query requests/s per principal when keys are set and --rate-limit is not given
+KEYED_FEEDBACK_RATE_LIMIT = 2.0  # feedback posts/s per principal, likewise
+# The current request's "client disconnected" event (set by the Gate; None outside a request).
+_GONE: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("rlmill_client_gone", default=None)
 
 
 def _help(text: str) -> dict:
@@ -56,11 +72,17 @@ class ServeLimits:
     request_timeout_s: float = field(default=60.0, metadata=_help(
         "seconds a request may wait for and spend in the engine; then it is answered 504 and nothing is "
         "logged (0: no deadline)"))
-    rate_limit: float = field(default=0.0, metadata=_help(
+    rate_limit: float | None = field(default=None, metadata={"type": float, "shown": (
+        f"{KEYED_RATE_LIMIT:g} with --api-keys, else 0"), "help": (
         "completions, chat and models requests per second per principal (per API key's principal; without "
-        "keys, per client address); over it, 429 with Retry-After (0: no limit)"))
-    feedback_rate_limit: float = field(default=0.0, metadata=_help(
-        "feedback posts per second per principal, as --rate-limit (0: no limit)"))
+        "keys, per client address); over it, 429 with Retry-After (0: no limit)")})
+    feedback_rate_limit: float | None = field(default=None, metadata={"type": float, "shown": (
+        f"{KEYED_FEEDBACK_RATE_LIMIT:g} with --api-keys, else 0"), "help": (
+        "feedback posts per second per principal, as --rate-limit (0: no limit)")})
+    max_in_flight: int = field(default=32, metadata=_help(
+        "requests one principal (without keys: one client address) may have queued or generating at once; one "
+        "more is refused 429 with Retry-After while other callers are served, so one caller's burst cannot fill "
+        "the queue (--max-queue)"))
     rate_burst: int = field(default=20, metadata=_help(
         "requests a principal may send at once before its rate applies (the token bucket's size)"))
     grace_s: float = field(default=20.0, metadata=_help(
@@ -69,16 +91,31 @@ class ServeLimits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value, flag = getattr(self, f.name), "--" + f.name.replace("_", "-")
+            if f.default is None and value is None:  # resolved() fills it in
+                continue
             if isinstance(f.default, int) and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag} {value} is below 1: give a positive whole number")
-            if isinstance(f.default, float) and not (isinstance(value, (int, float)) and value >= 0
+            if (isinstance(f.default, float) or f.default is None) and not (isinstance(value, (int, float)) and value >= 0
                                                      and math.isfinite(value)):
                 raise ValueError(f"{flag} {value:g} is negative: give 0 (no limit) or more" if value < 0 else
                                  f"{flag} {value} is not a number of seconds or requests per second")
 
+    def resolved(self, keyed: bool) -> "ServeLimits":
+        """These limits with the rates left unset filled in: KEYED_RATE_LIMIT and
+        KEYED_FEEDBACK_RATE_LIMIT when API keys are set (`keyed`), else 0 (no limit).
+
+        >>> ServeLimits().resolved(True).rate_limit, ServeLimits(rate_limit=0).resolved(True).rate_limit
+        (10.0, 0)
+        """
+        return dataclasses.replace(
+            self, rate_limit=(KEYED_RATE_LIMIT if keyed else 0.0) if self.rate_limit is None else self.rate_limit,
+            feedback_rate_limit=((KEYED_FEEDBACK_RATE_LIMIT if keyed else 0.0) if self.feedback_rate_limit is None
+                                 else self.feedback_rate_limit))
+
     def rate_of(self, role: str | None) -> float:
-        """Requests per second a principal may make to paths needing `role` (0: unlimited)."""
-        return {"query": self.rate_limit, "feedback": self.feedback_rate_limit}.get(role or "", 0.0)
+        """Requests per second a principal may make to paths needing `role` (0: unlimited; a
+        rate not resolved yet counts as 0)."""
+        return {"query": self.rate_limit, "feedback": self.feedback_rate_limit}.get(role or "", 0.0) or 0.0
 
 
 def principal_of(scope: dict) -> str | None:
@@ -90,6 +127,56 @@ def client_key(scope: dict) -> str:
     """Who a request is from when there are no keys: its client address."""
     client = scope.get("client")
     return f"addr:{client[0]}" if client else "addr:unknown"
+
+
+def client_gone() -> asyncio.Event | None:
+    """The current request's event that is set once its client disconnects (the Gate watches the
+    connection after reading the body); None outside a request that went through the Gate."""
+    return _GONE.get()
+
+
+class InFlight:
+    """Requests each caller has in flight, at most `limit` at once; thread-safe.
+
+    >>> cap = InFlight(1)
+    >>> with cap.hold("a"):
+    ...     cap.take("a"), cap.take("b")
+    (False, True)
+    """
+
+    def __init__(self, limit: int):
+        self.limit, self._held = limit, {}
+        self._lock = threading.Lock()
+
+    def take(self, who: str) -> bool:
+        """Take one of `who`'s places (True), or False when it holds `limit` already."""
+        with self._lock:
+            n = self._held.get(who, 0)
+            if n >= self.limit:
+                return False
+            self._held[who] = n + 1
+            return True
+
+    def give(self, who: str) -> None:
+        with self._lock:
+            n = self._held.get(who, 0) - 1
+            if n > 0:
+                self._held[who] = n
+            else:
+                self._held.pop(who, None)
+
+    @contextlib.contextmanager
+    def hold(self, who: str) -> Iterator[None]:
+        """One place for the block; an ApiError 429 (its own message) when `who` has none left."""
+        if not self.take(who):
+            from gpu_jobs.online.protocol import ApiError
+
+            raise ApiError(429, f"{who} has {self.limit} requests in flight already (--max-in-flight): wait for "
+                                "one to finish", None, "rate_limit_error", {"Retry-After": "1"})
+        try:
+            yield
+        finally:
+            self.give(who)
 
 
 class RateLimiter:
@@ -184,12 +271,19 @@ class Gate:
             return await self._refuse(send, 429, f"rate limit: {self.limits.rate_of(role):g} requests/s for "
                                             f"{principal or 'this client'}; retry in {wait:.1f} s",
                                  "rate_limit_error", {"Retry-After": str(max(1, math.ceil(wait)))})
-        if scope.get("method") in ("POST", "PUT", "PATCH"):
-            body = await self._read_body(scope, receive, send)
-            if body is None:
-                return None
-            receive = _replay(body, receive)
-        await self.app(scope, receive, send)
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body = await self._read_body(scope, receive, send)
+        if body is None:
+            return None
+        gone = asyncio.Event()
+        watch = asyncio.ensure_future(_watch(receive, gone))
+        token = _GONE.set(gone)
+        try:
+            await self.app(scope, _replay(body, gone), send)
+        finally:
+            _GONE.reset(token)
+            watch.cancel()
 
     def _authorize(self, scope: dict, role: str | None) -> str | tuple:
         """The principal's name, or (status, message, type) to refuse with."""
@@ -234,9 +328,19 @@ class Gate:
                 return b"".join(chunks)
 
 
-def _replay(body: bytes, receive):
-    """A `receive` that gives the app `body` in one message, then the client's later messages
-    (a disconnect)."""
+async def _watch(receive, gone: asyncio.Event) -> None:
+    """Read the client's messages after the body until it disconnects; then set `gone`."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 -- a connection that broke is gone too
+        pass
+    gone.set()
+
+
+def _replay(body: bytes, gone: asyncio.Event):
+    """A `receive` that gives the app `body` in one message, then a disconnect once the client
+    left (`gone`, set by _watch, which reads the real messages)."""
     given = False
 
     async def replay() -> dict:
@@ -244,6 +348,7 @@ def _replay(body: bytes, receive):
         if not given:
             given = True
             return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
+        await gone.wait()
+        return {"type": "http.disconnect"}
 
     return replay

@@ -37,16 +37,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from gpu_jobs.online.detok import Detokenizer
-from gpu_jobs.online.tools import MAX_CALLS, content_of
+from gpu_jobs.online.tools import MAX_CALLS, content_of, judge_checked
 from gpu_jobs.chat.hermes import TAG
 
-__all__ = ["TokenText", "ToolText", "chunk", "delta", "final_deltas", "sendable", "sse_answer"]
+__all__ = ["TokenText", "ToolText", "chunk", "delta", "final_deltas", "sendable", "sse_answer", "stream_body"]
 
 END = "</tool_call>"
 
@@ -244,6 +245,30 @@ async def sse_answer(kind: str, head: dict, prompt_ids: list[int], n: int, token
             yield chunk(head, [], usage=_usage(prompt_ids, choices))
         await finish(choices)
         yield "data: [DONE]\n\n"
+
+
+def stream_body(kind: str, req: Any, served: Any, submit: Callable[..., Future], drop: Callable[[Future], None],
+                answer_id: str, created: int, prompt_ids: list[int], finish: Callable[[list[dict]], Awaitable[Any]],
+                lease: contextlib.ExitStack, shape: Callable[[list[dict]], Awaitable[Any]] | None, checks: Any,
+                timeout_s: float | None) -> AsyncIterator[str]:
+    """Queue the request (`submit(on_token=...)`, which raises the 429 of a full queue before the
+    response starts) with a token callback, and return its events (sse_answer). With `shape`
+    (tools) its calls are held back and judged in `checks` (tools.judge_checked). The request is
+    dropped (`drop`: out of the queue, or its generation stopped) when the stream ends first:
+    its client left or its deadline passed."""
+    loop = asyncio.get_running_loop()
+    tokens: asyncio.Queue = asyncio.Queue()
+    sent = submit(on_token=lambda row, token: loop.call_soon_threadsafe(tokens.put_nowait, (row, token)))
+    sent.add_done_callback(lambda _: loop.call_soon_threadsafe(tokens.put_nowait, None))
+    lease.callback(drop, sent)  # a no-op once the rows are in
+    head = {"id": answer_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created, "model": served.name, "system_fingerprint": f"{served.name}@{served.version}"}
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    judge = None
+    if shape is not None:
+        judge = functools.partial(judge_checked, tools=req.tool_list(), executor=checks)
+    return sse_answer(kind, head, prompt_ids, req.n, served.tokenizer, req.stop, tokens, sent, timeout_s, finish,
+                      usage, lease.pop_all(), shape, judge)
 
 
 def _error(status: int, message: str, kind: str) -> str:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import math
+import string
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["TOOLS_KEY", "DatasetConfig", "OverlongPromptError", "conversation_messages", "normalize_messages",
-           "render_prompt", "render_many", "render_prompts", "row_tools"]
+__all__ = ["TOOLS_KEY", "DatasetConfig", "OverlongPromptError", "completion_chat_template", "conversation_messages",
+           "normalize_messages", "render_prompt", "render_many", "render_prompts", "row_tools", "with_prompt_template"]
 
 TOOLS_KEY = "tools"  # verl's default data.tools_key: a row's OpenAI tools, as JSON text
 
@@ -89,6 +90,17 @@ class DatasetConfig(BaseModel):
     max_prompt_length: int = Field(
         512, gt=0, description="Most tokens a rendered prompt (chat template + generation prompt) may have."
     )
+    completion_template: str | None = Field(
+        None,
+        description=(
+            "A completion-style prompt for a base model (one without a chat template, e.g. gemma3-270m): "
+            "text with one {prompt}, which is replaced by the row's message contents (a blank line "
+            "apart); the tokenizer's BOS comes first, nothing is added after it (the model continues the "
+            "text). E.g. 'Q: What is 3 times 4?\\nA: 12\\nQ: {prompt}\\nA:'. null: the tokenizer's own "
+            "chat template. Set, it replaces the chat template for the run's prompts (training and "
+            "validation) and is saved with the checkpoints' tokenizer."
+        ),
+    )
     overlong_prompts: Literal["error", "filter"] = Field(
         "error",
         description=(
@@ -97,6 +109,57 @@ class DatasetConfig(BaseModel):
             "counts it (verl filter_overlong_prompts=True)."
         ),
     )
+
+    @field_validator("completion_template")
+    @classmethod
+    def _one_prompt_slot(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(v) if f is not None]
+        except ValueError as e:
+            raise ValueError(f"data.completion_template {v!r}: {e} (write a literal brace as {{{{ or }}}})") from None
+        if fields != [("prompt", "", None)]:
+            found = ", ".join("{" + f + (f"!{c}" if c else "") + (f":{s}" if s else "") + "}" for f, s, c in fields)
+            raise ValueError(f"data.completion_template {v!r} must hold {{prompt}} exactly once and no other "
+                             f"{{field}} (found {found or 'none'}); write a literal brace as {{{{ or }}}}")
+        return v
+
+
+def _jinja_literal(text: str) -> str:
+    """`text` as a Jinja string literal (Jinja unescapes literals as Python's unicode-escape)."""
+    out = []
+    for c in text:
+        if c in '\\"':
+            out.append("\\" + c)
+        elif " " <= c <= "~":
+            out.append(c)
+        else:
+            out.append(f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
+    return '"' + "".join(out) + '"'
+
+
+def completion_chat_template(template: str) -> str:
+    """A Jinja chat template rendering data.completion_template: BOS, the text before {prompt},
+    the messages' contents a blank line apart, the text after it; no generation prompt. As a chat
+    template every renderer (render_prompt, render_many, the data gate) takes it unchanged."""
+    before, after = template.replace("{prompt}", "\0", 1).format().split("\0")  # {{ }} become braces
+    return ("{{ bos_token }}{{ " + _jinja_literal(before) + " }}"
+            "{% for m in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}{{ m['content'] }}{% endfor %}"
+            "{{ " + _jinja_literal(after) + " }}")
+
+
+def with_prompt_template(tokenizer, completion_template: str | None):
+    """`tokenizer` rendering prompts as the run's config says: with `completion_template` set,
+    its chat template is replaced by completion_chat_template's; without, it must have a chat
+    template (ValueError naming the fix: a base model's tokenizer has none)."""
+    if completion_template is not None:
+        tokenizer.chat_template = completion_chat_template(completion_template)
+    elif not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the model's tokenizer ({type(tokenizer).__name__}) has no chat template (a base "
+                         "model): set data.completion_template to a completion-style prompt with one {prompt}, "
+                         "e.g. 'Q: {prompt}\\nA:' (examples/grpo_times25_gemma3.yaml)")
+    return tokenizer
 
 
 class OverlongPromptError(ValueError):

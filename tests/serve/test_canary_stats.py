@@ -287,3 +287,23 @@ def test_the_method_is_part_of_the_policy_and_the_record():
     assert Canary.from_json(old.to_json().replace(', "method": "welch"', "")).method == "welch"
     assert canary_test([1.0, 0.0] * 40, [0.0] * 80, min_samples=20, confidence=0.95, margin=0.05, elapsed_s=1.0,
                        max_duration_s=60.0, method="msprt").test.startswith("always-valid mSPRT")
+
+
+def test_false_promotions_under_an_attacker_holding_a_share_of_the_voters():
+    """benchmarks/bench_canary_attack.py, small: with the voter rules (one sample per voter, an
+    arm it cannot choose), a bad candidate (0.1 below the baseline) is promoted no more often than
+    1 - confidence (plus 3 simulation standard errors) while the attacker holds 0 or 1 % of the
+    voters; at 25 % it wins -- the limit the docs state (a share of voters shifts the difference by
+    about that share x (1 - P_candidate + P_baseline))."""
+    from benchmarks.bench_canary_attack import attack
+
+    kw = dict(trials=60, min_samples=50, max_voters=800, seed=3)
+    bound = 0.05 + 3 * math.sqrt(0.05 * 0.95 / 60)
+    for method in ("msprt", "welch"):
+        for k in (0.0, 0.01):
+            out = attack(method, k, **kw)
+            assert out.promoted <= bound and out.rolled_back >= 0.6, out
+        assert attack(method, 0.25, **kw).promoted >= 0.9
+    assert attack("msprt", 0.0, **kw) == attack("msprt", 0.0, **kw)  # seeded: the same numbers every run
+    with pytest.raises(ValueError, match="attackers in"):
+        attack("msprt", 1.0, trials=1)

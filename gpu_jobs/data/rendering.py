@@ -144,8 +144,9 @@ def completion_chat_template(template: str) -> str:
     the messages' contents a blank line apart, the text after it; no generation prompt. As a chat
     template every renderer (render_prompt, render_many, the data gate) takes it unchanged."""
     before, after = template.replace("{prompt}", "\0", 1).format().split("\0")  # {{ }} become braces
-    return ("{{ bos_token }}{{ " + _jinja_literal(before) + " }}"
-            "{% for m in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}{{ m['content'] }}{% endfor %}"
+    return ("{% if bos_token %}{{ bos_token }}{% endif %}{{ " + _jinja_literal(before) + " }}"
+            "{% for m in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
+            "{{ m['content'] }}{% endfor %}"
             "{{ " + _jinja_literal(after) + " }}")
 
 

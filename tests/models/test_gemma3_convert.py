@@ -188,3 +188,17 @@ def test_a_completion_template_without_exactly_one_prompt_is_refused(bad):
 
     with pytest.raises(ValidationError, match="data.completion_template"):
         DatasetConfig(completion_template=bad)
+
+
+def test_without_its_packages_the_alias_names_the_fetch(monkeypatch, tmp_path):
+    import importlib.util
+
+    from gpu_jobs.models.gemma3 import ensure_gemma3
+    from gpu_jobs.models.loading import MODEL_ALIASES
+
+    monkeypatch.setenv("RLMILL_CACHE_DIR", str(tmp_path))  # nothing converted here
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match="rlmill models fetch gemma3-270m"):
+        ensure_gemma3()
+    assert "rlmill models fetch gemma3-270m" in MODEL_ALIASES["gemma3-270m"].missing()
+    assert MODEL_ALIASES["smollm2"].missing() is None  # SmolLM2 keeps its own check (needs_smollm2)

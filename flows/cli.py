@@ -160,7 +160,8 @@ def cmd_train(args) -> None:
     # The flow run's parameters name the run as the CLI decided it (the UI shows them).
     flow_overrides = [*overrides, f"run_id={fresh}"] if fresh else overrides
     summary = _run_flow(cfg, fresh, resume, args.config, flow_overrides)
-    _print_summary(summary, PREFERENCE_LABEL if cfg.preference is not None else SUMMARY_LABEL)
+    _print_summary(summary, PREFERENCE_LABEL if cfg.preference is not None else SFT_LABEL if cfg.sft is not None
+                   else SUMMARY_LABEL)
 
 
 def _run_flow(cfg, fresh: str | None, resume: list[str], config: str | None, overrides: list[str],
@@ -227,11 +228,12 @@ def cmd_run(args) -> None:
 SUMMARY_LABEL = "held-out mean score (val/acc)"
 # A DPO/KTO run (a `preference:` section) validates on held-out pairs: the share its implicit reward orders right.
 PREFERENCE_LABEL = "held-out preference accuracy (val/acc)"
+SFT_LABEL = "held-out exact match (val/acc)"  # an `sft:` run: the held-out rows greedy decoding reproduces
 
 
 def _print_summary(summary: dict, label: str = SUMMARY_LABEL) -> None:
     before, after = summary["val/acc before"], summary["val/acc after"]
-    what = "training" if label == PREFERENCE_LABEL else "RL"
+    what = "training" if label in (PREFERENCE_LABEL, SFT_LABEL) else "RL"
     width = max(41, len(f"{label}, before {what}") + 1)
     print()
     print(f"{'run':<{width}} {summary['run_id']}")

@@ -319,7 +319,7 @@ def config_reference() -> str:
 # namespaced strings in the code are data sources ("openai/gsm8k") or paths.
 METRIC_NAMESPACES = ("actor", "critic", "timing_s", "perf", "training", "val", "reward", "rewards", "logps",
                      "response_length", "filter_groups", "rollout_corr", "multi_turn", "async", "gate", "data",
-                     "preference")
+                     "preference", "train", "sft")
 _NAME = re.compile(rf"^(?:{'|'.join(METRIC_NAMESPACES)})/[\w@{{}}./-]*[\w}}]$")
 
 

@@ -125,6 +125,10 @@ def check_startable(cfg: Any) -> None:
         from gpu_jobs.stages.preference_data import preference_frames
 
         preference_frames(cfg)
+    if cfg.sft is not None:  # demonstrations: read and checked as the sft_batch stage will
+        from gpu_jobs.stages.sft_data import sft_frames
+
+        sft_frames(cfg)
     rm = cfg.reward_model.model.path
     if cfg.reward_model.enable and rm != "builtin" and local(rm) and not os.path.isdir(rm.removeprefix("file://")):
         raise UserError(f"reward_model.model.path {rm} is not a folder (relative paths start at {os.getcwd()}): "

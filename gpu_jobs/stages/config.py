@@ -24,7 +24,10 @@ from storage.layout import check_name, check_root
 from gpu_jobs.data.gates import GateConfig
 from gpu_jobs.data.generators import TIMES_TABLES
 from gpu_jobs.stages.sections import (ARITH_PROBLEMS, AgreementConfig, AsyncConfig, DataConfig, LoopConfig, ModelConfig,
-                                      PreferenceSection, RolloutStageConfig, TaskConfig, _Section)
+                                      PreferenceSection, RolloutStageConfig, SFTSection, TaskConfig, _Section)
+
+
+SFT_HINT = "supervised fine-tuning is `sft: {}`, a section of its own (or any sft.* key; docs/guide/sft.md)"
 
 
 class ConfigError(ValueError):
@@ -50,6 +53,9 @@ class RunConfig(_Section):
     preference: PreferenceSection | None = Field(
         None, description="Offline preference training (DPO / KTO on rated answers, no rollout); None = an RL "
         "run. `preference: {}` (or preference.algorithm=kto, ...) turns it on; see the section's keys.")
+    sft: SFTSection | None = Field(
+        None, description="Supervised fine-tuning on demonstrations (verl's SFT trainer, no rollout), the peer of "
+        "preference (DPO/KTO); None = an RL run. `sft: {}` (or any sft.* key) turns it on; see the section's keys.")
     trainer: LoopConfig = Field(default_factory=LoopConfig, description="The iteration loop.")
     async_training: AsyncConfig = Field(default_factory=AsyncConfig, description="Rollout ahead of the update.")
     agreement: AgreementConfig = Field(default_factory=AgreementConfig,
@@ -83,6 +89,17 @@ class RunConfig(_Section):
             algo = data.get("algorithm")
             if algo is None or (isinstance(algo, dict) and "adv_estimator" not in algo):
                 data = {**data, "algorithm": {**(algo or {}), "adv_estimator": "grpo"}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sft_is_a_section(cls, data: Any) -> Any:
+        # Where a user looks for the list of algorithms, SFT is named: it is a section of its own.
+        if isinstance(data, dict):
+            algo, pref = data.get("algorithm"), data.get("preference")
+            if (isinstance(algo, dict) and algo.get("adv_estimator") == "sft") or \
+                    (isinstance(pref, dict) and pref.get("algorithm") == "sft"):
+                raise ValueError(f"sft is neither an advantage estimator nor a preference algorithm: {SFT_HINT}")
         return data
 
     @model_validator(mode="before")
@@ -227,6 +244,48 @@ class RunConfig(_Section):
                              "or set preference.generate=arith")
         return self
 
+    @model_validator(mode="after")
+    def _sft_fits_the_run(self) -> "RunConfig":
+        # As for preference runs: RL keys an SFT run would silently ignore, or its update cannot
+        # honour yet, are refused by name.
+        sft = self.sft
+        if sft is None:
+            return self
+        refused = [(self.preference is not None, "preference: a run trains one way; chain two runs instead "
+                    "(the second's model.path = the first's checkpoints/<k>/policy, docs/guide/sft.md)"),
+                   (self.data.train_files or self.data.val_files, "data.train_files/val_files name prompt datasets "
+                    "for rollouts: put demonstrations in sft.train_files / sft.val_files"),
+                   (self.critic is not None, "critic: an SFT run has no values; remove the critic section"),
+                   (self.actor.kl_loss.use_kl_loss or self.algorithm.use_kl_in_reward,
+                    "actor.kl_loss / algorithm.use_kl_in_reward: an SFT run has no reference model; turn those off"),
+                   (self.reward_model.enable, "reward_model.enable: an SFT run scores nothing; turn it off"),
+                   (self.actor.entropy_coeff != 0, "actor.entropy_coeff: the SFT loss has no entropy term; set 0"),
+                   (self.rollout.temperature != 1.0, "rollout.temperature: SFT log-probs are taken at temperature 1 "
+                    "(verl's and TRL's); leave rollout.temperature at 1"),
+                   (self.trainer.placement != "colocated" or self.trainer.n_gpus_per_node * self.trainer.nnodes > 1
+                    or self.actor.pipeline_parallel_size > 1,
+                    "trainer.placement=remote, several trainer ranks or a pipeline: SFT runs train on one colocated "
+                    "rank for now (ZeRO-3 included); use the defaults"),
+                   (self.async_training.staleness_threshold > 0, "async_training: there is no rollout to run ahead"),
+                   (not sft.train_files and sft.generate is None, "sft.train_files empty and sft.generate null: name "
+                    "a demonstrations file or set sft.generate=arith")]
+        for bad, why in refused:
+            if bad:
+                raise ValueError(f"sft with {why}")
+        return self
+
+    @property
+    def offline(self) -> bool:
+        """Whether the run trains on a dataset (preference: DPO/KTO, or sft) instead of rollouts:
+        no rollout engine, no reward, no agreement probe."""
+        return self.preference is not None or self.sft is not None
+
+    @property
+    def update_table_stage(self) -> str:
+        """The stage whose committed table the update trains on (and a resume replays from)."""
+        return "preference_ref" if self.preference is not None else "sft_batch" if self.sft is not None \
+            else "advantages"
+
     @property
     def needs_ref(self) -> bool:
         return self.algorithm.use_kl_in_reward or self.actor.kl_loss.use_kl_loss or self.preference is not None
@@ -307,6 +366,8 @@ def _format_validation_error(exc: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = unknown_key_message(key)
+        elif key in ("algorithm.adv_estimator", "preference.algorithm"):
+            msg += f"; {SFT_HINT}"
         lines.append(f"  {key}: {msg}")
     return "invalid run config:\n" + "\n".join(lines)
 

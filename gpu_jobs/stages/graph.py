@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 
 from gpu_jobs.stages import iteration as st
 from gpu_jobs.stages import preference as pref
+from gpu_jobs.stages import sft
 from gpu_jobs.stages.roles import Roles
 from gpu_jobs.stages.run import Run
 from gpu_jobs.stages.shell import StageSpec
@@ -55,10 +56,13 @@ def run_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
     rollout was made during iteration k-s (with the weights after update k-1-s), and iteration k
     starts the rollout of k+s with the weights after update k-1, concurrently with update k.
 
-    A preference run (cfg.preference) is `_preference_iteration` instead.
+    A preference run (cfg.preference) is `_preference_iteration` instead, an SFT run (cfg.sft)
+    `_sft_iteration`.
     """
     if cfg.preference is not None:
         return _preference_iteration(calls, cfg, k)
+    if cfg.sft is not None:
+        return _sft_iteration(calls, cfg, k)
     rollout = calls(st.rollout, k)
     baseline = calls(st.baseline, k, rollout) if st.baseline.is_needed(cfg) else None  # ReMax only
     batch = calls(st.gate, k, rollout)
@@ -108,5 +112,15 @@ def _preference_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str 
     update = calls(st.update, k, ref)
     uris: dict[str, str | None] = {"rollout": None, "gate": None, "reward": None, "preference_batch": batch,
                                    "preference_ref": ref, "update": update}
+    uris["commit"] = calls(st.commit, k, uris, {})
+    return uris
+
+
+def _sft_iteration(calls: StageCalls, cfg: Any, k: int) -> dict[str, str | None]:
+    """SFT batch -> update (the SFT loss) -> commit: no rollout, no reference, no weight sync
+    (validation scores held-out demonstrations with the trainer itself)."""
+    batch = calls(sft.sft_batch, k)
+    update = calls(st.update, k, batch)
+    uris: dict[str, str | None] = {"rollout": None, "gate": None, "reward": None, "sft_batch": batch, "update": update}
     uris["commit"] = calls(st.commit, k, uris, {})
     return uris

@@ -358,7 +358,7 @@ def update(run: Run, roles: Roles, k: int, adv_uri: str) -> Output:
         if roles.version != k - 1:
             raise RuntimeError(f"trainer holds update {roles.version}, cannot apply update {k}: restore first")
         table = read(run, adv_uri)
-        if run.cfg.preference is not None:  # nothing was sampled: no rollout/trainer agreement to check
+        if run.cfg.offline:  # nothing was sampled (DPO/KTO, SFT): no rollout/trainer agreement to check
             probe, trained = {}, train_on(run, roles, k, table)
         elif _probed_by_the_update(run, roles, k, table):  # no forward of its own: the update's first mini-batch
             probe: dict[str, float] = {}
@@ -424,10 +424,11 @@ def validate(run: Run, roles: Roles, k: int) -> Output:
     after update k, scored by the rule reward: val/acc = mean score, and verl's val-core/val-aux
     metrics per data source (mean@N, best@N, maj@N with bootstrap std)."""
     cfg = run.cfg
-    if cfg.preference is not None:  # no rollout engine: the held-out pairs' implicit rewards (preference.py)
+    if cfg.offline:  # no rollout engine: held-out pairs' implicit rewards, or demonstrations' NLL (sft.py)
         from gpu_jobs.stages.preference import held_out_preferences
+        from gpu_jobs.stages.sft import held_out_sft
 
-        table, metrics = held_out_preferences(run, roles, k)
+        table, metrics = (held_out_sft if cfg.sft is not None else held_out_preferences)(run, roles, k)
         return Output(table, metrics, [committed(run.layout.stage(k, "update"), run.storage) or run.model_path])
     roles.put_rollout_at(run, roles.version)
     prompts, ids = run.prompts(run.val, list(range(len(run.val))), None)

@@ -27,7 +27,7 @@ __all__ = ["open_warm", "restore", "recover_lost_trainer", "replay_update", "loa
 def open_warm(cfg, *, probe: bool = True) -> tuple[Run, Roles]:
     """The run and its warm roles at the state after its last committed update."""
     run = Run.open(cfg)
-    roles = Roles.load(run, rollout=cfg.preference is None)  # a preference run never generates
+    roles = Roles.load(run, rollout=not cfg.offline)  # a preference or SFT run never generates
     restore(run, roles)
     if probe and roles.rollout is not None:
         metrics = probe_agreement(run, roles, f"run start (weights after iteration {roles.version})")
@@ -70,8 +70,8 @@ def recover_lost_trainer(run: Run, roles: Roles) -> None:
 
 def replay_update(run: Run, roles: Roles, k: int) -> None:
     """Re-apply committed update k to restored roles (crash-resume between checkpoints), from the
-    table it trained on: the advantages, or a preference run's preference_ref."""
-    stage = "preference_ref" if run.cfg.preference is not None else "advantages"
+    table it trained on: the advantages, a preference run's preference_ref, an SFT run's sft_batch."""
+    stage = run.cfg.update_table_stage
     adv_uri = committed(run.layout.stage(k, stage), run.storage)
     if adv_uri is None:
         raise RuntimeError(f"update {k} committed but its {stage} table is missing: the run's storage is damaged")

@@ -87,6 +87,8 @@ class Run:
         layout = RunLayout(cfg.root, cfg.run_id, cfg.storage)
         if cfg.preference is not None:
             return cls._open_preference(cfg, layout)
+        if cfg.sft is not None:
+            return cls._open_sft(cfg, layout)
         train_urls, val_urls = _datasets(cfg)
         train = read_prompts(train_urls, storage=cfg.storage)
         val = read_prompts(val_urls, storage=cfg.storage).iloc[: cfg.data.val_size].reset_index(drop=True)
@@ -114,6 +116,21 @@ class Run:
         tokenizer = load_tokenizer(model_path)
         for where, df in (("preference training data", train), ("held-out preference data", val)):
             check_prompt_lengths(df, tokenizer, cfg.data.max_prompt_length, where)
+        run_uid = _freeze(layout, frozen_config(cfg))
+        sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
+        return cls(cfg, layout, run_uid, model_path, tokenizer, train, val, sampler)
+
+    @classmethod
+    def _open_sft(cls, cfg: RunConfig, layout: RunLayout) -> "Run":
+        """An SFT run: train/val are frames of demonstrations (sft_data.py), read and checked
+        before the model is resolved, every row's length checked before the run exists."""
+        from gpu_jobs.models import load_tokenizer, resolve_model_path
+        from gpu_jobs.stages.sft_data import check_lengths, sft_frames
+
+        train, val = sft_frames(cfg)
+        model_path = resolve_model_path(cfg.model.path, cfg.storage, seed=cfg.model.seed)
+        tokenizer = load_tokenizer(model_path)
+        check_lengths(cfg, tokenizer, {"sft training data": train, "held-out sft data": val})
         run_uid = _freeze(layout, frozen_config(cfg))
         sampler = PromptSampler(seed=cfg.data.seed, batch_size=cfg.data.train_batch_size, n_rows=len(train))
         return cls(cfg, layout, run_uid, model_path, tokenizer, train, val, sampler)
@@ -186,9 +203,13 @@ def _freeze(layout: RunLayout, config: dict) -> str:
     The uid is minted when the run is first created: a run deleted and started again under the
     same id is a different run, and Prefect cache keys include the uid so they never cross.
     """
+    from gpu_jobs.stages.lineage import model_source
+
     try:
         uid = uuid.uuid4().hex
-        layout.write_run_json({"run_uid": uid, "created_at": time.time(), "config": config})
+        source = model_source(config["model"]["path"], layout.storage)  # a chain: SFT then RL (lineage.py)
+        layout.write_run_json({"run_uid": uid, "created_at": time.time(), "config": config,
+                               **({"model_source": source} if source else {})})
         return uid
     except ObjectExistsError:
         pass

@@ -14,8 +14,9 @@ __all__ = ["train_on"]
 
 
 def train_on(run: Run, roles: Roles, k: int, table: pa.Table, probe=None) -> dict[str, float]:
-    """Apply update k to the trainer (and critic): the RL loss on an advantages table, or with a
-    `preference:` section the DPO/KTO loss on a preference_ref table. Also replays committed updates on resume, so
+    """Apply update k to the trainer (and critic): the RL loss on an advantages table, with a
+    `preference:` section the DPO/KTO loss on a preference_ref table, with `sft:` the SFT loss on
+    an sft_batch table. Also replays committed updates on resume, so
     everything here depends only on (k, table, the roles' state). `probe`: the agreement check
     the trainer runs on its first mini-batch (PolicyTrainer.update), before anything trains."""
     t0 = time.perf_counter()
@@ -23,6 +24,8 @@ def train_on(run: Run, roles: Roles, k: int, table: pa.Table, probe=None) -> dic
     warming_critic = roles.critic is not None and k <= run.cfg.critic.critic_warmup
     if len(table) and not warming_critic and run.cfg.preference is not None:
         metrics.update(roles.trainer.preference_update(table, run.cfg.preference))  # DPO/KTO: ActorTrainer protocol
+    elif len(table) and run.cfg.sft is not None:
+        metrics.update(roles.trainer.sft_update(table))  # demonstrations: the token-mean NLL
     elif len(table) and not warming_critic:
         metrics.update(roles.trainer.update(table, probe=probe))
     t1 = time.perf_counter()

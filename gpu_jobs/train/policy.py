@@ -205,6 +205,16 @@ class _CausalLM(ZeroModule):
         """Per-row float32 log-probs of each response token (no grad), on every rank."""
         return self._log_probs_of(self._read(batch))
 
+    def compute_argmax_match(self, batch: Any) -> list[np.ndarray]:
+        """Per row, float32 1.0 where a response token is the model's argmax given the tokens
+        before it (no grad): greedy decoding's choice under teacher forcing, which SFT's held-out
+        exact match reads (gpu_jobs.algos.sft.greedy_exact). Full logits per micro-batch."""
+        def match(mb: dict[str, Any]) -> Any:
+            labels = self._flat(mb["responses"], mb)
+            return self._rows((self._response_logits(mb).argmax(-1) == labels).float(), mb)
+
+        return self._map_rows_no_grad(self._read(batch), match, self.config.log_prob_micro_batch_size_per_gpu)
+
 
 class RefModel(_CausalLM):
     """Frozen reference policy: ``RefModel(path, ActorConfig()).compute_log_probs(batch)``."""
@@ -335,6 +345,20 @@ class PolicyTrainer(_CausalLM, InProcessTrainer):
         out["actor/grad_norm"] = out.pop("grad_norm")
         out.update({"actor/lr": lr, "timing_s/update_actor": time.perf_counter() - t0})
         return out
+
+    def sft_update(self, batch: Any) -> dict[str, float]:
+        """One supervised update on a committed SFT batch (prompt_ids, response_ids and
+        response_mask, 1 on the assistant's tokens; gpu_jobs/stages/sft_data.py): the token-mean
+        negative log-likelihood (gpu_jobs.algos.sft.sft_loss) through update()'s loop: ppo_epochs
+        passes of shuffled mini-batches of ppo_mini_batch_size demonstrations, micro-batches
+        weighted by their share of the loss tokens, one optimizer step each, on every rank.
+        Returns train/loss (verl's SFT name), actor/grad_norm, actor/lr, perf/* and timings."""
+        from gpu_jobs.algos.sft import sft_loss
+
+        def loss_of(mb: dict[str, Any]):
+            return sft_loss(self._response_terms(mb, with_entropy=False)[0], mb["response_mask"])
+
+        return self._run_update(self._read(batch), loss_of, "token-mean", role="actor")
 
     def _single_step(self, rows: Rows) -> bool:
         """Whether this update is one optimizer step from unchanged weights with a deterministic

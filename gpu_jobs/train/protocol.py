@@ -6,9 +6,9 @@
 - ``Trainer``: trained by the update stage and checkpointed: ``update``, ``save``/``load``
   (exact resume), ``save_hf``.
 - ``LogProbModel``: scores response tokens (``compute_log_probs``): the reference model.
-- ``ActorTrainer``: the policy: both of the above, plus the offline preference update
-  (``preference_update``: DPO/KTO, one rank only; a trainer that cannot run it raises
-  NotImplementedError saying so), the weight stream to the rollout engine
+- ``ActorTrainer``: the policy: both of the above, plus the offline updates
+  (``preference_update``: DPO/KTO, ``sft_update`` with ``compute_argmax_match`` for its held-out
+  exact match; one rank only; a trainer that cannot run them raises NotImplementedError saying so), the weight stream to the rollout engine
   (``gathered_state_dict``/``iter_weight_buckets``), whether its update can be its own agreement
   probe (``probes_in_update``), and what a rank group adds (``groups_started``, ``state_lost``,
   ``close``; None/False/no-op in process, from ``InProcessTrainer``).
@@ -89,6 +89,16 @@ class ActorTrainer(Trainer, LogProbModel, Protocol):
         several ranks or pipeline stages raises NotImplementedError before anything trains."""
         ...
 
+    def sft_update(self, batch: Any) -> dict[str, float]:
+        """One supervised (SFT) update on a committed SFT batch (prompt_ids, response_ids,
+        response_mask: 1 on the assistant's tokens), the token-mean NLL with the same optimizer,
+        lr schedule and step count as ``update``. Returns train/loss, actor/grad_norm, actor/lr."""
+        ...
+
+    def compute_argmax_match(self, batch: Any) -> list[Any]:
+        """Per row, a float32 array: 1.0 where a response token is the model's argmax (no grad)."""
+        ...
+
     def gathered_state_dict(self) -> dict[str, Any]:
         """Full fp32 weights (HF names), in this process."""
         ...
@@ -134,3 +144,13 @@ class InProcessTrainer:
         raise NotImplementedError(
             f"{type(self).__name__} cannot run preference (DPO/KTO) updates: they train on one rank with "
             "PolicyTrainer (no pipeline, one trainer rank: the run config's defaults)")
+
+    def sft_update(self, batch: Any) -> dict[str, float]:
+        """No SFT update on this trainer (PolicyTrainer has one): say so, by name."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run SFT updates: they train with PolicyTrainer "
+                                  "(no pipeline, one trainer rank: the run config's defaults)")
+
+    def compute_argmax_match(self, batch: Any) -> list[Any]:
+        """No teacher-forced argmax on this trainer (PolicyTrainer has one): say so, by name."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score SFT's held-out exact match: use "
+                                  "PolicyTrainer (no pipeline, one trainer rank)")

@@ -220,6 +220,17 @@ class GroupTrainer:
             f"a {self.world_size}-rank group cannot run preference (DPO/KTO) updates: they train on one rank; "
             "set trainer.n_gpus_per_node=1 and trainer.nnodes=1 (the defaults) for a preference run")
 
+    def sft_update(self, table: Any) -> dict[str, float]:
+        """Not on a rank group yet: SFT runs train on one rank (PolicyTrainer); the run config
+        refuses more first."""
+        raise NotImplementedError(f"a {self.world_size}-rank group cannot run SFT updates yet: set "
+                                  "trainer.n_gpus_per_node=1 and trainer.nnodes=1 (the defaults) for an SFT run")
+
+    def compute_argmax_match(self, table: Any) -> list:
+        """Not on a rank group yet (see sft_update)."""
+        raise NotImplementedError(f"a {self.world_size}-rank group cannot score SFT's held-out exact match yet: "
+                                  "set trainer.n_gpus_per_node=1 and trainer.nnodes=1")
+
     def compute_log_probs(self, table: Any) -> list:
         """Per-row float32 log-probs of each response token (no grad)."""
         self._check(table, ())

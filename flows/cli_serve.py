@@ -79,6 +79,7 @@ def add_serve_parsers(sub) -> None:
                             "ends, its candidate is loaded beside it or retired; 0 = off (CANARY is still read once "
                             "at start; default 5; the built-in model has nothing to watch)")
     _add_limit_flags(serve)
+    _add_http_flags(serve)
     serve.set_defaults(fn=cmd_serve)
     feedback = sub.add_parser("feedback", help="feedback: consume the event stream into storage, build a dataset")
     fsub = feedback.add_subparsers(dest="feedback_command", required=True, metavar="command")
@@ -110,6 +111,26 @@ def _add_limit_flags(parser) -> None:
         group.add_argument("--" + f.name.replace("_", "-"), dest=f"limit_{f.name}",
                            type=f.metadata.get("type", type(f.default)), default=f.default, metavar="N",
                            help=f"{f.metadata['help']} (default {shown})")
+
+
+def _add_http_flags(parser) -> None:
+    """--docs, --allowed-hosts, --trusted-proxies: gpu_jobs.online.http_guard.HttpGuard's fields."""
+    from gpu_jobs.online.http_guard import HttpGuard  # stdlib only: cheap at parser build
+
+    group = parser.add_argument_group("HTTP exposure (docs pages, Host names, proxies)")
+    for f in dataclasses.fields(HttpGuard):
+        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        if f.default is False:
+            group.add_argument(flag, dest=f"http_{f.name}", action="store_true", help=text)
+        else:
+            group.add_argument(flag, dest=f"http_{f.name}", default=None, metavar="LIST", help=text)
+
+
+def _http(args: argparse.Namespace):
+    from gpu_jobs.online.http_guard import HttpGuard
+
+    return HttpGuard.for_host(args.host, _is_loopback(args.host), args.http_docs, args.http_allowed_hosts,
+                              args.http_trusted_proxies)
 
 
 def _limits(args: argparse.Namespace):
@@ -236,7 +257,7 @@ def cmd_serve(args) -> None:
         raise UserError(str(exc)) from None
     settings = ServeSettings(retention_hours=args.retention_hours, max_batch=args.max_batch,
                              batch_wait_ms=args.batch_wait_ms, event_wait_ms=args.event_wait_ms,
-                             watch_s=args.watch_s, limits=limits)
+                             watch_s=args.watch_s, limits=limits, http=_http(args))
     from gpu_jobs.online.recall import AnswerRecall
 
     recall = AnswerRecall(None if publisher is None else args.redis, args.root, served.name,
@@ -248,7 +269,7 @@ def cmd_serve(args) -> None:
     auth = f"; {len(keys)} API key(s) for {', '.join(keys.principals())}" if keys is not None else "; no API keys"
     print(f"rlmill: serving {served.name} version {served.version} ({args.engine}) on "
           f"http://{args.host}:{args.port}/v1{watch}{auth}", flush=True)
-    uv = _drained_uvicorn(create_app(server), args.host, args.port, limits.grace_s)
+    uv = _drained_uvicorn(create_app(server), args.host, args.port, limits.grace_s, settings.http.uvicorn_kwargs())
     try:
         uv.run()
     finally:
@@ -264,10 +285,12 @@ def cmd_serve(args) -> None:
             sys.exit(130)  # Ctrl-C's conventional status; SIGTERM, a requested stop, is 0
 
 
-def _drained_uvicorn(app, host: str, port: int, grace_s: float):
+def _drained_uvicorn(app, host: str, port: int, grace_s: float, http: dict | None = None):
     """A uvicorn server whose SIGTERM and SIGINT drain: stop accepting, finish the requests in
     flight (cut after `grace_s`, or at a second signal), and return (uvicorn itself re-raises
-    the signal after its shutdown: -15 for SIGTERM, a KeyboardInterrupt traceback for Ctrl-C)."""
+    the signal after its shutdown: -15 for SIGTERM, a KeyboardInterrupt traceback for Ctrl-C).
+    `http`: HttpGuard.uvicorn_kwargs() (proxy headers believed only from trusted proxies; None:
+    never believed)."""
     import uvicorn
 
     class Drained(uvicorn.Server):
@@ -281,7 +304,7 @@ def _drained_uvicorn(app, host: str, port: int, grace_s: float):
             self.stopped_by = self.stopped_by or signal.Signals(sig)
 
     return Drained(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                  timeout_graceful_shutdown=grace_s))
+                                  timeout_graceful_shutdown=grace_s, **(http or {"proxy_headers": False})))
 
 
 def _die_after_commit(result) -> None:

@@ -73,6 +73,7 @@ from gpu_jobs.online.auth import has_role, request_voter
 from gpu_jobs.online.answers import AnswerIndex, KnownAnswer, id_time, new_answer_id
 from gpu_jobs.online.batching import Batcher, ClientGone, QueueFull, wait_rows
 from gpu_jobs.online.events import answer_event, feedback_event
+from gpu_jobs.online.http_guard import HttpGuard
 from gpu_jobs.online.limits import Gate, InFlight, RateLimiter, ServeLimits, client_gone, client_key, principal_of
 from gpu_jobs.online.protocol import (ApiError, ChatRequest, CompletionRequest, FeedbackRequest, ParamError,
                                       chat_response, check_token_ids, completion_response, error_body, make_choices,
@@ -97,6 +98,7 @@ class ServeSettings:
     event_wait_ms: float = 250.0  # how long a response waits for its event's XADD (0: never waits)
     watch_s: float = 0.0  # how often CURRENT is read for a hot swap (0: never; needs a source)
     limits: ServeLimits = field(default_factory=ServeLimits)  # body, prompt, queue, deadline and rate bounds
+    http: HttpGuard = field(default_factory=HttpGuard)  # docs pages, allowed Host names, trusted proxies
 
 
 class Server:
@@ -163,6 +165,8 @@ class Server:
         to the broker for up to `events_timeout_s` (what is left is counted as dropped)."""
         self.models.close()
         self.checks.shutdown(wait=False, cancel_futures=True)
+        if self.recall is not None:
+            self.recall.close()
         if self.publisher is not None:
             self.publisher.close(events_timeout_s)
 
@@ -216,10 +220,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="rlmill serve")
+    app = FastAPI(title="rlmill serve", **server.settings.http.docs_kwargs())
     _install_error_handlers(app)
     app.add_middleware(Gate, keys=server.keys, limits=server.settings.limits, rates=server.rates,
                        refused=server.refused)
+    server.settings.http.install(app)  # the Host check, outside the Gate (http_guard.py)
     limits = server.settings.limits
 
     @app.get("/health")
@@ -386,7 +391,7 @@ async def _known(server: Server, answer_id: str, field: str) -> KnownAnswer:
     known = server.answers.get(answer_id)
     created = known.created if known else id_time(answer_id)
     if known is None and server.recall is not None and created is not None and time.time() - created <= window_s:
-        if (known := await asyncio.to_thread(server.recall.find, answer_id)) is not None:
+        if (known := await server.recall.find_async(answer_id)) is not None:  # its own executor, bounded
             server.answers.add(known)  # its votes are counted from here on
             server.counts["recalled_answers"] += 1
     if created is not None and time.time() - created > window_s:

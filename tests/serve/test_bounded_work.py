@@ -228,3 +228,53 @@ def test_a_running_stream_whose_client_left_stops_at_the_next_step(served, run_a
         _until("the generate call stopped", lambda: batcher.stats()["stopped_calls"] == 1)
     assert batcher.stats()["requests"] == 0 and server.counts["answers"] == 0  # nothing finished or logged
     server.close()
+
+
+def test_a_flood_of_made_up_answer_ids_reads_each_minute_once(redis_url):
+    """Feedback naming made-up ids inside the window: the stream is read once per minute of it
+    (the id index), an id asked again is answered from the negative cache, a real answer is still
+    found, and lookups past MAX_PENDING are a 429. XRANGE calls counted by redis-server itself."""
+    import time
+
+    import redis
+
+    from gpu_jobs.online import recall as recall_module
+    from gpu_jobs.online.answers import new_answer_id
+    from gpu_jobs.online.protocol import ApiError
+    from gpu_jobs.online.recall import AnswerRecall
+    from gpu_jobs.online.wire import encode
+
+    client = redis.Redis.from_url(redis_url)
+    now = time.time()
+    real = new_answer_id("chatcmpl", now - 120)
+    event = {"kind": "answer", "answer_id": real, "created": now - 120, "model": "m", "version": "v1",
+             "choices": [{"index": 0}, {"index": 1}]}
+    client.xadd("rlmill:events", encode(event))
+
+    def xranges() -> int:
+        return int(client.info("commandstats").get("cmdstat_xrange", {}).get("calls", 0))
+
+    recall = AnswerRecall(redis_url, None, "m")
+    fakes = [new_answer_id("chatcmpl", now - 120 + i * 0.01) for i in range(200)]
+    assert all(recall.find(f) is None for f in fakes)
+    minutes = xranges()
+    assert minutes <= (recall_module.SCAN_BEFORE_S + recall_module.SCAN_AFTER_S) / 60 + 2, minutes
+    found = recall.find(real)
+    assert found is not None and found.n_choices == 2 and xranges() == minutes  # from the index
+    assert asyncio.run(recall.find_async(fakes[0])) is None and recall.reads["misses_cached"] == 1
+
+    gate = threading.Event()
+    recall.find = lambda answer_id: gate.wait(30)  # a store that hangs: the lookups pile up
+
+    async def flood():
+        waiting = [asyncio.ensure_future(recall.find_async(new_answer_id("chatcmpl", now - 5 - i)))
+                   for i in range(recall_module.MAX_PENDING)]
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError) as refused:
+            await recall.find_async(new_answer_id("chatcmpl", now - 1))
+        gate.set()
+        await asyncio.gather(*waiting)
+        return refused.value
+
+    assert asyncio.run(flood()).status == 429
+    recall.close()

@@ -61,8 +61,8 @@ class Round:
                 self.quarantine.append((sid, e, refused[i]))
             elif e["event_id"] in seen:
                 self.result.duplicates += 1
-            elif e["kind"] == "answer" and e["answer_id"] in self.answers:
-                self.quarantine.append((sid, e, f"answer {e['answer_id']} logged twice in one batch, by two events"))
+            elif e["kind"] == "answer" and (why := self._logged_before(e)) is not None:
+                self.quarantine.append((sid, e, f"answer {e['answer_id']} {why}"))
             else:
                 seen.add(e["event_id"])
                 good.setdefault((e["model"], hour_of(e["created"])), []).append((sid, e))
@@ -71,6 +71,18 @@ class Round:
         for (model, hour), items in sorted(good.items()):
             self._commit_group(model, hour, items)
         self.commit_quarantine()
+
+    def _logged_before(self, e: dict) -> str | None:
+        """Why answer event `e` is a second log of its answer id (serve logs each answer once), or
+        None. Checked before the batch's feedback is resolved, so a forged second answer event
+        never lends its version to feedback; a redelivery of the same event is a duplicate, not this."""
+        if e["event_id"] in self.index.folder(self.folder(e["model"], hour_of(e["created"]))).events:
+            return None  # committed already: _commit_group skips it as a duplicate
+        if e["answer_id"] in self.answers:
+            return "logged twice in one batch, by two events"
+        if self._committed_version(e) is not None:
+            return "was already logged by another event"
+        return None
 
     def _committed_version(self, e: dict) -> str | None:
         """The version of answer e["answer_id"] of model e["model"] as committed, or None."""
@@ -85,10 +97,7 @@ class Round:
     def _resolved(self, sid: str, e: dict) -> dict | None:
         """The event as it is stored (feedback with its answer's version), or None: skipped or quarantined."""
         if e["kind"] == "answer":
-            if self._committed_version(e) is None:
-                return e
-            self.quarantine.append((sid, e, f"answer {e['answer_id']} was already logged by another event"))
-            return None
+            return e
         version = self.answers.get(e["answer_id"]) or self._committed_version(e)
         if version is None:
             self.quarantine.append((sid, e, f"feedback for answer {e['answer_id']} that was never logged"))

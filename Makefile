@@ -45,20 +45,18 @@ run: venv
 	$(PY) -m flows.cli run
 
 # An OpenAI-compatible API (rlmill serve) over the built-in model, answers and feedback logged to
-# Redis Streams; a redis-server is started here (daemon, .rlmill/redis.pid) when none answers on
-# REDIS_PORT. SERVE_PORT=8000 REDIS_PORT=6379; REDIS=none serves without logging;
-# SERVE_ARGS="--model NAME --root ROOT" serves a promoted model.
+# Redis Streams; a redis-server that asks for a password is started here (daemon, .rlmill/redis.pid)
+# when it does not answer on REDIS_PORT; the password (.rlmill/redis.password) and the event-signing
+# key (.rlmill/event.key) are generated once, 0600 (scripts/serve_redis.sh), and given to serve
+# through RLMILL_REDIS_PASSWORD and RLMILL_EVENT_KEY_FILE. SERVE_PORT=8000 REDIS_PORT=6379;
+# REDIS=none serves without logging; SERVE_ARGS="--model NAME --root ROOT" serves a promoted model.
 SERVE_PORT ?= 8000
 REDIS_PORT ?= 6379
 REDIS ?= redis://127.0.0.1:$(REDIS_PORT)/0
 serve: venv
-	@if [ "$(REDIS)" != none ] && ! redis-cli -p $(REDIS_PORT) ping >/dev/null 2>&1; then \
-	    command -v redis-server >/dev/null || { echo "make serve: redis-server is not installed: apt-get install redis-server, or make serve REDIS=none"; exit 1; }; \
-	    mkdir -p .rlmill && redis-server --port $(REDIS_PORT) --bind 127.0.0.1 --save "" --daemonize yes \
-	        --pidfile $(CURDIR)/.rlmill/redis.pid --logfile $(CURDIR)/.rlmill/redis.log \
-	    && echo "[rlmill] started redis-server on 127.0.0.1:$(REDIS_PORT) (stop it: kill \$$(cat .rlmill/redis.pid))"; \
-	fi
-	$(PY) -m flows.cli serve --port $(SERVE_PORT) --redis $(REDIS) $(SERVE_ARGS)
+	@if [ "$(REDIS)" != none ]; then bash scripts/serve_redis.sh $(REDIS_PORT) .rlmill $(PY); fi
+	RLMILL_REDIS_PASSWORD="$$(cat .rlmill/redis.password 2>/dev/null)" RLMILL_EVENT_KEY_FILE=$(CURDIR)/.rlmill/event.key \
+	    $(PY) -m flows.cli serve --port $(SERVE_PORT) --redis $(REDIS) $(SERVE_ARGS)
 
 # The online loop with no one at the keyboard (docs/guide/online.md): redis, rlmill serve,
 # simulated users (rlmill simulate), retrain on each window, a canary and its decision; 5 cycles,

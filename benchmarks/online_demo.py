@@ -197,6 +197,12 @@ class Stack:
         if self.models.current_version() is None:  # the built-in HF folder as version v0 (a local root)
             shutil.copytree(resolve_model_path("builtin"), self.models.version("v0"), dirs_exist_ok=True)
             self.models.promote("v0", by="online-demo", reason="the built-in model, registered by the demo")
+        import os
+
+        from gpu_jobs.online.signing import KEY_FILE_ENV, write_key_file
+
+        # serve signs its events and the in-process consumer checks them: one key, through the environment
+        os.environ[KEY_FILE_ENV] = str(write_key_file(self.work / "event.key"))
         try:
             self.redis = RedisServer(self.work).start()
             self.serve = ServeProcess(self.work, self.redis.url, model_args=(

@@ -75,6 +75,11 @@ def connect(url: str, timeout_s: float = 2.0, check: bool = True):
         try:
             client.ping()
         except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, OSError) as exc:
+            said = " ".join(str(exc).split())
+            if isinstance(exc, redis.AuthenticationError) or "auth" in said.lower():
+                raise BrokerUnreachable(
+                    f"the event broker at {redact_url(url)} refused this client ({said}): it asks for a password; "
+                    f"set {PASSWORD_ENV} (make serve's is in .rlmill/redis.password)") from None
             raise BrokerUnreachable(
                 f"the event broker at {redact_url(url)} does not answer ({' '.join(str(exc).split())}): start it "
                 "(`redis-server --port 6379`) or pass --redis with the right URL") from None

@@ -93,7 +93,7 @@ class DemoConfig:
 
     cycles: int = 5  # retraining cycles
     requests: int = 64  # simulated requests per cycle before the retrain (the window's feedback)
-    users: int = 16  # simulated users sim-user-0..N-1 (the canary splits them)
+    users: int = 16  # simulated users sim-user-0..N-1 (serve has no keys: each request draws its arm)
     pool: int = 48  # distinct problems the users ask (again and again, in new draws each cycle)
     seed: int = 0
     temperature: float = 1.0  # the users' sampling temperature
@@ -107,7 +107,7 @@ class DemoConfig:
     min_samples: int = 60  # the canary test's minimum scores per arm
     confidence: float = 0.9
     margin: float = 0.05  # the candidate may be this much worse (mean live reward) and still pass
-    canary_method: str = "welch"  # welch (fixed-sample t-test) | msprt (sequential; rolls back once shown worse)
+    canary_method: str = "msprt"  # msprt (sequential; rolls back once shown worse) | welch (fixed-sample t-test)
     epochs: int = 4  # passes over each window
     lr: float = 2e-4  # 1e-4 rose 0.10 -> 0.15..0.21 in 5 cycles (one promotion), 2e-4 0.17 -> 0.37 (three)
     rollout_n: int = 8
@@ -296,6 +296,8 @@ def _canary_rounds(stack: Stack, cfg: DemoConfig, row: CycleRow, k: int) -> None
         out = rl_canary(model=MODEL, root=stack.root)
         if out["status"] != "wait":
             row.decision = out["status"]
+            row.notes.append(f"decided by the test at n {out['n_baseline']}/{out['n_candidate']} (baseline/candidate "
+                             f"voters) in round {r}")
             break
     else:
         canary = read_canary(stack.models)

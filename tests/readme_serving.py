@@ -55,19 +55,18 @@ def feedback_cli(walk: Walk, step: Step) -> None:
 
 
 def serve_with_keys(walk: Walk, step: Step) -> None:
-    """`rlmill serve --api-keys keys.yaml --host 0.0.0.0`: the keys file of docs/guide/serving.md (its
-    yaml block) in the clone, the server on a free port beside the walk's; /v1/models is a 401
-    without a key and a 200 with the page's first key; SIGTERM drains it and it exits 0."""
+    """`rlmill serve --api-keys keys.yaml --host 0.0.0.0`: the keys file docs/guide/serving.md's steps
+    made in the clone, the server on a free port beside the walk's; /v1/models is a 401 without a
+    key and a 200 with the frontend's key; SIGTERM drains it and it exits 0."""
     import signal
     import subprocess
     import urllib.error
     import urllib.request
 
-    from tests import docs_pages
     from tests.servers import free_port
 
-    keys = re.search(r"```yaml\n(sk-frontend-.*?)```", docs_pages.page("guide/serving.md"), re.S).group(1)
-    (walk.clone / "keys.yaml").write_text(keys)
+    # keys.yaml and frontend.key: made by the page's `python -m gpu_jobs.online.auth` steps, just before
+    assert "sha256:" in (walk.clone / "keys.yaml").read_text(), "the page makes its keys before serving with them"
     port = free_port()
     command = walk.serve_ports(step.text).replace("--port 8000", f"--port {port}")
     proc = subprocess.Popen(["bash", "-c", command], cwd=walk.clone, env=walk.env, stdout=subprocess.PIPE,
@@ -87,7 +86,7 @@ def serve_with_keys(walk: Walk, step: Step) -> None:
             raise AssertionError("/v1/models answered without a key")
         except urllib.error.HTTPError as exc:
             assert exc.code == 401, exc.code
-        key = keys.split(":", 1)[0].strip()
+        key = (walk.clone / "frontend.key").read_text().strip()
         ok = urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"}),
                                     timeout=10)
         assert ok.status == 200
@@ -111,8 +110,9 @@ def governance(walk: Walk, step: Step) -> None:
 
 # ---------------------------------------------------------------------------- Online learning
 def simulate(walk: Walk, step: Step) -> None:
-    """`rlmill simulate`: its table counts, per version, the requests serve's canary routing (the
-    running record's hash of each planned user) sends there -- all to CURRENT without a canary."""
+    """`rlmill simulate`: its table counts, per version, the requests serve answered there -- all on
+    CURRENT without a canary; during one (the walk's serve has no keys: each request draws its arm)
+    both arms, every request counted once."""
     from gpu_jobs.online.simulate import plan_requests
     from gpu_jobs.online.canary import read_canary
 
@@ -123,10 +123,8 @@ def simulate(walk: Walk, step: Step) -> None:
     models = walk.models(walk.health()["model"])
     canary, current = read_canary(models), models.current_version()
     want: dict[str, int] = {}
-    for planned in plan_requests(requests, users, seed):
-        to_candidate = canary is not None and canary.routes_to_candidate(f"user:{planned.user}")
-        version = canary.candidate if to_candidate else current
-        want[version] = want.get(version, 0) + 1
+    for planned in plan_requests(requests, users, seed):  # without keys each request draws its own arm
+        want[current] = want.get(current, 0) + 1
     lines = out.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["version", "requests"])
     got = {}
@@ -135,7 +133,11 @@ def simulate(walk: Walk, step: Step) -> None:
         if len(cells) < 2 or not cells[1].isdigit():
             break
         got[cells[0]] = int(cells[1])
-    assert got == want and "not logged" not in out, (got, want, out)
+    if canary is not None:  # the arms' split is per request: both arms answered, all requests in all
+        assert set(got) == {current, canary.candidate} and sum(got.values()) == requests, (got, out)
+    else:
+        assert got == want, (got, want, out)
+    assert "not logged" not in out, out
     walk.last_table, walk.rated = got, walk.rated + requests
     walk.unconsumed = {k: v + requests for k, v in walk.unconsumed.items()}  # one answer and one rating each
 

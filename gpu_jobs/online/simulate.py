@@ -14,10 +14,11 @@ where `correct` is the task's own rule reward on the prompt's ground truth (1 fo
 else 0), `n_tokens` the answer's completion tokens (the response's usage) and L the max_tokens
 the users ask for. A right answer scores between 1/2 (it used all L tokens) and 1, a wrong one 0.
 
-Each request names its user (`sim-user-<i>`, the request's `user`, which is what the canary's
-sticky split routes by) and a per-request sampling seed; the plan is a pure function of
-(requests, users, seed), so two runs against the same server and version ask the same things.
-The version that answered is the response's `system_fingerprint` ("<model>@<version>"), which
+Each request names its user (`sim-user-<i>`, the request's `user`: against a server without keys
+it picks no canary arm -- each request draws its own, and each answer is one vote; a `user` only
+routes when a key that vouches for its users sends it, canary.py) and a per-request sampling
+seed; the plan is a pure function of (requests, users, seed), so two runs against the same
+server and version ask the same things. The version that answered is the response's `system_fingerprint` ("<model>@<version>"), which
 is also what its answer event names, so the table's versions are the ones the canary counts.
 """
 

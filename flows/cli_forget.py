@@ -64,8 +64,10 @@ def _broker(url: str) -> str | None:
     """The broker URL, None for 'none'; refuses one that does not answer, before anything changes."""
     if url.lower() == "none":
         return None
-    from gpu_jobs.online.broker import BrokerUnreachable, connect
+    from gpu_jobs.online.broker import BrokerUnreachable, connect, url_password_problem
 
+    if (problem := url_password_problem(url, "--redis")) is not None:
+        raise UserError(problem)
     try:
         connect(url)
     except BrokerUnreachable as exc:

@@ -8,6 +8,7 @@ gpu_jobs/online/ (serving, events, windows, canaries); the held-out gate is the 
 - retrain.py: rl-retrain/on-feedback, one feedback window trained, gated, promoted or canaried.
 - replay.py: older windows' and cold-start rows mixed into a window's training rows.
 - canary.py: rl-canary/decide, a running canary promoted or rolled back on its arms' feedback.
+- retention.py: rl-retention/daily, raw feedback, quarantine and dead letters older than the retention removed.
 """
 
 

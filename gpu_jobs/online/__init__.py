@@ -27,7 +27,9 @@ Feedback:
   deliveries.py: the consumer group's bookkeeping (dead letters, a vanished consumer's entries
   taken over, trimming, lag, broker outages).
 - dataset.py: answers joined with their feedback as verl-format training rows.
-- governance.py: forgetting a user, and each version's lineage back to the feedback it trained on.
+- governance.py: forgetting a party (user, session, principal): its request, done and lineage
+  records; forget.py: the party's rows rewritten out of segments, training files, the stream and
+  its dead letters; retention.py: raw events, quarantine and dead letters older than a set age removed.
 - simulate.py: simulated users against a running server (`rlmill simulate`).
 Windows and canaries (records under models/<name>/, written create-only with storage's primitives):
 - windows.py: which committed feedback a retraining run trained on, each piece exactly once.

@@ -36,7 +36,7 @@ from typing import Any, Callable
 from gpu_jobs.online.forget import PARTY_FIELDS, Party, SegmentRewrite, filter_derived, prompt_keys, rewrite_segment
 
 __all__ = ["FORGET_DIR", "ForgetRequest", "ForgetResult", "Party", "VersionLineage", "WindowLineage", "forget",
-           "forget_requests", "forget_user", "forgotten_users", "lineage"]
+           "forget_requests", "forget_user", "forgotten_users", "lineage", "trained_version"]
 
 FORGET_DIR = "_forget"  # under <root>/feedback/; not a valid model name, so never a model's folder
 _DONE = ".done.json"
@@ -167,6 +167,18 @@ def _by_alias(manifests: list) -> dict[str, Any]:
     return {u: m for m in manifests for u in (m.uri, *m.extra.get("replaces", ()))}
 
 
+def trained_version(done: dict[str, Any]) -> str | None:
+    """The version a finished window's run made: the one it promoted, else -- it passed the gate
+    and was published for a canary (flows.nightly.train_and_gate) -- its run id; None: refused.
+
+    >>> trained_version({"decision": "promote", "promoted_version": None, "run_id": "retrain-a-w2", "canary": "c1"})
+    'retrain-a-w2'
+    """
+    if done.get("promoted_version"):
+        return str(done["promoted_version"])
+    return str(done["run_id"]) if done.get("decision") == "promote" and done.get("run_id") else None
+
+
 def _reached(root: str, model: str, party: Party, manifests: list, storage: Any) -> dict[str, list]:
     """The windows of `model` whose segments hold the party's rows, and the versions they promoted."""
     from storage.layout import ModelLayout
@@ -177,7 +189,7 @@ def _reached(root: str, model: str, party: Party, manifests: list, storage: Any)
     theirs = {m.uri for m in manifests if any(party.matches(r) for r in _rows(m, storage))}
     by_alias = _by_alias(manifests)
     seqs = [w.seq for w in windows if any(by_alias.get(u) is not None and by_alias[u].uri in theirs for u in w.uris)]
-    versions = sorted({str(done[s]["promoted_version"]) for s in seqs if done.get(s, {}).get("promoted_version")})
+    versions = sorted({v for s in seqs if (v := trained_version(done.get(s, {}))) is not None})
     return {"windows": seqs, "versions": versions}
 
 
@@ -305,7 +317,7 @@ def _remove_replaced(manifest, storage: Any) -> None:
 
 # ------------------------------------------------------------------------------------ lineage
 def lineage(root: str, model: str, version: str | None = None, storage: Any = None) -> list[VersionLineage]:
-    """For each version the retrain windows promoted (or `version` only): the windows it was
+    """For each version the retrain windows promoted or published for a canary (or `version` only): the windows it was
     trained on, their segments, feedback rows, distinct voters, and the forgotten parties whose
     rows they trained on (as each forget request recorded them). Oldest version first."""
     from storage.layout import ModelLayout
@@ -318,7 +330,7 @@ def lineage(root: str, model: str, version: str | None = None, storage: Any = No
     by_version: dict[str, list[WindowLineage]] = {}
     for w in windows:
         record = done.get(w.seq, {})
-        promoted = record.get("promoted_version")
+        promoted = trained_version(record)
         if promoted is None or (version is not None and promoted != version):
             continue
         held = {by_alias[u].uri: by_alias[u] for u in w.uris if u in by_alias}  # gone: removed by retention

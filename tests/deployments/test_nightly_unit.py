@@ -160,7 +160,10 @@ def test_markdown_shows_both_scores_and_decision():
 def test_prefect_yaml_deployments():
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deps = {d["name"]: d for d in spec["deployments"]}
-    assert set(deps) == {"manual", "nightly", "gpu", "rollout", "auto", "consume", "on-feedback", "decide"}
+    assert set(deps) == {"manual", "nightly", "gpu", "rollout", "auto", "consume", "on-feedback", "decide", "daily"}
+    assert deps["daily"]["entrypoint"] == "flows/online/retention.py:rl_retention"
+    (daily,) = deps["daily"]["schedules"]
+    assert daily["cron"] == "30 3 * * *" and daily["timezone"] == "{{ $RLMILL_NIGHTLY_TZ }}" and daily["active"]
     assert deps["rollout"]["entrypoint"] == "flows/remote.py:rl_stage" and "schedules" not in deps["rollout"]
     assert deps["manual"]["entrypoint"] == "flows/training.py:rl_training"
     assert deps["gpu"]["entrypoint"] == "flows/remote.py:rl_stage" and "schedules" not in deps["gpu"]

@@ -100,10 +100,19 @@ def serve_with_keys(walk: Walk, step: Step) -> None:
 
 
 def governance(walk: Walk, step: Step) -> None:
-    """`rlmill feedback forget` records the request; `rlmill models lineage` lists what trained what."""
-    out = walk.sh(step.text)
+    """`rlmill feedback forget` deletes the user's rows (none of theirs left in any committed
+    segment); `rlmill models lineage` lists what trained what; `rlmill feedback retain --dry-run`
+    finds nothing 30 days old in a fresh walk."""
+    from gpu_jobs.online.consumer import manifest_rows, segment_manifests
+
+    out = walk.sh(walk.serve_ports(step.text))
     if " forget " in step.text:
-        assert re.search(r"rlmill: 'ann' forgotten \(\S+_forget/\S+\.json\)", out), out
+        user = shlex.split(step.text)[shlex.split(step.text).index("--user") + 1]
+        assert re.search(rf"rlmill: '{user}' forgotten \(\S+_forget/\S+\.json\): [1-9]\d* row\(s\) of arith", out), out
+        rows = [r for m in segment_manifests(str(walk.clone / ".rlmill" / "feedback")) for r in manifest_rows(m)]
+        assert rows and not [r for r in rows if r.get("user") == user], out
+    elif " retain " in step.text:
+        assert "rlmill: retention 30d: would remove 0 hour folder(s) and 0 dead letter(s)" in out, out
     else:
         assert "trained on" in out or "no retrain window promoted" in out, out
 

@@ -27,8 +27,8 @@ from .harness import Chaos, Outcome
 from .serve_runs import stack
 from .serve_stack import START_S, Client, audit_answers
 
-GOOD_KEY = "sk-good-0123456789abcdef0123456789"
-BAD_KEY = "sk-mallory-0123456789abcdef012345"
+GOOD_KEY = "sk-good-Vb7Nq2Xk9Lm4Rt6Yw3Zp8Hc5"  # serve refuses placeholder keys ("0123456789...", auth.weakness)
+BAD_KEY = "sk-mallory-Jf3Gd8Sa1Qw6Ek9Ru4Ty2Io7"
 POISON = [{"foo": "bar"}, {"event": "{not json"}, {"event": json.dumps({"kind": "feedback", "event_id": "x/../.."})},
           {"event": json.dumps({"kind": "answer", "event_id": "evt-1", "created": 1e12})}]
 
@@ -121,6 +121,7 @@ def hostile_traffic(chaos: Chaos, fault: str, window_s: float = 20.0, concurrenc
     keys.parent.mkdir(parents=True, exist_ok=True)
     keys.write_text(f"{GOOD_KEY}: {{principal: app, roles: [query, feedback, metrics]}}\n"
                     f"{BAD_KEY}: {{principal: mallory, roles: [query, feedback]}}\n")
+    keys.chmod(0o600)  # serve refuses a keys file others may read
     with stack(chaos, "hostile-traffic", serve_args=("--api-keys", str(keys)), api_key=GOOD_KEY) as s:
         s.start_consumer()
         client = Client(s.serve.base, concurrency, headers={"Authorization": f"Bearer {GOOD_KEY}"}).start()

@@ -277,15 +277,13 @@ def _arms(models: Any, canary: Any) -> tuple[int, int]:
 
 
 def _expected(answers: list, canary: Any) -> tuple[tuple[int, int], list[str]]:
-    """((baseline, candidate) answers the users rated, by the arm that answered; the users whose
-    answers came from an arm other than the sticky split's -- or from both)."""
-    from gpu_jobs.online.swap import route_key
-
+    """((baseline, candidate) answers the users rated, by the arm that answered; the users with an
+    answer from neither arm). serve runs without keys here, so each request draws its own arm
+    (gpu_jobs/online/canary.py: no voter, nothing to be sticky for) and each answer is one vote."""
     n = [0, 0]
     moved = set()
     for a in answers:
-        arm = canary.candidate if canary.routes_to_candidate(route_key(a.user, None)) else canary.baseline
-        if a.version != arm:
+        if a.version not in (canary.baseline, canary.candidate):
             moved.add(a.user)
         n[a.version == canary.candidate] += 1
     return (n[0], n[1]), sorted(moved)
@@ -320,7 +318,7 @@ def serve_restart_canary(chaos: Chaos, fault: str, requests: int = 24, users: in
     (want_first, _), (want_all, moved) = _expected(first, canary), _expected(answers, canary)
     what = (f"{len(first)} answers, arms counted {counted} (baseline, candidate); serve SIGKILLed, restarted "
             f"({tries} start(s)), /health canary {'unchanged' if h1 == h2 else f'{h1} -> {h2}'}; {len(second)} more: "
-            f"arms {after}, expected {want_all}; {len(moved)} user(s) changed arm; rl-canary: {decided}; "
+            f"arms {after}, expected {want_all}; {len(moved)} user(s) answered by neither arm; rl-canary: {decided}; "
             f"{answered.line()}")
     wrong = abs(counted[0] - want_first[0]) + abs(counted[1] - want_first[1]) + \
         abs(after[0] - want_all[0]) + abs(after[1] - want_all[1])

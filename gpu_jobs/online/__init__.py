@@ -19,6 +19,8 @@ Serving:
   recall.py: an answer the server no longer holds, found where it was logged (the stream, else the
   committed feedback log).
 Feedback:
+- signals.py: what a vote is: the feedback signals (score, thumbs, preference, text), who gave
+  one, and the one number a rating is worth -- read by the API, the gate, the dataset and the canary.
 - events.py: the answer and feedback events, and the quality gate the consumer applies.
 - broker.py: Redis Streams: a response waits (bounded) until its event is XADDed; a slow or down
   broker never blocks answering: events wait in a bounded queue (counted as buffered), what does
@@ -33,7 +35,7 @@ Feedback:
 - simulate.py: simulated users against a running server (`rlmill simulate`).
 Windows and canaries (records under models/<name>/, written create-only with storage's primitives):
 - windows.py: which committed feedback a retraining run trained on, each piece exactly once.
-- canary.py: a candidate's sticky share of live traffic, and the outcome that ended it.
+- canary.py: a candidate's share of live traffic (by voter, a keyed hash), and the outcome that ended it.
 - canary_stats.py: the stated test on the two arms' feedback (Welch, mSPRT).
 
 Importing this package is light: torch and the engines load when a server is built.

@@ -230,8 +230,8 @@ def request_voter(keys: "ApiKeys | None", principal: str | None, user: str | Non
     if len(user) > MAX_USER_CHARS or not user.isprintable():
         from gpu_jobs.online.protocol import ParamError
 
-        raise ParamError("user", f"user {user[:40]!r}: a user this key vouches for (asserts_users) must be printable text of "
-                         f"at most {MAX_USER_CHARS} characters")
+        raise ParamError("user", f"user {user[:40]!r}: a user this key vouches for (asserts_users) must be "
+                                 f"printable text of at most {MAX_USER_CHARS} characters")
     return f"{principal}/{user}"
 
 
@@ -257,7 +257,8 @@ def new_key_line(principal: str, roles: list[str], asserts_users: bool = False) 
     while weakness(key) is not None:  # a random run of 8 is astronomically rare; never hand one out
         key = "sk-" + secrets.token_urlsafe(32)
     extra = ", asserts_users: true" if spec.asserts_users else ""
-    return key, f"sha256:{_digest(key).hex()}: {{principal: {spec.name}, roles: {json.dumps(sorted(spec.roles))}{extra}}}"
+    roles = json.dumps(sorted(spec.roles))
+    return key, f"sha256:{_digest(key).hex()}: {{principal: {spec.name}, roles: {roles}{extra}}}"
 
 
 def main(argv: list[str] | None = None) -> None:

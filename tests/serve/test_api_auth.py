@@ -96,7 +96,8 @@ def test_keys_roles_and_votes(keyed):
     assert 'rlmill_serve_gate_refused_total{status="429"} 1' in metrics
     assert "rlmill_serve_refused_votes_total 1" in metrics
     feedback = [e for e in keyed.publisher.events if e["kind"] == "feedback"]
-    assert [(e["index"], e["principal"], e["voter"]) for e in feedback] == [(0, "alice", "alice"), (1, "alice", "alice")]
+    assert [(e["index"], e["principal"], e["voter"]) for e in feedback] == [(0, "alice", "alice"),
+                                                                          (1, "alice", "alice")]
 
 
 def test_a_frontend_that_vouches_for_its_users_names_the_voters(served):

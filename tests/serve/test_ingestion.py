@@ -278,8 +278,9 @@ def test_fuzz_no_stream_entry_stops_ingestion(broker, entries):
 
 
 def test_repeated_votes_train_once(broker, tmp_path):
-    """Three thumbs-up on one answer by one user weigh as one vote in the training rows; another
-    user's vote still counts."""
+    """Three thumbs-up on one answer by one voter weigh as one vote in the training rows; another
+    voter's vote still counts (voters as a keyed server names them; rows without one, anonymous,
+    count once per answer: signals.one_vote_each)."""
     from gpu_jobs.online.dataset import training_rows
 
     url, r = broker
@@ -287,8 +288,10 @@ def test_repeated_votes_train_once(broker, tmp_path):
     a = _answer(1)
     r.xadd(stream, encode(a))
     for _ in range(3):
-        r.xadd(stream, encode(feedback_event(a["answer_id"], model="arith", version="v1", thumbs="up", user="u1")))
-    r.xadd(stream, encode(feedback_event(a["answer_id"], model="arith", version="v1", thumbs="down", user="u2")))
+        r.xadd(stream, encode(feedback_event(a["answer_id"], model="arith", version="v1", thumbs="up", user="u1",
+                                                 voter="web/u1")))
+    r.xadd(stream, encode(feedback_event(a["answer_id"], model="arith", version="v1", thumbs="down", user="u2",
+                                             voter="web/u2")))
     consume(str(tmp_path), url, stream=stream, group="g")
     [row] = training_rows(str(tmp_path), "arith")
     assert row["extra_info"]["thumbs"] == ["up", "down"] and row["reward"] == 0.5

@@ -34,6 +34,7 @@ import os
 import sys
 
 from flows.cli_data import add_data_parser
+from flows.cli_fork import add_fork_arguments, fork_plan, make_fork
 from flows.cli_help import CONFIG_SHOW_HELP, MAIN_HELP, RUN_HELP, TRAIN_HELP, VERIFY_HELP
 from flows.cli_models import add_models_parser
 from flows.cli_prefect import _start_ephemeral_api
@@ -125,15 +126,16 @@ def _decide_run_id(cfg, config: str | None, overrides: list[str], **how):
     return decide_run_id(cfg, config, overrides, **how)
 
 
-def _announce(cfg, fresh: str | None) -> None:
-    """The run id, first thing, and how to resume the run."""
+def _announce(cfg, fresh: str | None, fork: str | None = None) -> None:
+    """The run id, first thing, how to resume the run, and the run it was forked from."""
+    forked = f", forked from {fork}" if fork else ""
     if fresh:
-        print(f"rlmill: new run {cfg.run_id}; to resume it, run the same command with run_id={cfg.run_id}",
+        print(f"rlmill: new run {cfg.run_id}{forked}; to resume it, run the same command with run_id={cfg.run_id}",
               flush=True)
         return
     from flows.user_errors import run_start_words
 
-    print(f"rlmill: run {cfg.run_id} ({run_start_words(cfg)})", flush=True)
+    print(f"rlmill: run {cfg.run_id} ({run_start_words(cfg)}{forked})", flush=True)
 
 
 def _check_storage(cfg, write: bool = True) -> None:
@@ -153,8 +155,10 @@ def cmd_train(args) -> None:
     cfg = _check_config(args.config, overrides)
     _check_storage(cfg)  # before Prefect, a model or any write; deciding the id reads run.json files
     cfg, fresh = _decide_run_id(cfg, args.config, overrides)
+    fork = fork_plan(cfg, args)  # --from RUN@K: every check of the fork before any write (flows/cli_fork.py)
     _check_startable(cfg)
-    _announce(cfg, fresh)
+    _announce(cfg, fresh, fork and fork.summary())
+    make_fork(fork)  # the child's copy of the checkpoint, then its run.json: the run then resumes from it
     resume = ["rlmill", "train", *(["--config", args.config] if args.config else []),
               *_plain_overrides(args.overrides), f"run_id={cfg.run_id}"]
     # The flow run's parameters name the run as the CLI decided it (the UI shows them).
@@ -245,9 +249,8 @@ def _print_summary(summary: dict, label: str = SUMMARY_LABEL) -> None:
     if before is not None:
         print(f"{'change':<{width}} {100 * (after - before):+6.1f} points")
     print(f"{'iterations':<{width}} {summary['iterations']}")
-    for k, elapsed, acc in summary.get("val_curve", []):
-        if k == 0:
-            continue
+    curve = summary.get("val_curve", [])
+    for k, elapsed, acc in curve[1:] if before is not None else curve:  # its first point is "before" (a fork's: K)
         label = f"  after iteration {k} ({elapsed:.0f} s training)"
         change = "" if before is None else f"  ({100 * (acc - before):+.1f})"
         print(f"{label:<{width}} {100 * acc:6.1f} %{change}")
@@ -344,6 +347,7 @@ def _add_train_parser(sub) -> None:
                            epilog=TRAIN_HELP)
     train.add_argument("--config", default=None, metavar="FILE",
                        help="YAML run config, e.g. examples/grpo_arith.yaml (default: rlmill's defaults)")
+    add_fork_arguments(train)
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="dotted overrides, e.g. rollout.n=8, run_id=ID (resume), root=/tmp/rl")
     train.set_defaults(fn=cmd_train)

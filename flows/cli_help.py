@@ -33,11 +33,16 @@ of an uninterrupted run; the config must be the same (a changed one is refused).
 does not exist yet starts a new run under that name. root= is where runs live (a folder or
 s3://bucket/prefix; the run is <root>/runs/<run_id>; default .rlmill): resume with the same root.
 
+Forking: --from RUN@K starts a new run from run RUN's checkpoint at iteration K (weights,
+optimizer, data position, RNG) that goes on at iteration K+1 with this command's config; its
+run.json records the parent and the changed keys (docs/guide/configs.md, "Fork a run").
+
 examples:
   rlmill train --config examples/grpo_arith.yaml
   rlmill train --config examples/grpo_arith.yaml algorithm.adv_estimator=rloo rollout.n=8
   rlmill train --config examples/grpo_arith.yaml run_id=grpo-arith-20261201-093000
   rlmill train --config examples/grpo_arith.yaml root=/tmp/rl trainer.total_iterations=5
+  rlmill train --config examples/grpo_arith.yaml --from grpo-arith-20261201-093000@10 actor.lr=5e-5
 """
 
 VERIFY_HELP = """\

@@ -164,13 +164,15 @@ SHOWN_MOVES = 5
 class VersionInfo:
     """One committed version: its index's commit time, the run and iteration it was copied from
     (None when not from a run), and the held-out evaluation the nightly flow recorded when it
-    promoted it ({"mean_reward", "exact_match", "n"}; None when it did not)."""
+    promoted it ({"mean_reward", "exact_match", "n"}; None when it did not); `forked_from`: the
+    runs that run was forked from, nearest first, as RUN@K (gpu_jobs.stages.fork.lineage)."""
 
     version: str
     committed_at: str
     run: str | None
     iteration: int | None
     heldout: dict[str, Any] | None
+    forked_from: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,10 +188,12 @@ class Survey:
 def survey(layout) -> Survey:
     """What models/<name>/versions/ holds: committed versions (their index readable and whole)
     and folders that are not (an interrupted copy, a hand-made folder). Costs one listing, one
-    GET per version and one of nightly_state.json."""
+    GET per version, one of nightly_state.json, and one run.json per run a version came from and
+    per run that was forked from."""
     from storage import INDEX_NAME, read_index
     from storage.errors import CorruptShardError, NotCommittedError
     from flows.nightly_state import read_state, state_url
+    from gpu_jobs.stages.fork import lineage
 
     scores = {r.get("promoted_version"): r.get("new") for r in read_state(state_url(layout), layout.storage)["history"]}
     committed, uncommitted = [], {}
@@ -203,7 +207,8 @@ def survey(layout) -> Survey:
             uncommitted[v] = f"its index is damaged ({exc})"
             continue
         m = _FROM_RUN.search(next(iter(index.inputs), ""))
-        committed.append(VersionInfo(v, index.created_at, m and m["run"], m and int(m["k"]), scores.get(v)))
+        parents = tuple(lineage(layout.root_url, m["run"], layout.storage)) if m else ()
+        committed.append(VersionInfo(v, index.created_at, m and m["run"], m and int(m["k"]), scores.get(v), parents))
     return Survey(sorted(committed, key=lambda i: (i.committed_at, i.version)), uncommitted)
 
 
@@ -383,12 +388,13 @@ def _listing(layout, found: Survey, current: str | None, previous: str | None, h
     """The text `rlmill models list` prints (a table; `*` marks CURRENT)."""
     lines = [f"model {layout.name} under {layout.root_url}: {len(found.committed)} committed version(s); "
              f"CURRENT -> {current or '(none)'}; rollback returns to {previous or '(nothing on record)'}"]
-    rows = [("version", "committed (UTC)", "run (iteration)", "held-out reward", "exact match")]
+    rows = [("version", "committed (UTC)", "run (iteration) <- forked from", "held-out reward", "exact match")]
     marks = [" "] + ["*" if v.version == current else " " for v in found.committed]
     for v in found.committed:
         score = v.heldout or {}
         rows.append((v.version, v.committed_at[:19].replace("T", " ") or "?",
-                     f"{v.run} ({v.iteration})" if v.run else "-", _num(score.get("mean_reward")),
+                     f"{v.run} ({v.iteration})" + "".join(f" <- {p}" for p in v.forked_from) if v.run else "-",
+                     _num(score.get("mean_reward")),
                      _num(score.get("exact_match"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += [f"{mark} " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for mark, r in zip(marks, rows)]

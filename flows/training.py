@@ -313,11 +313,11 @@ def _train(cfg: RunConfig, logger) -> dict[str, Any]:
                        cfg.trainer.loggers, frozen_config(cfg))
     try:
         reach("run:setup")
-        acc_before = (float(guard("validation before training", _validation_metrics, calls, 0)["val/acc"])
+        start = run.layout.fork_base()  # 0; a forked run starts at its fork point (gpu_jobs/stages/fork.py)
+        acc_before = (float(guard("validation before training", _validation_metrics, calls, start)["val/acc"])
                       if cfg.trainer.val_before_train else None)  # None: trainer.val_before_train=false
         progress = guard("the progress artifact", Progress, cfg.run_id, total, done)
-        t_train, val_s = time.perf_counter(), 0.0
-        val_curve = [] if acc_before is None else [(0, 0.0, acc_before)]
+        t_train, val_s, val_curve = time.perf_counter(), 0.0, [] if acc_before is None else [(start, 0.0, acc_before)]
         if 0 < done < total and _val_due(cfg, done) and not committed(run.layout.stage(done, "validate"), run.storage):
             guard(f"validation after iteration {done}", _validation_metrics, calls, done)  # stopped before it
         for k in range(done + 1, total + 1):

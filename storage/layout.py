@@ -91,9 +91,24 @@ class RunLayout:
         self.run_id = check_name(run_id, "run id")
         self.storage = storage
         self.root = join(root_url, "runs", self.run_id)
+        self._fork_base: int | None = None  # read from run.json once it exists (it is written once)
 
     def __repr__(self) -> str:
         return f"RunLayout({self.root_url!r}, {self.run_id!r})"
+
+    def fork_base(self) -> int:
+        """The iteration of another run this run was forked at (run.json's `forked_from`, written
+        by gpu_jobs/stages/fork.py): its own iterations start after it, its checkpoint there is a
+        copy of the parent's. 0 for a run that was not forked or has no run.json yet. One read of
+        run.json per layout, once it exists."""
+        if self._fork_base is None:
+            frozen = self.read_run_json()
+            if frozen is None:
+                return 0
+            forked = frozen.get("forked_from") if isinstance(frozen, dict) else None
+            self._fork_base = _check_index(forked.get("iteration", 0) if isinstance(forked, dict) else 0,
+                                           "fork iteration")
+        return self._fork_base
 
     @property
     def run_json(self) -> str:

@@ -351,13 +351,14 @@ def verify(url: str, storage: StorageConfig | None = None, *, name: str = MANIFE
 
 
 def copy_committed(src_url: str, dest_url: str, storage: StorageConfig | None = None, *,
-                   name: str = MANIFEST_NAME) -> str:
+                   name: str = MANIFEST_NAME, extra: Mapping[str, Any] | None = None) -> str:
     """Copy a commit to `dest_url` through the same primitive; returns the new manifest's URI.
 
     The listed files are copied (server-side when both are on one filesystem), the copies are
     verified against the source's listing, then the same listing is committed create-only with the
     source as its input: a damaged source or copy is never published. A destination that already
-    committed is returned as it is, so a retry after a crash is harmless.
+    committed is returned as it is, so a retry after a crash is harmless. `extra`: kind-specific
+    keys that replace the source's in the copy (a forked run's trainer state, gpu_jobs/stages/fork.py).
     """
     if uri := committed(dest_url, storage, name=name):
         return uri
@@ -375,6 +376,7 @@ def copy_committed(src_url: str, dest_url: str, storage: StorageConfig | None = 
     _verify_listed(copy, storage)  # one more read of the copy: the price of never publishing damage
     try:
         return commit(dest_url, src.files, kind=src.kind, schema_version=src.schema_version,
-                      inputs=[src.uri], metrics=src.metrics, extra=src.extra, name=name, storage=storage)
+                      inputs=[src.uri], metrics=src.metrics, extra={**src.extra, **(extra or {})}, name=name,
+                      storage=storage)
     except ManifestExistsError:  # another try committed the same listing meanwhile
         return manifest_uri(dest_url, name)

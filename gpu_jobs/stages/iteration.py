@@ -27,13 +27,16 @@ from gpu_jobs.stages.updates import train_on
 from gpu_jobs.stages.samples import FLOAT_LIST, join_by_uid, response_masks, sample_table
 from gpu_jobs.stages.scoring import evaluate, greedy_evaluate, reward_rows
 from gpu_jobs.stages.shell import STAGES, Output, read, stage
-from storage import committed, exists, join, read_manifest
+from storage import INDEX_NAME, committed, exists, join, read_manifest
 
 
 def _policy_ref(run: Run, version: int) -> str:
     """The committed thing the weights after update `version` came from: that update's manifest,
-    or the start model."""
-    return (committed(run.layout.stage(version, "update"), run.storage) if version > 0 else None) or run.model_path
+    a forked run's copy of its parent's checkpoint (gpu_jobs/stages/fork.py), or the start model."""
+    if version == 0:
+        return run.model_path
+    return (committed(run.layout.stage(version, "update"), run.storage)
+            or committed(run.layout.policy(version), run.storage, name=INDEX_NAME) or run.model_path)
 
 
 # -------------------------------------------------------------------------------- rollout

@@ -4,8 +4,9 @@
 
 `restore` loads the newest intact checkpoint (weights, optimizer, RNG, data cursor) and replays
 the committed updates after it from their committed batches: updates are deterministic given
-that state, so the weights equal those of a run that never stopped. Then the rollout engine
-gets those weights and the trainer/rollout agreement is checked once.
+that state, so the weights equal those of a run that never stopped. A forked run
+(gpu_jobs/stages/fork.py) starts the same way, from its copy of the parent's checkpoint. Then the
+rollout engine gets those weights and the trainer/rollout agreement is checked once.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def restore(run: Run, roles: Roles) -> int:
     ckpt = run.layout.latest_checkpoint()
     if ckpt is not None and ckpt > roles.version:
         _load_checkpoint(run, roles, ckpt)
+    if roles.version < (base := run.layout.fork_base()):  # a fork has no updates before its fork point to replay
+        raise RuntimeError(f"run {run.cfg.run_id} was forked at iteration {base}, but its checkpoint {base} (the copy "
+                           f"of the parent's) is damaged or gone: `rlmill verify` names it; fork the parent again")
     for k in range(roles.version + 1, last + 1):
         log.info("replaying committed update of iteration %d", k)
         replay_update(run, roles, k)

@@ -152,10 +152,12 @@ def sampling_seed(seed: int, k: int) -> int:
 
 
 def last_committed(layout: RunLayout, stage: str, limit: int = 1_000_000) -> int:
-    """Highest k >= 1 whose `stage` committed, scanning up from 1 (0 when none)."""
+    """Highest k whose `stage` committed, scanning up from the run's first iteration: 1, or for a
+    forked run the one after its fork point (layout.fork_base(), gpu_jobs/stages/fork.py), which
+    is returned when none has (0 for a run not forked)."""
     from storage import committed
 
-    k = 0
+    k = layout.fork_base()
     while k < limit and committed(layout.stage(k + 1, stage), layout.storage):
         k += 1
     return k

@@ -20,7 +20,8 @@ import datetime as dt
 from dataclasses import dataclass
 
 from gpu_jobs.stages.run import last_committed
-from storage import MANIFEST_NAME, CorruptShardError, RunLayout, committed, join, url_to_fs, verify
+from storage import (INDEX_NAME, MANIFEST_NAME, CorruptShardError, NotCommittedError, RunLayout, committed, join,
+                     url_to_fs, verify)
 from storage.layout import DAMAGED_MARK
 
 
@@ -52,14 +53,22 @@ def verify_run(layout: RunLayout) -> list[Damage]:
                                 "set aside; the next run recomputes it" if ok else
                                 "consumed by a committed update: kept as is; resume from a checkpoint after it",
                                 repairable=ok))
+    base = layout.fork_base()  # a forked run's checkpoint there is all it has before its own iterations
     for k in range(1, (layout.latest_checkpoint() or 0) + 1):
-        for name, url in _checkpoint_states(layout, k):
+        for name, url in _checkpoint_states(layout, k) + ([("policy", layout.policy(k))] if k == base else []):
             try:
-                verify(url, layout.storage)
-            except CorruptShardError as e:
+                verify(url, layout.storage, name=INDEX_NAME if name == "policy" else MANIFEST_NAME)
+            except (CorruptShardError, NotCommittedError) as e:  # not committed: only a fork point's policy
                 found.append(Damage(f"checkpoint {k} {name}", url, str(e),
-                                    "none needed: restore falls back to an older checkpoint and replays updates"))
+                                    "none needed: restore falls back to an older checkpoint and replays updates")
+                             if k != base else Damage(f"fork point: checkpoint {k} {name}", url, str(e), _REFORK))
+    if base and not committed(layout.trainer(base), layout.storage):
+        found.append(Damage(f"fork point: checkpoint {base} trainer", layout.trainer(base), "not committed", _REFORK))
     return found
+
+
+# A forked run restores from its fork point's checkpoint or not at all (gpu_jobs/stages/fork.py).
+_REFORK = "the run cannot resume without it: fork the parent again (rlmill train --from RUN@K)"
 
 
 def set_aside(layout: RunLayout, damage: Damage) -> str:

@@ -211,7 +211,7 @@ def test_a_window_carries_only_its_own_ratings(tmp_path):
     first = window_rows(root, "arith", Window(1, "retrain-arith-w1", (pieces[0],)))
     assert sorted(r["extra_info"]["thumbs"] == ["up"] for r in first) == [True, True]
     both = {r["extra_info"]["answer_id"]: r["extra_info"]["thumbs"] for r in training_rows(root, "arith")}
-    assert both[ids[0]] == ["up", "down"]
+    assert both[ids[0]] == ["down"]  # anonymous rows count once per answer: the latest (signals.one_vote_each)
 
 
 def test_rl_retrain_trains_the_pending_window_once(tiny, example_path, tmp_path):

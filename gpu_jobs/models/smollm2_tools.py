@@ -57,7 +57,8 @@ from gpu_jobs.chat.hermes import Call, call_text
 from gpu_jobs.chat.tools import ToolSet
 from gpu_jobs.chat.turn_formats import TURN_FORMATS
 
-__all__ = ["SmolToolsRecipe", "ToolWarmupNotReachedError", "demo_problems", "demonstration", "ensure_smollm2_tools",
+__all__ = ["SmolToolsRecipe", "ToolWarmupNotReachedError", "demo_problems", "demonstration", "demonstration_messages",
+           "ensure_smollm2_tools",
            "hermes_turns", "probe_problems", "probe_rates", "warmup_smollm2_tools"]
 
 log = logging.getLogger("rlmill")
@@ -135,6 +136,20 @@ def demonstration(tok, turns, question: str, expr: str, answer: str) -> tuple[li
     ids = [t for part, _ in parts for t in part]
     mask = [m for part, m in parts for _ in part]
     return ids, mask
+
+
+def demonstration_messages(question: str, expr: str, answer: str) -> list[dict]:
+    """One solved conversation as OpenAI chat messages, a row of a multi-turn SFT file (verl's
+    `messages`; gpu_jobs/stages/sft_data.py): an SFT run with sft.multiturn.enable and
+    rollout.multi_turn.format=hermes, tools [calculator] lays it out token for token as
+    `demonstration` does (tests/flows/test_sft_run.py checks it)."""
+    call = {"expression": expr}
+    result = ToolSet(["calculator"]).run([("calculator", call)])[0]
+    return [{"role": "user", "content": question},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": json.dumps(call)}}]},
+            {"role": "tool", "content": result, "tool_call_id": "call_0"},
+            {"role": "assistant", "content": answer}]
 
 
 def _common_prefix(seqs: list[list[int]]) -> int:

@@ -153,6 +153,36 @@ def test_a_conversation_trains_on_each_assistant_turn_and_not_on_the_turns_betwe
     assert laid["response_mask"] == [1] * len(call) + [0] * len(result) + [1] * len(answer)
 
 
+@pytest.mark.parametrize("which", ["builtin", "smollm2"])
+def test_the_smollm2_tool_demonstrations_as_sft_rows_are_the_warm_ups_tokens(which, tmp_path):
+    """The SmolLM2 tool warm-up's conversations (gpu_jobs/models/smollm2_tools.py), written as
+    multi-turn SFT rows, lay out token for token as its own `demonstration` (its mask included),
+    under the rollout's hermes format with the calculator: an SFT run trains on the same tokens."""
+    from transformers import AutoTokenizer
+
+    from gpu_jobs.models import ensure_builtin_model
+    from gpu_jobs.models import smollm2_tools as st
+    from gpu_jobs.stages.sft_data import sft_table
+
+    if which == "smollm2":
+        from gpu_jobs.models.loading import ensure_smollm2, smollm2_available
+
+        if not smollm2_available():
+            pytest.skip("SmolLM2 is not installed (make smollm2)")
+        tok = AutoTokenizer.from_pretrained(ensure_smollm2())
+    else:
+        tok = AutoTokenizer.from_pretrained(ensure_builtin_model())
+    cfg = _config(tmp_path, "sft.multiturn.enable=true", "rollout.multi_turn.format=hermes",
+                  "rollout.multi_turn.tools=[calculator]")
+    problems = st.demo_problems(3, seed=7)
+    laid = sft_table([{"messages": st.demonstration_messages(*p)} for p in problems], tok, cfg).to_pylist()
+    turns = st.hermes_turns(tok)
+    for p, row in zip(problems, laid):
+        ids, mask = st.demonstration(tok, turns, *p)
+        assert row["prompt_ids"] + row["response_ids"] == ids
+        assert [0] * len(row["prompt_ids"]) + row["response_mask"] == mask
+
+
 # ------------------------------------------------------------------------------ runs
 def _history(run, roles, cfg, upto: int) -> list[dict]:
     from gpu_jobs.stages import DirectCalls, run_iteration, validate

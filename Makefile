@@ -6,7 +6,7 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle gpu-lock bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-scale bench-async bench-canary chaos cluster cluster-down bench-cluster docker-pool docker-worker docker-pool-down server worker deploy docs docs-serve clean
+.PHONY: venv help run run-smollm2 serve online-demo image test e2e test-fast smollm2 gpu-check gpu-bundle gpu-lock bench-storage bench-rollout bench-update bench-memory bench-serve bench-overhead bench-e2e bench-suite bench-scale bench-async bench-canary chaos cluster cluster-down bench-cluster docker-pool docker-worker docker-pool-down server worker deploy docs docs-serve clean
 
 venv:
 	@bash scripts/ensure_venv.sh
@@ -146,6 +146,11 @@ bench-serve: venv
 bench-e2e: venv
 	@bash scripts/ensure_venv.sh bench
 	$(PY) -m benchmarks.bench_e2e $(ARGS)
+
+# The reasoning-gym suite (issue 64): each task of benchmarks/bench_suite.py SUITE trained for a wall-time
+# budget, the table of docs/guide/tasks-you-know.md (ARGS="--minutes 15 --tasks a,b"; --start: starts only).
+bench-suite: venv
+	$(PY) -m benchmarks.bench_suite $(ARGS)
 
 bench-scale: venv
 	$(PY) -m benchmarks.bench_scale

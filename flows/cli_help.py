@@ -10,12 +10,14 @@ examples:
   rlmill run                                                  # GRPO on the built-in task: accuracy before/after
   rlmill train --config examples/grpo_arith.yaml              # a new run; its id is printed first
   rlmill train --config examples/grpo_arith.yaml run_id=ID    # resume run ID where it stopped
+  rlmill train --config examples/sft_arith.yaml               # supervised fine-tuning (an sft: section)
   rlmill config show --config examples/ppo_critic_arith.yaml  # every key of that run, with its value
   rlmill verify --config examples/grpo_arith.yaml run_id=ID   # check run ID's committed data
   rlmill data make gsm_symbolic --out data/gsm                # a verl-format train/test Parquet pair
 
-Configs: examples/ holds one YAML file per algorithm (docs/guide/configs.md,
-lists them); `rlmill config show [--config FILE]` prints every key with its default.
+Configs: examples/ holds one YAML file per algorithm (docs/guide/configs.md lists them; SFT, DPO
+and KTO train on a dataset: sft_arith, dpo_feedback, kto_feedback); `rlmill config show [--config
+FILE]` prints every key with its default.
 More on each command: rlmill <command> --help.
 """
 

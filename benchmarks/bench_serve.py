@@ -4,6 +4,7 @@ serve` process with answer logging on and off, and how long feedback takes to be
     .venv/bin/python -m benchmarks.bench_serve                                  # built-in model, ~2 min
     .venv/bin/python -m benchmarks.bench_serve --model smollm2 --concurrency 1,4 --max-tokens 16
     .venv/bin/python -m benchmarks.bench_serve --seconds 30 --repeats 3 --feedbacks 300      # longer
+    .venv/bin/python -m benchmarks.bench_serve --hostile     # /health and good clients under attack (issue 61)
 
 Two `python -m flows.cli serve` processes on the same model: one logging (--redis to a
 redis-server started here, with a `feedback consume --follow` process committing the stream to a
@@ -215,6 +216,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--feedbacks", type=int, default=100, help="feedbacks posted for the commit latency")
     p.add_argument("--feedback-rate", type=float, default=10.0, help="feedbacks posted per second")
     p.add_argument("--feedback-load", type=int, default=4, help="concurrent completions meanwhile (0: idle)")
+    p.add_argument("--hostile", action="store_true",
+                   help="instead: /health and 4 good clients, clean and while one principal sends the bounded-work "
+                        "attacks (benchmarks/bench_serve_hostile.py); --seconds and --warmup per phase")
     args = p.parse_args(argv)
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
@@ -234,7 +238,12 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rlmill-bench-serve-") as tmp:
-        print(run(args, Path(tmp)))
+        if args.hostile:
+            from benchmarks.bench_serve_hostile import run_hostile
+
+            print(run_hostile(args, Path(tmp)))
+        else:
+            print(run(args, Path(tmp)))
 
 
 if __name__ == "__main__":

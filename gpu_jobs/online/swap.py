@@ -85,7 +85,8 @@ class HotSwap:
         self._watch_failing = False
         self._retiring: list[Generation] = []
         self._closers: list[threading.Thread] = []
-        self._retired_batches = {"requests": 0, "batches": 0, "sequences": 0}
+        self._retired_batches = {"requests": 0, "batches": 0, "sequences": 0, "dropped_running": 0,
+                                 "stopped_calls": 0}
         self._counts = {"swaps": 0, "swap_failures": 0, "watch_polls": 0, "watch_errors": 0}
         self._canary: Generation | None = None  # the candidate's generation while a canary routes to it
         self._canary_record: Any = None  # its gpu_jobs.online.canary.Canary

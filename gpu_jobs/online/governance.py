@@ -225,9 +225,11 @@ def forget(root: str, party: Party, *, requested_by: str | None = None, reason: 
     stream and dead letters (the steps of the module docstring); `between(step)` runs after each
     step (a test fails there). Running it again after a crash finishes the same request."""
     from storage import write_once
+    from storage.layout import check_root
 
     from gpu_jobs.online.broker import STREAM
 
+    check_root(root)
     request = _record(root, party, requested_by, reason, storage)
     result = ForgetResult(request)
     if redis_url is not None:

@@ -9,15 +9,17 @@ flows/cli_serve.py and flows/cli_simulate.py.
 Serving:
 - app.py: the OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions,
   /v1/models, /v1/feedback, /health, /metrics; protocol.py its request and response shapes,
-  streaming.py its server-sent events, auth.py and limits.py its keys, roles and limits.
+  streaming.py its server-sent events (detok.py: incremental detokenisation), auth.py and limits.py
+  its keys, roles, limits and in-flight caps, http_guard.py the docs pages, Host names and proxies.
 - model.py: which model and version to serve (models/<name>/CURRENT, or the built-in model), loaded.
 - swap.py: hot swap: CURRENT watched, a new version loaded beside the old one and switched to; a
   request finishes on the version it started on, which its event names; a running canary's
   candidate served beside it to its share of ids.
-- batching.py: concurrent requests -> one `engine.generate` call per batch, in one worker thread.
+- batching.py: concurrent requests -> one `engine.generate` call per batch, in one worker thread;
+  a request nobody waits for is dropped (never batched, or its call stopped).
 - answers.py: ids that carry their time, and the bounded index of recent answers feedback checks;
   recall.py: an answer the server no longer holds, found where it was logged (the stream, else the
-  committed feedback log).
+  committed feedback log), through a bounded id index and negative cache in its own executor.
 Feedback:
 - signals.py: what a vote is: the feedback signals (score, thumbs, preference, text), who gave
   one, and the one number a rating is worth -- read by the API, the gate, the dataset and the canary.

@@ -159,7 +159,7 @@ def with_prompt_template(tokenizer, completion_template: str | None):
     elif not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the model's tokenizer ({type(tokenizer).__name__}) has no chat template (a base "
                          "model): set data.completion_template to a completion-style prompt with one {prompt}, "
-                         "e.g. 'Q: {prompt}\\nA:' (examples/grpo_times25_gemma3.yaml)")
+                         "e.g. 'Q: {prompt}\\nA:' (examples/grpo_times_gemma3.yaml)")
     return tokenizer
 
 

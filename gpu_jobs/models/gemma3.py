@@ -10,9 +10,8 @@ dequantized, the config mapped, the tokenizer rebuilt from the file); what it gi
 on trust: `check_against_gguf` dequantizes every GGUF tensor again with gguf-py and compares it
 with the saved weights, and a greedy continuation must be the expected text. Gemma's RMSNorm
 computes x * (1 + w) and HF stores w; llama.cpp's converter writes 1 + w into the GGUF (its
-norms read x * w), so every `*norm.weight` of the GGUF is the HF weight plus one (measured on this
-file: the GGUF's norm weights average 1.5-10 where HF-layout ones would sit near 0 for the q/k
-norms; the greedy check fails outright with the shift left out). The model is a base model: its
+norms read x * w), so every `*norm.weight` of the GGUF is the HF weight plus one (this file's norm
+weights average 0.6-26, several with a minimum of exactly 0.0: w = -1). The model is a base model: its
 tokenizer has no chat template, so a run prompts it with data.completion_template.
 """
 

@@ -108,7 +108,7 @@ EXAMPLE_SLICE = ["data.train_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch
 
 @pytest.mark.prefect
 def test_the_example_trains_two_tiny_iterations(gemma3, tmp_path):
-    """examples/grpo_times25_gemma3.yaml as written (its completion prompt, 5-token answers, chunk
+    """examples/grpo_times_gemma3.yaml as written (its completion prompt, 5-token answers, chunk
     size) but 2 prompts x 2 samples, through the rl-training flow: the agreement probe passes its
     bound in every update and the checkpoint is a Gemma 3 folder."""
     import torch
@@ -118,7 +118,7 @@ def test_the_example_trains_two_tiny_iterations(gemma3, tmp_path):
     from flows.training import rl_training
     from tests.tiny import REPO
 
-    example = REPO / "examples" / "grpo_times25_gemma3.yaml"
+    example = REPO / "examples" / "grpo_times_gemma3.yaml"
     torch.set_num_threads(2)
     root = tmp_path / "root"
     summary = rl_training(config=str(example), overrides=[f"root={root}", "run_id=gemma", *EXAMPLE_SLICE],

@@ -149,7 +149,7 @@ def _gemma3_fetched(args) -> None:
           flush=True)
     if not args.no_convert:
         print(f"converted once to a plain Hugging Face folder, every tensor checked against the GGUF: "
-              f"{ensure_gemma3()}\ntrain with it: rlmill train --config examples/grpo_times25_gemma3.yaml "
+              f"{ensure_gemma3()}\ntrain with it: rlmill train --config examples/grpo_times_gemma3.yaml "
               "(a base model: data.completion_template sets its prompt)", flush=True)
 
 

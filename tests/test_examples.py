@@ -52,7 +52,7 @@ SKIPPED = {
                                     "test_reward_model_run.py::test_reward_model_and_val_at_n_through_the_prefect_flow",
     "grpo_times_smollm2.yaml": "run as written (2 tiny iterations, the checkpoint reloaded) through the rl-training "
                                "flow by tests/flows/test_real_model.py::test_smollm2_example_trains_two_tiny_iterations",
-    "grpo_times25_gemma3.yaml": "run as written (2 tiny iterations) through the rl-training flow by "
+    "grpo_times_gemma3.yaml": "run as written (2 tiny iterations) through the rl-training flow by "
                                 "tests/models/test_gemma3_real.py::test_the_example_trains_two_tiny_iterations",
 }
 SMOLLM2 = {"grpo_gsm_smollm2.yaml", "grpo_times_smollm2.yaml", "agent_calculator_smollm2.yaml"}

@@ -39,8 +39,10 @@ __all__ = ["Gate", "InFlight", "KEYED_FEEDBACK_RATE_LIMIT", "KEYED_RATE_LIMIT", 
            "client_gone", "client_key", "principal_of"]
 
 PRINCIPAL_KEY = "rlmill.principal"
-KEYED_RATE_LIMIT = 10.0  # query requests/s per principal when keys are set and --rate-limit is not given
-KEYED_FEEDBACK_RATE_LIMIT = 2.0  # feedback posts/s per principal, likewise
+# When keys are set and no rate is given: per principal, and a frontend key is one principal for all
+# its users, so the query rate is a frontend's; feedback, what a canary counts, is the tighter one.
+KEYED_RATE_LIMIT = 50.0  # query requests/s per principal
+KEYED_FEEDBACK_RATE_LIMIT = 10.0  # feedback posts/s per principal
 # The current request's "client disconnected" event (set by the Gate; None outside a request).
 _GONE: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("rlmill_client_gone", default=None)
 
@@ -105,7 +107,7 @@ class ServeLimits:
         KEYED_FEEDBACK_RATE_LIMIT when API keys are set (`keyed`), else 0 (no limit).
 
         >>> ServeLimits().resolved(True).rate_limit, ServeLimits(rate_limit=0).resolved(True).rate_limit
-        (10.0, 0)
+        (50.0, 0)
         """
         return dataclasses.replace(
             self, rate_limit=(KEYED_RATE_LIMIT if keyed else 0.0) if self.rate_limit is None else self.rate_limit,

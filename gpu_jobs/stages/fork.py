@@ -30,9 +30,11 @@ then LATEST, then run.json (create-only) last: a fork stopped before it leaves f
 position), data cursor and RNG are kept.
 
 Refused with one line (ForkError) before anything is written: a malformed RUN@K, no run RUN, a K
-that is not a committed checkpoint (naming those that are), another model (any model.* key), a
-trainer layout the checkpoint cannot be loaded into, nothing left to train, a child run id that
-already exists as something else.
+that is not a committed checkpoint (naming those that are), another model (any model.* key),
+another kind of training (SFT, DPO/KTO, RL), a trainer layout the checkpoint cannot be loaded
+into, nothing left to train, a child run id that already exists as something else. A fork stopped
+before its run.json is finished by the same fork into that run id; a copy already there that
+differs from this fork's is refused.
 """
 
 from __future__ import annotations

@@ -48,14 +48,14 @@ run: venv
 # Redis Streams; a redis-server that asks for a password is started here (daemon, .rlmill/redis.pid)
 # when it does not answer on REDIS_PORT; the password (.rlmill/redis.password) and the event-signing
 # key (.rlmill/event.key) are generated once, 0600 (scripts/serve_redis.sh), and given to serve
-# through RLMILL_REDIS_PASSWORD and RLMILL_EVENT_KEY_FILE. SERVE_PORT=8000 REDIS_PORT=6379;
+# through RLMILL_REDIS_PASSWORD_FILE and RLMILL_EVENT_KEY_FILE. SERVE_PORT=8000 REDIS_PORT=6379;
 # REDIS=none serves without logging; SERVE_ARGS="--model NAME --root ROOT" serves a promoted model.
 SERVE_PORT ?= 8000
 REDIS_PORT ?= 6379
 REDIS ?= redis://127.0.0.1:$(REDIS_PORT)/0
 serve: venv
 	@if [ "$(REDIS)" != none ]; then bash scripts/serve_redis.sh $(REDIS_PORT) .rlmill $(PY); fi
-	RLMILL_REDIS_PASSWORD="$$(cat .rlmill/redis.password 2>/dev/null)" RLMILL_EVENT_KEY_FILE=$(CURDIR)/.rlmill/event.key \
+	RLMILL_REDIS_PASSWORD_FILE=$(CURDIR)/.rlmill/redis.password RLMILL_EVENT_KEY_FILE=$(CURDIR)/.rlmill/event.key \
 	    $(PY) -m flows.cli serve --port $(SERVE_PORT) --redis $(REDIS) $(SERVE_ARGS)
 
 # The online loop with no one at the keyboard (docs/guide/online.md): redis, rlmill serve,

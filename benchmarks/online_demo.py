@@ -201,7 +201,9 @@ class Stack:
 
         from gpu_jobs.online.signing import KEY_FILE_ENV, write_key_file
 
-        # serve signs its events and the in-process consumer checks them: one key, through the environment
+        # serve signs its events and the in-process consumer checks them: one key, through the
+        # environment (given back at exit: a test process goes on with its own)
+        self._key_env = os.environ.get(KEY_FILE_ENV)
         os.environ[KEY_FILE_ENV] = str(write_key_file(self.work / "event.key"))
         try:
             self.redis = RedisServer(self.work).start()
@@ -213,9 +215,17 @@ class Stack:
         return self
 
     def __exit__(self, *exc) -> None:
+        import os
+
         for proc in (self.serve, self.redis):
             if proc is not None:
                 proc.stop()
+        from gpu_jobs.online.signing import KEY_FILE_ENV
+
+        if getattr(self, "_key_env", None) is None:
+            os.environ.pop(KEY_FILE_ENV, None)
+        else:
+            os.environ[KEY_FILE_ENV] = self._key_env
 
     @property
     def url(self) -> str:

@@ -2,7 +2,8 @@
 # `make serve`'s broker and secrets: a redis-server on 127.0.0.1:PORT that asks for a password,
 # and the key serve signs its events with. Generated once, kept across runs, readable by their
 # owner only (0600):
-#   DIR/redis.password   the password (RLMILL_REDIS_PASSWORD for serve and every consumer)
+#   DIR/redis.password   the password (RLMILL_REDIS_PASSWORD_FILE=DIR/redis.password, or its text as
+#                        RLMILL_REDIS_PASSWORD, for serve and every consumer)
 #   DIR/redis.conf       its config: the ACL (default user: that password, keys rlmill:* only, no
 #                        @dangerous commands such as FLUSHALL, CONFIG, DEBUG), bound to 127.0.0.1
 #   DIR/event.key        the event-signing key (RLMILL_EVENT_KEY_FILE; gpu_jobs/online/signing.py)
@@ -18,7 +19,7 @@ umask 077
 "$py" -m gpu_jobs.online.signing new "$dir/event.key" >/dev/null
 pw=$(cat "$dir/redis.password")
 hint() {
-    echo "[rlmill] consumers: export RLMILL_REDIS_PASSWORD=\"\$(cat $dir/redis.password)\" RLMILL_EVENT_KEY_FILE=$dir/event.key"
+    echo "[rlmill] consumers: export RLMILL_REDIS_PASSWORD_FILE=$dir/redis.password RLMILL_EVENT_KEY_FILE=$dir/event.key"
 }
 if REDISCLI_AUTH="$pw" redis-cli -p "$port" ping 2>/dev/null | grep -q PONG; then
     hint  # ours, from an earlier make serve

@@ -414,7 +414,7 @@ STEPS = [
     (r"^make serve '?SERVE_ARGS=--model \S+ --root \.rlmill'?$", _serve_model),
     (r"^make (server|worker|serve)$", _background_make),
     (r"^make deploy$", _make),
-    (r"^export PREFECT_API_URL=", _export),
+    (r"^export (PREFECT_API_URL|RLMILL_\w+_FILE)=", _export),  # RLMILL_*_FILE: make serve's secrets
     (r"^\.venv/bin/prefect deployment run '?(rl-training/manual|rl-nightly/nightly)\b", _deployment_run),
     (r"^\.venv/bin/rlmill train --config examples/\S+\.yaml", _tiny_train),
     (r"^\.venv/bin/rlmill data make \S+ --out s3://my-bucket/", _data_make_s3),

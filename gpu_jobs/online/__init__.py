@@ -23,11 +23,15 @@ Serving:
 Feedback:
 - signals.py: what a vote is: the feedback signals (score, thumbs, preference, text), who gave
   one, and the one number a rating is worth -- read by the API, the gate, the dataset and the canary.
-- events.py: the answer and feedback events, and the quality gate the consumer applies.
+- events.py: the answer and feedback events, and the quality gate the consumer applies; wire.py
+  a stream entry <-> an event, parsed within bounds (size, nesting, every number); signing.py the
+  HMAC serve signs each entry with and the consumer checks.
 - broker.py: Redis Streams: a response waits (bounded) until its event is XADDed; a slow or down
   broker never blocks answering: events wait in a bounded queue (counted as buffered), what does
   not fit is dropped, counted and logged.
 - consumer.py: the stream -> Parquet segments committed through storage's manifest, acked after;
+  ingest.py one batch (gate, dedupe, each feedback's version from its answer, commit); segments.py
+  the segments' layout, manifests and the committed-ids index;
   deliveries.py: the consumer group's bookkeeping (dead letters, a vanished consumer's entries
   taken over, trimming, lag, broker outages).
 - dataset.py: answers joined with their feedback as verl-format training rows.

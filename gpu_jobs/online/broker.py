@@ -47,10 +47,25 @@ log = logging.getLogger("rlmill.serve")
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"  # the broker `rlmill serve` and the consumer use unless told
 STREAM = "rlmill:events"
 PASSWORD_ENV = "RLMILL_REDIS_PASSWORD"
+PASSWORD_FILE_ENV = "RLMILL_REDIS_PASSWORD_FILE"
 GROUP = "rlmill-feedback"
 DROP_LOG_EVERY = 1000
 RETRY_S = 0.5
 BATCH = 256  # events per pipelined XADD round trip at most
+
+
+def env_password() -> str | None:
+    """$RLMILL_REDIS_PASSWORD, else the contents of the file $RLMILL_REDIS_PASSWORD_FILE names
+    (stripped), else None. A file that cannot be read raises BrokerUnreachable naming it."""
+    if os.environ.get(PASSWORD_ENV):
+        return os.environ[PASSWORD_ENV]
+    if not (path := os.environ.get(PASSWORD_FILE_ENV)):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError as exc:
+        raise BrokerUnreachable(f"{PASSWORD_FILE_ENV}={path}: cannot read it ({exc.strerror or exc})") from None
 
 
 class BrokerUnreachable(ConnectionError):
@@ -59,17 +74,18 @@ class BrokerUnreachable(ConnectionError):
 
 def connect(url: str, timeout_s: float = 2.0, check: bool = True):
     """A redis client for `url`; with `check`, PING it first (BrokerUnreachable on failure).
-    A URL without a password takes it from RLMILL_REDIS_PASSWORD (PASSWORD_ENV), so it need not
-    sit in a command line, a deployment's parameters or the Prefect UI; messages show the URL
-    without its password either way."""
+    A URL without a password takes it from RLMILL_REDIS_PASSWORD (PASSWORD_ENV), else from the
+    file RLMILL_REDIS_PASSWORD_FILE names (what `make serve` generates: .rlmill/redis.password),
+    so it need not sit in a command line, a deployment's parameters or the Prefect UI; messages
+    show the URL without its password either way."""
     import redis
     from redis.connection import parse_url
 
     from storage.fs import redact_url
 
     extra = {}
-    if os.environ.get(PASSWORD_ENV) and not parse_url(url).get("password"):
-        extra["password"] = os.environ[PASSWORD_ENV]
+    if not parse_url(url).get("password") and (password := env_password()) is not None:
+        extra["password"] = password
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **extra)
     if check:
         try:
@@ -79,7 +95,7 @@ def connect(url: str, timeout_s: float = 2.0, check: bool = True):
             if isinstance(exc, redis.AuthenticationError) or "auth" in said.lower():
                 raise BrokerUnreachable(
                     f"the event broker at {redact_url(url)} refused this client ({said}): it asks for a password; "
-                    f"set {PASSWORD_ENV} (make serve's is in .rlmill/redis.password)") from None
+                    f"set {PASSWORD_ENV}, or {PASSWORD_FILE_ENV}=.rlmill/redis.password (make serve's)") from None
             raise BrokerUnreachable(
                 f"the event broker at {redact_url(url)} does not answer ({' '.join(str(exc).split())}): start it "
                 "(`redis-server --port 6379`) or pass --redis with the right URL") from None

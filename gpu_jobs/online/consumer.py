@@ -114,23 +114,21 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
     """Read the stream as `consumer` of `group`, commit segments, ack (see the module docstring;
     `on_segment` per committed segment, `after_commit` per batch before its XACK). Without `follow`,
     returns once nothing new waits; past `max_s` or once `stop` is set, reads no new batch.
-    `event_key`: entries must be signed with it (signing.py); FROM_ENV: the environment's key, if
-    any (a key that cannot be used raises signing.SigningKeyError); None: nothing is verified."""
+    `event_key`: entries must be signed with it (signing.py); FROM_ENV: the environment's, if any
+    (an unusable one raises signing.SigningKeyError); None: nothing verified."""
     import redis
 
-    from gpu_jobs.online.signing import event_key as key_from_env
     from storage.fs import redact_url
     from storage.layout import check_root
 
     _check_bounds(max_s, max_deliveries)
-    key = key_from_env() if event_key == FROM_ENV else event_key
+    key = _key(event_key)
     client = connect(redis_url)
     check_root(root)
     _ensure_group(client, stream, group)
     index, result, cursor = CommittedIds(storage), ConsumeResult(), "0"  # own pending entries first
     deadline = None if max_s is None else time.monotonic() + max_s
-    outage = Outage(redact_url(redis_url))
-    ledger = Deliveries(client, stream, group, consumer, max_deliveries)
+    outage, ledger = Outage(redact_url(redis_url)), Deliveries(client, stream, group, consumer, max_deliveries)
     result.claimed += ledger.claim_abandoned(claim_idle_s, batch)
     while True:
         try:
@@ -141,15 +139,13 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
             entries = _read_batch(client, group, consumer, stream, cursor, batch, block_ms if follow else None,
                                   linger_s if follow else 0.0, deadline, key)
             if entries:
-                _handle_batch(entries, cursor, ledger, result, lambda: Round(root, index, result, storage, on_segment),
-                              after_commit)
+                _handle_batch(entries, cursor, ledger, result, lambda: Round(root, index, result, storage,
+                                                                             on_segment), after_commit)
                 if trim:
                     trim_acknowledged(client, stream)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if not follow:
-                raise BrokerUnreachable(f"the event broker at {redact_url(redis_url)} went away mid-drain "
-                                        f"({' '.join(str(exc).split())}): what was committed stays committed; "
-                                        "run the consumer again once the broker is back") from None
+                raise _gone(redact_url(redis_url), exc) from None
             # Following: wait it out. Entries read and not acked are redelivered (pending first)
             # and the committed-ids index skips what a round already committed.
             outage.wait(exc, stop)
@@ -169,6 +165,17 @@ def consume(root: str, redis_url: str, *, stream: str = STREAM, group: str = GRO
         if _ended(deadline, stop):
             result.stopped_early = True
             return result
+
+
+def _key(event_key: bytes | str | None) -> bytes | None:
+    from gpu_jobs.online.signing import event_key as from_env
+
+    return from_env() if event_key == FROM_ENV else event_key
+
+
+def _gone(shown_url: str, exc: Exception) -> BrokerUnreachable:
+    return BrokerUnreachable(f"the event broker at {shown_url} went away mid-drain ({' '.join(str(exc).split())}): "
+                             "what was committed stays committed; run the consumer again once the broker is back")
 
 
 def _check_bounds(max_s: float | None, max_deliveries: int) -> None:

@@ -5,7 +5,7 @@ has acknowledged is trimmed from the stream.
     ledger = Deliveries(client, "rlmill:events", "rlmill-feedback", "consumer-1", max_deliveries=5)
     ledger.claim_abandoned(idle_s=60)          # XAUTOCLAIM: a dead consumer's pending entries are ours
     keep, dead = ledger.screen(entries)        # pending entries delivered too often -> dead letter
-    ledger.forgive(entries)                    # a failure this process caught: not the entries' fault
+    ledger.forgive(entries, counts)            # a broker or storage outage: not the entries' fault
     trim_acknowledged(client, "rlmill:events") # XTRIM MINID: what no group still needs
     group_lag("redis://127.0.0.1:6379/0")      # what waits for the group, read without consuming
 
@@ -13,9 +13,11 @@ Why a count decides: the quality gate and the per-event table check quarantine e
 data is wrong, so an entry that still comes back again and again is one that kills the consumer
 process itself (memory, a bug): Redis counts each delivery (XREADGROUP of pending entries too),
 and past `max_deliveries` the entry goes, whole and with its reason, to `<stream>:dead` (XADD and
-XACK in one MULTI), counted and logged, so the entries after it flow again. A failure the consumer
-catches (storage down) is not the entries' fault: `forgive` gives their count back (XCLAIM
-RETRYCOUNT), so an outage of object storage never dead-letters valid events.
+XACK in one MULTI), counted and logged, so the entries after it flow again. A broker or storage
+failure (consumer.outage: storage down, Redis gone) is not the entries' fault: `forgive` gives
+their count back (XCLAIM RETRYCOUNT), so an outage never dead-letters valid events. Any other
+failure is some entry's: the consumer commits the batch one entry at a time and quarantines the
+one that fails; only a failure of that, too, is left to count toward the dead letter.
 """
 
 from __future__ import annotations

@@ -55,3 +55,60 @@ def test_the_password_is_redacted_and_can_come_from_the_environment(locked_redis
     assert connect(f"redis://127.0.0.1:{port}/0").ping()  # the URL holds no password
     result = consume(str(tmp_path), f"redis://127.0.0.1:{port}/0")
     assert result.read == 0
+
+
+@pytest.mark.parametrize("url", [f"redis://:{SECRET}@127.0.0.1:6379/0", f"redis://rlmill:{SECRET}@127.0.0.1:6379/0",
+                                 f"redis://127.0.0.1:6379/0?password={SECRET}"])
+def test_a_password_inside_a_given_url_is_refused_with_the_pointer(url, monkeypatch, tmp_path):
+    """A URL given as a flag or a flow parameter shows in process listings and the Prefect UI:
+    one line pointing at RLMILL_REDIS_PASSWORD, the password not in it, nothing started."""
+    from flows.cli import main
+    from flows.online.feedback import check_inputs
+
+    line = check_inputs(".rlmill", url, 1.0, "c")
+    assert "RLMILL_REDIS_PASSWORD" in line and SECRET not in line and line.startswith("redis_url 'redis://127.0.0.1")
+    for argv in (["feedback", "consume", "--root", str(tmp_path), "--redis", url],
+                 ["serve", "--port", str(free_port()), "--redis", url]):
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        said = str(refused.value.code)
+        assert said.startswith("rlmill: --redis 'redis://127.0.0.1:6379/0' holds a password") and SECRET not in said
+        assert "RLMILL_REDIS_PASSWORD" in said and "\n" not in said
+    assert check_inputs(".rlmill", "redis://rlmill@127.0.0.1:6379/0", 1.0, "c") is None  # a user name is fine
+
+
+def test_make_serves_redis_asks_for_its_password(tmp_path):
+    """scripts/serve_redis.sh (what `make serve` runs): a redis-server that refuses a client
+    without the generated password, whose ACL reaches only rlmill:* keys and no FLUSHALL; the
+    password and the event key 0600; started once (a second call finds it), stopped by its PID."""
+    import os
+    import stat
+
+    import redis
+
+    from gpu_jobs.online.broker import BrokerUnreachable, connect
+
+    repo = __import__("pathlib").Path(__file__).resolve().parents[2]
+    port, state = free_port(), tmp_path / "state"
+    script = ["bash", str(repo / "scripts" / "serve_redis.sh"), str(port), str(state), str(repo / ".venv/bin/python")]
+    first = subprocess.run(script, capture_output=True, text=True, timeout=60, cwd=repo)
+    try:
+        assert first.returncode == 0 and "started redis-server" in first.stdout, first.stdout + first.stderr
+        password = (state / "redis.password").read_text()
+        for name in ("redis.password", "event.key", "redis.conf"):
+            assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
+        again = subprocess.run(script, capture_output=True, text=True, timeout=60, cwd=repo)
+        assert again.returncode == 0 and "started" not in again.stdout and "RLMILL_REDIS_PASSWORD_FILE" in again.stdout
+        assert password not in first.stdout + again.stdout + " ".join(script)
+        url = f"redis://127.0.0.1:{port}/0"
+        with pytest.raises(BrokerUnreachable, match="asks for a password; set RLMILL_REDIS_PASSWORD"):
+            connect(url)
+        client = redis.Redis(port=port, password=password)
+        assert client.xadd("rlmill:events", {"event": "{}"}) and client.xlen("rlmill:events") == 1
+        for denied in (lambda: client.flushall(), lambda: client.set("elsewhere", 1)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                denied()
+    finally:
+        pid = state / "redis.pid"
+        if pid.exists():
+            os.kill(int(pid.read_text()), 15)

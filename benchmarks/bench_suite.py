@@ -39,12 +39,29 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "examples" / "grpo_rg_smollm2.yaml"
-# Measured with --start on 2026-12-08 (benchmarks/results/2026-12-08-suite.md): >= 12 tasks from
-# reasoning-gym's families; SUITE keeps those that start between 5 % and 60 %.
+# Measured with --start on 2026-12-08 (benchmarks/results/2026-12-08-suite.md): 14 tasks from 7 of
+# reasoning-gym's families.
 CANDIDATES = ("basic_arithmetic", "chain_sum", "leg_counting", "gcd", "letter_counting", "spell_backward",
               "word_sequence_reversal", "number_filtering", "syllogism", "aiw", "family_relationships",
               "simple_equations", "coin_flip", "rectangle_count")
-SUITE = CANDIDATES
+# reasoning-gym's "direct" system prompt, one worked exchange ("What is 12 + 30?" ->
+# <answer>42</answer>) and the config's instruction after each question: the model then writes the
+# tag (88 % on letter_counting, 40 problems) and letter_counting starts at 22 % instead of 0.6 %;
+# on syllogism it argues instead of answering.
+ONE_SHOT = ("system\nAnswer the question directly. Provide your answer between <answer> and </answer> tags. "
+            "Do not return any preamble, explanation, or reasoning.<|im_end|>\n"
+            "<|im_start|>user\nWhat is 12 + 30? Give only the final answer, between <answer> and </answer> "
+            "tags.<|im_end|>\n"
+            "<|im_start|>assistant\n<answer>42</answer><|im_end|>\n"
+            "<|im_start|>user\n{prompt} Give only the final answer, between <answer> and </answer> tags.<|im_end|>\n"
+            "<|im_start|>assistant\n")
+# The tasks that start between 5 % and 60 % greedy (the results file), each with the overrides it
+# trains with on top of the config: three, from two families (the issue asks for six from four).
+SUITE: dict[str, tuple[str, ...]] = {
+    "syllogism": (),
+    "spell_backward": (),
+    "letter_counting": (f"data.completion_template={json.dumps(ONE_SHOT)}",),
+}
 GAIN = 0.10  # the goal: +10 held-out points
 
 
@@ -72,7 +89,12 @@ def start_scores(tasks, heldout: int, extra=(), samples: int = 1) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="suite-start-") as root:
         for task in tasks:
             cfg = load_run_config(CONFIG, task_overrides(task, root, heldout, [f"run_id=start-{task}", *extra]))
-            run = Run.open(cfg)
+            try:
+                run = Run.open(cfg)
+            except ValueError as exc:  # e.g. OverlongPromptError: the task's prompts do not fit the config
+                out.append({"task": task, "family": family(task), "error": str(exc).splitlines()[0]})
+                print(json.dumps(out[-1]), flush=True)
+                continue
             if engine is None:
                 engine = build_rollout_engine(cfg.rollout.engine, run.model_path, cfg.rollout.engine_options,
                                               storage=cfg.storage)
@@ -95,6 +117,9 @@ def start_lines(rows: list[dict]) -> list[str]:
     lines = ["| task | family | greedy start | with <answer> tags | mean response tokens | one response (truth) |",
              "|---|---|---:|---:|---:|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['task']} | {r['family']} | not measured: {r['error']} | | | |")
+            continue
         ex = r["examples"][0] if r["examples"] else {"response": "", "truth": ""}
         shown = ex["response"].replace("\n", " ").replace("|", "\\|")[:90]
         lines.append(f"| {r['task']} | {r['family']} | {100 * r['start']:.1f} % | {100 * r['tagged']:.0f} % | "
@@ -164,7 +189,7 @@ def train_task(task: str, args) -> dict:
     run_id = f"suite-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides = task_overrides(task, args.root, args.heldout, ["trainer.total_iterations=1000",
                                                                "trainer.checkpoint_every=1000", f"run_id={run_id}",
-                                                               *args.set])
+                                                               *SUITE.get(task, ()), *args.set])
     cmd = [str(Path(sys.executable).parent / "rlmill"), "train", "--config", str(CONFIG), *overrides]
     log = Path(args.root, f"{run_id}.log")
     log.parent.mkdir(parents=True, exist_ok=True)

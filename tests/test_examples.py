@@ -55,7 +55,8 @@ SKIPPED = {
     "grpo_times_gemma3.yaml": "run as written (2 tiny iterations) through the rl-training flow by "
                                 "tests/models/test_gemma3_real.py::test_the_example_trains_two_tiny_iterations",
 }
-SMOLLM2 = {"grpo_gsm_smollm2.yaml", "grpo_times_smollm2.yaml", "agent_calculator_smollm2.yaml"}
+SMOLLM2 = {"grpo_gsm_smollm2.yaml", "grpo_times_smollm2.yaml", "agent_calculator_smollm2.yaml",
+           "grpo_rg_smollm2.yaml"}
 # A 135M model on 2 cores: TINY's 8 x 4 x 24-256 tokens would cost minutes per example.
 SMOLLM2_SHORT = ["data.train_batch_size=2", "rollout.n=2", "rollout.max_response_length=16", "data.val_size=2",
                  "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false"]

@@ -115,6 +115,8 @@ def test_the_consume_command_exits_0_on_poison(broker, tmp_path):
                           "--redis", url], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
     assert "3 events read: 1 answers" in out.stdout, out.stdout
+    warned = [ln for ln in out.stderr.splitlines() if "events are unsigned" in ln]  # no key: said once
+    assert len(warned) == 1 and "RLMILL_EVENT_KEY_FILE" in warned[0], out.stderr
     assert r.xpending(stream, "rlmill-feedback")["pending"] == 0
     r.delete(stream)
 

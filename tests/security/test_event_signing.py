@@ -88,7 +88,8 @@ def test_only_signed_entries_are_stored_and_forgeries_are_counted(broker, tmp_pa
     assert result.reasons == {"unsigned entry": 1, "signature does not match": 3}
     assert [f["event_id"] for f in _feedback_rows(tmp_path / "keyed")] == [fb["event_id"]]
     unchecked = consume(str(tmp_path / "open"), url, stream=stream, group="open", event_key=None)
-    assert (unchecked.answers, unchecked.feedback, unchecked.quarantined) == (1, 5, 0)  # what a keyless consumer lets in
+    # what a consumer without the key lets in: every forgery
+    assert (unchecked.answers, unchecked.feedback, unchecked.quarantined) == (1, 5, 0)
 
 
 def test_feedback_takes_the_version_of_the_answer_it_names(broker, tmp_path):

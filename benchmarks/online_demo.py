@@ -103,7 +103,7 @@ class DemoConfig:
     bad_reward: str = ""  # flipped_everywhere | flipped_feedback; "": the first with a canary, else the second
     canary_share: float = 0.5  # share of users on the candidate (0: the held-out gate promotes directly)
     canary_requests: int = 64  # simulated requests per canary round
-    canary_rounds: int = 4  # rounds before an undecided canary is rolled back by the demo
+    canary_rounds: int = 8  # rounds before an undecided canary is rolled back by the demo (max_duration_s)
     min_samples: int = 60  # the canary test's minimum scores per arm
     confidence: float = 0.9
     margin: float = 0.05  # the candidate may be this much worse (mean live reward) and still pass

@@ -24,6 +24,20 @@ PARTY = ["--user", "ann", "--session", "sess-ann", "--principal", "ann-key"]
 DEAD = "rlmill:events:dead"
 
 
+def _cli(*argv: str) -> str:
+    """What `rlmill ARGV` prints. Not capsys: a Prefect flow run later in the process would log to
+    its closed stream (Prefect's console handler keeps the sys.stdout it first saw)."""
+    import contextlib
+    import io
+
+    from flows.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(list(argv))
+    return out.getvalue()
+
+
 def _answer(prompt: str, **who) -> dict:
     return answer_event(new_answer_id("chatcmpl"), endpoint="chat.completions", model="arith", version="v1",
                         created=time.time(), latency_s=0.01, prompt=[{"role": "user", "content": prompt}],
@@ -82,7 +96,7 @@ def _window(root: str, seq_rows: bool = True):
     return log, w
 
 
-def test_forget_deletes_every_byte_of_the_party_and_keeps_everyone_else(tmp_path, capsys):
+def test_forget_deletes_every_byte_of_the_party_and_keeps_everyone_else(tmp_path):
     import redis
 
     from flows.cli import main
@@ -110,10 +124,10 @@ def test_forget_deletes_every_byte_of_the_party_and_keeps_everyone_else(tmp_path
             r.xadd("rlmill:events", encode(a))
         assert SECRET in _everything_under(root) and SECRET in _stream_text(r, DEAD)
         party = Party.of(users=["ann"], sessions=["sess-ann"], principals=["ann-key"])
-        before = [sorted(x["event_id"] for x in rows if not party.matches(x)) for rows in read_segments(str(root), "arith")]
+        before = [sorted(x["event_id"] for x in rows if not party.matches(x))
+                  for rows in read_segments(str(root), "arith")]
 
-        main(["feedback", "forget", "--root", str(root), *PARTY, "--redis", url, "--reason", "asked by email"])
-        out = capsys.readouterr().out
+        out = _cli("feedback", "forget", "--root", str(root), *PARTY, "--redis", url, "--reason", "asked by email")
         assert "'ann', 'session:sess-ann', 'principal:ann-key' forgotten" in out, out
         assert "1 stream entr(ies) and 1 dead letter(s)" in out and "already trained on their rows: v2" in out, out
 
@@ -139,8 +153,7 @@ def test_forget_deletes_every_byte_of_the_party_and_keeps_everyone_else(tmp_path
     assert log.claim(feedback_pieces(str(root), "arith"), lambda seq: f"w{seq}") is not None  # only bob's late row
     assert {r["extra_info"]["answer_id"] for r in window_rows(str(root), "arith", second)} \
         == {a["answer_id"] for a in answers if a["user"] == "dan"}  # window 2 still reads its (rewritten) segments
-    main(["models", "lineage", "arith", "--root", str(root), "--json"])
-    (v2,) = json.loads(capsys.readouterr().out)
+    (v2,) = json.loads(_cli("models", "lineage", "arith", "--root", str(root), "--json"))
     assert v2["version"] == "v2" and v2["forgotten_reached"] == ["ann", "principal:ann-key", "session:sess-ann"]
     assert v2["windows"][0]["users"] == 2  # bob and cat voted in window 1's segments now
 

@@ -17,6 +17,20 @@ from gpu_jobs.online.events import answer_event, encode, feedback_event
 from tests.serve.conftest import redis_server
 
 
+def _cli(*argv: str) -> str:
+    """What `rlmill ARGV` prints. Not capsys: a Prefect flow run later in the process would log to
+    its closed stream (Prefect's console handler keeps the sys.stdout it first saw)."""
+    import contextlib
+    import io
+
+    from flows.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(list(argv))
+    return out.getvalue()
+
+
 def _answer(user: str) -> dict:
     return answer_event(new_answer_id("chatcmpl"), endpoint="chat.completions", model="arith", version="v1",
                         created=time.time(), latency_s=0.01, prompt=[{"role": "user", "content": "1+1="}],
@@ -31,7 +45,7 @@ def _rate(r, user: str) -> None:
                                                   user=user)))
 
 
-def test_forget_and_lineage(tmp_path, capsys):
+def test_forget_and_lineage(tmp_path):
     import redis
 
     from flows.cli import main
@@ -50,8 +64,8 @@ def test_forget_and_lineage(tmp_path, capsys):
         first = log.claim(feedback_pieces(root, "arith"), run_id_for=lambda seq: f"retrain-arith-w{seq}")
         log.finish(first, {"decision": "promote", "promoted_version": "v2"})
         time.sleep(1.1)  # the forget request comes after window 1 was opened (times have 1 s resolution)
-        main(["feedback", "forget", "--root", root, "--user", "ann", "--reason", "asked by email", "--redis", url])
-        out = capsys.readouterr().out
+        out = _cli("feedback", "forget", "--root", root, "--user", "ann", "--reason", "asked by email",
+                   "--redis", url)
         assert "'ann' forgotten" in out and "2 row(s) of arith when asked; deleted 2 segment row(s)" in out, out
         assert "already trained on their rows: v2" in out, out
         _rate(r, "ann")  # ann again after the request: still not trained
@@ -65,12 +79,11 @@ def test_forget_and_lineage(tmp_path, capsys):
     assert window_users == {"cat"}  # ann's new rows are in the window's segment but train nothing
     log.finish(second, {"decision": "promote", "promoted_version": "v3"})
 
-    main(["models", "lineage", "arith", "--root", root, "--json"])
-    versions = {v["version"]: v for v in json.loads(capsys.readouterr().out)}
+    versions = {v["version"]: v for v in json.loads(_cli("models", "lineage", "arith", "--root", root, "--json"))}
     assert versions["v2"]["forgotten_reached"] == ["ann"] and versions["v3"]["forgotten_reached"] == []
     assert versions["v2"]["windows"][0]["users"] == 1  # bob: ann's rows are gone
     assert versions["v3"]["windows"][0]["users"] == 2  # ann's rows after the request are on file, left out of training
-    main(["models", "lineage", "arith", "v3", "--root", root])
-    assert "arith v3: trained on 1 window(s)\n  window 2 (run retrain-arith-w2, promote)" in capsys.readouterr().out
+    assert "arith v3: trained on 1 window(s)\n  window 2 (run retrain-arith-w2, promote)" in _cli(
+        "models", "lineage", "arith", "v3", "--root", root)
     with pytest.raises(SystemExit, match="rlmill: --user '': give the id the requests carried"):  # one line
         main(["feedback", "forget", "--root", root, "--user", "", "--redis", "none"])

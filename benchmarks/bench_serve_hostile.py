@@ -202,7 +202,7 @@ def hostile_report(args, phases: dict, metrics: dict) -> str:
                      f"{_percentile(g, 0.99) * 1000:.1f} | {p['errors']} |")
     got = phases["hostile"]["attacker"]
     lines.append("attacker's requests: " + "; ".join(f"{k} x{v}" for k, v in sorted(got.items())))
-    stopped = {k: v for k, v in metrics.items() if "dropped_running" in k or "stopped_calls" in k or "client_gone" in k}
+    stopped = {k: v for k, v in metrics.items() if "dropped_running" in k or "stopped_calls" in k or "client_gone" in k or "queue_full" in k}
     if stopped:
         lines.append("server: " + ", ".join(f"{k} {v:g}" for k, v in sorted(stopped.items())))
     clean, hostile = phases["clean"], phases["hostile"]

@@ -192,3 +192,33 @@ def test_an_unfinished_fork_is_finished_by_the_same_fork_and_refused_to_another(
         materialize(plan_fork(cfg, parse_point("parent@2")))
     materialize(plan_fork(cfg, parse_point("parent@2"), fresh_optimizer=True))
     assert RunLayout(parent, "unfinished").read_run_json()["forked_from"]["fresh_optimizer"] is True
+
+
+def test_an_async_fork_copies_the_weights_its_first_rollouts_sample_with(tmp_path):
+    """With async_training.staleness_threshold=1 iteration 3 samples with the weights after update
+    1: the fork of checkpoint 2 holds a copy of them and ends bitwise where the parent ends."""
+    import torch
+
+    from flows.config import load_run_config
+    from gpu_jobs.stages import DirectCalls, open_warm, run_iteration
+    from gpu_jobs.stages.fork import materialize, parse_point, plan_fork
+
+    root = str(tmp_path / "root")
+    config = lambda run_id: load_run_config(EXAMPLE, tiny_overrides(  # noqa: E731
+        root, *PARENT, "async_training.staleness_threshold=1", "actor.recompute_old_logprobs=true",
+        "trainer.val_before_train=false", f"run_id={run_id}"))
+    weights = {}
+    for run_id, ks in (("async-parent", (1, 2, 3)), ("async-fork", (3,))):
+        if run_id == "async-fork":
+            plan = plan_fork(config(run_id), parse_point("async-parent@2"))
+            assert [what for what, *_ in plan.copies] == ["policy", "trainer", "policy 1"]
+            materialize(plan)
+        run, roles = open_warm(config(run_id), probe=False)
+        try:
+            for k in ks:
+                run_iteration(DirectCalls(run, roles), run.cfg, k)
+            weights[run_id] = {n: t.clone() for n, t in roles.trainer.gathered_state_dict().items()}
+        finally:
+            roles.close()
+    a, b = weights["async-parent"], weights["async-fork"]
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

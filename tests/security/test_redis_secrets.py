@@ -62,17 +62,20 @@ def test_the_password_is_redacted_and_can_come_from_the_environment(locked_redis
 def test_a_password_inside_a_given_url_is_refused_with_the_pointer(url, monkeypatch, tmp_path):
     """A URL given as a flag or a flow parameter shows in process listings and the Prefect UI:
     one line pointing at RLMILL_REDIS_PASSWORD, the password not in it, nothing started."""
-    from flows.cli import main
+    import argparse
+
+    from flows.cli_serve import _publisher, cmd_feedback_consume
     from flows.online.feedback import check_inputs
+    from flows.user_errors import UserError
 
     line = check_inputs(".rlmill", url, 1.0, "c")
     assert "RLMILL_REDIS_PASSWORD" in line and SECRET not in line and line.startswith("redis_url 'redis://127.0.0.1")
-    for argv in (["feedback", "consume", "--root", str(tmp_path), "--redis", url],
-                 ["serve", "--port", str(free_port()), "--redis", url]):
-        with pytest.raises(SystemExit) as refused:
-            main(argv)
-        said = str(refused.value.code)
-        assert said.startswith("rlmill: --redis 'redis://127.0.0.1:6379/0' holds a password") and SECRET not in said
+    consume_args = argparse.Namespace(root=str(tmp_path), redis=url, consumer="c", follow=False, linger_ms=0.0)
+    for command in (lambda: cmd_feedback_consume(consume_args), lambda: _publisher(url, 10)):  # consume, serve
+        with pytest.raises(UserError) as refused:
+            command()
+        said = str(refused.value)
+        assert said.startswith("--redis 'redis://127.0.0.1:6379/0' holds a password") and SECRET not in said
         assert "RLMILL_REDIS_PASSWORD" in said and "\n" not in said
     assert check_inputs(".rlmill", "redis://rlmill@127.0.0.1:6379/0", 1.0, "c") is None  # a user name is fine
 

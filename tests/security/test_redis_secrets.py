@@ -9,6 +9,10 @@ import time
 
 import pytest
 
+# Imported here, at collection, not inside a test: Prefect binds its log handlers to the sys.stderr
+# of the moment it is first imported, and a test's capfd stream is closed after that test, which
+# broke every later Prefect test in the same worker ("I/O operation on closed file").
+import flows.online.feedback  # noqa: F401
 from tests.servers import free_port, stop_process
 
 SECRET = "s3cr3t-b41ls-0ut"

@@ -424,7 +424,7 @@ STEPS = [
     (r"^curl -s localhost:8000/v1/chat/completions ", completion),
     (r"^curl -s localhost:8000/v1/feedback ", feedback),
     (r"^\.venv/bin/rlmill feedback (consume|dataset) ", feedback_cli),
-    (r"^\(umask 077; \.venv/bin/python -m gpu_jobs\.online\.auth \S+ .*--key-out \S+\.key >> keys\.yaml\)$", _plain),
+    (r"^\.venv/bin/python -m gpu_jobs\.online\.auth \S+ .*--key-out \S+\.key --keys-file keys\.yaml$", _plain),
     (r"^\.venv/bin/rlmill serve --api-keys keys\.yaml ", serve_with_keys),
     (r"^\.venv/bin/rlmill (feedback forget|feedback retain|models lineage) ", governance),
     (r"^\.venv/bin/rlmill simulate --url http://localhost:8000 ", simulate),

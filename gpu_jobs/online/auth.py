@@ -274,9 +274,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--key-out", required=True, help="where the key goes (a new file, mode 0600)")
     p.add_argument("--asserts-users", action="store_true",
                    help="the key is a frontend that authenticates its own users (each `user` it names is a voter)")
+    p.add_argument("--keys-file", default=None,
+                   help="append the digest line to this keys file (created with mode 0600; an existing one that "
+                        "group or others may read is refused) instead of printing it")
     a = p.parse_args(argv)
     try:
         key, line = new_key_line(a.principal, a.roles, a.asserts_users)
+        if a.keys_file is not None and os.path.exists(a.keys_file) and os.stat(a.keys_file).st_mode & 0o077:
+            raise ApiKeysError(f"{a.keys_file} may be read by group or others: chmod 600 {a.keys_file}")
         fd = os.open(a.key_out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except ApiKeysError as exc:
         raise SystemExit(f"rlmill: {exc}") from None
@@ -284,7 +289,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"rlmill: cannot create {a.key_out} ({exc.strerror}): give a new file") from None
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
-    print(line)
+    if a.keys_file is None:
+        print(line)
+        return
+    with os.fdopen(os.open(a.keys_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as f:
+        f.write(line + "\n")
+    print(f"rlmill: key in {a.key_out}, its digest line appended to {a.keys_file}")
 
 
 if __name__ == "__main__":

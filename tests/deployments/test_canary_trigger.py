@@ -65,12 +65,13 @@ def test_a_committed_segment_starts_the_decision_that_promotes_the_candidate(pre
     models = ModelLayout(str(root), "arith")
     models.promote("v1")
     canary = start_canary(models, "v2", CanaryPolicy(share=0.5, min_samples=10, confidence=0.95, margin=0.05,
-                                                     max_duration_s=3600.0), by="test")
+                                                     max_duration_s=3600.0, method="welch"), by="test")
     d = _decide(api)
     before = frozenset(r.id for r in tools.deployment_runs(api, d.id))
     with redis_server(tmp_path) as url:
         # baseline 10 up / 2 down, candidate 12 up: the 95 % lower bound of the difference is -0.035,
-        # above -0.05 (tests/flows/test_canary_flow.py checks these numbers by hand): promote.
+        # above -0.05 (tests/flows/test_canary_flow.py checks these numbers by hand): promote. The policy
+        # names welch: its numbers are the t-test's (msprt, the default, waits for more voters here).
         n = _plant(url, {"v1": (10, 2), "v2": (12, 0)})
         drain = tools.trigger("rl-feedback/consume", {"root": str(root), "redis_url": url, "window_s": 0,
                                                       "ready_rows": 0})  # 0: no retraining announced

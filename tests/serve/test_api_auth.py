@@ -196,3 +196,15 @@ def test_a_new_key_and_its_digest_line(tmp_path, capsys):
     assert (web.name, sorted(web.roles), web.asserts_users) == ("web", ["feedback", "query"], True)
     with pytest.raises(SystemExit, match="give a new file"):  # never overwrites a key
         new_key(["web", "query", "--key-out", str(tmp_path / "web.key")])
+    # --keys-file: the line appended to a file made 0600 (what the serving guide runs), never to an open one
+    made = tmp_path / "made.yaml"
+    new_key(["web", "query", "--key-out", str(tmp_path / "a.key"), "--keys-file", str(made)])
+    new_key(["graf", "metrics", "--key-out", str(tmp_path / "b.key"), "--keys-file", str(made)])
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o600
+    both = ApiKeys.from_file(str(made))
+    assert both.lookup((tmp_path / "a.key").read_text().strip()).name == "web"
+    assert both.lookup((tmp_path / "b.key").read_text().strip()).name == "graf"
+    os.chmod(made, 0o644)
+    with pytest.raises(SystemExit, match="chmod 600"):
+        new_key(["web", "query", "--key-out", str(tmp_path / "c.key"), "--keys-file", str(made)])
+    assert not (tmp_path / "c.key").exists()

@@ -39,7 +39,9 @@ def test_a_deep_calculator_expression_is_an_error_text():
     tools = ToolSet(["calculator"])
     long_sum, nested = "1+" * 1000 + "1", "(" * 3000 + "1" + ")" * 3000
     answers = tools.run([("calculator", long_sum), ("calculator", {"expression": nested}), ("calculator", "2*3")])
-    assert answers[0] == "error: expression too long or too deeply nested"
+    # Whether 1,000 terms reach Python's recursion limit depends on the process (a library may have
+    # raised the limit): the right sum or the error text, never an exception.
+    assert answers[0] in ("1001", "error: expression too long or too deeply nested"), answers[0]
     assert answers[1].startswith("error:") and answers[2] == "6"
     assert tools.run([("calculator", "1+" * 500 + "1")]) == ["501"]  # long but fine still answers
 

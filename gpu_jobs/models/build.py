@@ -150,3 +150,20 @@ def supervised_steps(model, next_loss: Callable[[], object], *, lr: float, weigh
         if sched is not None:
             sched.step()
         yield step, float(loss.detach())
+
+
+def save_dequantized(model, tok, out) -> None:
+    """Save a model read from a GGUF file (weights dequantized on load) and its tokenizer as a plain
+    HF folder `out`: a leftover quantizer refuses to save, and a leftover quantization_config would
+    make from_pretrained / vLLM look for a GGUF quantizer when reading the plain folder."""
+    from pathlib import Path
+
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    cfg_path = Path(out) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))

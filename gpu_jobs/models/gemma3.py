@@ -113,6 +113,8 @@ def convert_gguf(gguf: str, out: Path, greedy: tuple[str, str] | None = (GREEDY_
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from gpu_jobs.models.build import save_dequantized
+
     folder, name = os.path.split(gguf)
     # The GGUF says add_bos_token; transformers' GGUF tokenizer leaves it out, and Gemma without
     # its <bos> continues text badly, so it is asked for (and saved with the folder).
@@ -123,17 +125,7 @@ def convert_gguf(gguf: str, out: Path, greedy: tuple[str, str] | None = (GREEDY_
     report = check_against_gguf(model.state_dict(), gguf)
     if greedy is not None:
         report["greedy"] = greedy_check(model, tok, *greedy)
-    # The weights are dequantized on load; a leftover quantizer refuses to save, and a leftover
-    # quantization_config would make from_pretrained / vLLM look for a GGUF quantizer.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("quantization_config", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
+    save_dequantized(model, tok, out)
     (out / "conversion_check.json").write_text(json.dumps(report, indent=1))
     return report
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -62,18 +61,9 @@ def _convert_gguf(gguf: str, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from gpu_jobs.models.build import save_dequantized
+
     folder, name = os.path.split(gguf)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # The weights are dequantised on load; a leftover quantizer refuses to save, and a
-    # leftover quantization_config would make from_pretrained / vLLM look for a GGUF
-    # quantiser when reading the plain folder.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("quantization_config", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
+    save_dequantized(model, tok, out)

@@ -11,6 +11,7 @@ import pytest
 
 from storage import ModelLayout
 from gpu_jobs.online.canary import CanaryPolicy, end_canary, read_canary, read_outcome, start_canary
+from tests.cli_output import cli_output as _cli
 
 POLICY = CanaryPolicy(share=0.5, min_samples=10, confidence=0.95, margin=0.05, max_duration_s=3600.0,
                       method="welch")  # the hand-checked numbers below are the t-test's (msprt is the default)
@@ -63,20 +64,6 @@ def _markdown_artifact(state) -> str:
             flow_run_id=F.ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     (md,) = [a.data for a in arts if a.type == "markdown"]
     return md
-
-
-def _cli(*argv: str) -> str:
-    """What `rlmill ARGV` prints. Not capsys: a flow run later in the session would log to its closed
-    stream (Prefect's console handler keeps the sys.stdout it first saw)."""
-    import contextlib
-    import io
-
-    from flows.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        main(list(argv))
-    return out.getvalue()
 
 
 def test_rl_canary_waits_promotes_rolls_back_and_finishes(tmp_path):

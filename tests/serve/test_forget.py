@@ -17,25 +17,12 @@ import pytest
 from gpu_jobs.online.answers import new_answer_id
 from gpu_jobs.online.consumer import consume, segment_manifests
 from gpu_jobs.online.events import answer_event, encode, event_json, feedback_event
+from tests.cli_output import cli_output as _cli
 from tests.serve.conftest import redis_server
 
 SECRET = "ANN-SECRET"  # in every prompt of the forgotten party, and nowhere else
 PARTY = ["--user", "ann", "--session", "sess-ann", "--principal", "ann-key"]
 DEAD = "rlmill:events:dead"
-
-
-def _cli(*argv: str) -> str:
-    """What `rlmill ARGV` prints. Not capsys: a Prefect flow run later in the process would log to
-    its closed stream (Prefect's console handler keeps the sys.stdout it first saw)."""
-    import contextlib
-    import io
-
-    from flows.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        main(list(argv))
-    return out.getvalue()
 
 
 def _answer(prompt: str, **who) -> dict:

@@ -15,6 +15,7 @@ import pytest
 from gpu_jobs.online.answers import new_answer_id
 from gpu_jobs.online.consumer import consume, hour_of
 from gpu_jobs.online.events import answer_event, encode
+from tests.cli_output import cli_output as _cli
 from tests.serve.conftest import redis_server
 
 DEAD = "rlmill:events:dead"
@@ -25,18 +26,6 @@ def _answer(model: str, created: float, user: str) -> dict:
                         created=created, latency_s=0.01, prompt="1+1=", prompt_ids=[5], sampling={}, user=user,
                         choices=[{"index": 0, "text": "2", "token_ids": [7], "logprobs": [-0.5],
                                   "finish_reason": "stop"}])
-
-
-def _cli(*argv: str) -> str:
-    import contextlib
-    import io
-
-    from flows.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        main(list(argv))
-    return out.getvalue()
 
 
 def test_retain_removes_old_hours_keeps_a_held_one_and_trims_dead_letters(tmp_path):
